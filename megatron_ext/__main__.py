@@ -1,0 +1,3 @@
+from megatron_ext.cli import main
+
+raise SystemExit(main())

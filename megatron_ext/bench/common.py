@@ -1,0 +1,121 @@
+"""Measuring helpers shared by the benchmarks: physical limits, memory, a stand-in for compute."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import threading
+import time
+
+import psutil
+import torch
+
+from megatron_ext.engine.files import ChunkFile, supports_o_direct
+
+
+def make_state(total_bytes: int, tensor_bytes: int = 64 << 20, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A model-like state: fp32 and bf16 tensors of ``tensor_bytes`` each, ``total_bytes`` in all."""
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    remaining, i = total_bytes, 0
+    while remaining > 0:
+        n = min(tensor_bytes, remaining)
+        dtype = torch.float32 if i % 2 == 0 else torch.bfloat16
+        numel = max(1, n // torch.tensor([], dtype=dtype).element_size())
+        state[f"layer{i:04d}.weight"] = torch.randn(numel, generator=gen).to(dtype)
+        remaining -= numel * state[f"layer{i:04d}.weight"].element_size()
+        i += 1
+    return state
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def direct_write_gbps(directory: str, nbytes: int, chunk_bytes: int = 16 << 20, repeats: int = 2) -> float:
+    """The physical limit: best of ``repeats`` single-thread O_DIRECT writes of ``nbytes``."""
+    return max(_direct_write_once(directory, nbytes, chunk_bytes) for _ in range(repeats))
+
+
+def _direct_write_once(directory: str, nbytes: int, chunk_bytes: int) -> float:
+    path = os.path.join(directory, "direct-write-probe.bin")
+    buf = mmap.mmap(-1, chunk_bytes)
+    buf.write(os.urandom(1 << 20) * (chunk_bytes >> 20))
+    view = memoryview(buf)
+    start = time.perf_counter()
+    f = ChunkFile(path, supports_o_direct(directory))
+    offset = 0
+    while offset < nbytes:
+        f.write_at(offset, view)
+        offset += chunk_bytes
+    f.close(offset)
+    elapsed = time.perf_counter() - start
+    os.unlink(path)
+    view.release()
+    buf.close()
+    return offset / elapsed / 1e9
+
+
+def memcpy_gbps(nbytes: int = 256 << 20) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src)
+    return 4 * nbytes / (time.perf_counter() - start) / 1e9
+
+
+class PeakRss:
+    """Samples this process's resident memory on a thread; ``peak`` is the highest seen."""
+
+    def __init__(self, interval_s: float = 0.01):
+        self._proc = psutil.Process()
+        self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def busy_compute(seconds: float, size: int = 256) -> int:
+    """Stand-in for forward/backward: matmuls on the calling thread for about ``seconds``.
+
+    Uses one intra-op thread, like a GPU trainer whose CPU work is one thread launching kernels;
+    the other core is left to the checkpoint threads, as the host's spare cores are on a GPU node.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _matmuls(seconds, size)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _matmuls(seconds: float, size: int) -> int:
+    a = torch.randn(size, size)
+    b = torch.randn(size, size)
+    steps = 0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ b)
+        steps += 1
+    return steps
+
+
+def fresh_dir(path: str) -> str:
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    return path

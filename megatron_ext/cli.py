@@ -1,0 +1,55 @@
+"""``megatron-ext`` (also ``python -m megatron_ext``): demo, benchmarks and checkpoint tools."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _bench_engine(sub) -> None:
+    p = sub.add_parser("engine", help="engine vs torch.save, DCP async_save and an O_DIRECT write")
+    p.add_argument("--size-gb", type=float, default=2.0, help="state size in GB (default 2)")
+    p.add_argument("--cache-gb", type=float, default=None, help="host cache in GiB (default: the state size)")
+    p.add_argument("--compute-s", type=float, default=1.0,
+                   help="seconds the caller computes between save and wait_snapshot (default 1)")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    def run(args) -> int:
+        from megatron_ext.bench import engine_bench
+
+        return engine_bench.main(args)
+
+    p.set_defaults(func=run)
+
+
+def _demo(sub) -> None:
+    p = sub.add_parser("demo", help="save every step of a toy training loop, then resume and check it")
+    p.add_argument("--out", default="runs/demo", help="checkpoint directory (default runs/demo)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--host-cache-size", type=float, default=0.25, help="GiB")
+
+    def run(args) -> int:
+        from megatron_ext import demo
+
+        return demo.main(args)
+
+    p.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-ext", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log every checkpoint")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _demo(sub)
+    bench = sub.add_parser("bench", help="benchmarks (figures are ratios against peers measured in the same run)")
+    _bench_engine(bench.add_subparsers(dest="bench", required=True))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    return args.func(args)

@@ -1,0 +1,271 @@
+"""The commit protocol: the one place that decides when a checkpoint exists.
+
+1. Each rank, once every file it saved under a checkpoint is durable on the shared level and the
+   caller asked to commit, writes its *rank report* ``<ckpt>/.reports/rank-RRRRR.<run>.json``
+   atomically (temp file, fsync, rename, directory fsync). With a node-local level, the same report
+   also goes to the local directory, recording that the local copy is complete.
+2. Rank 0 waits for the reports of all ranks of *this run*, merges them, and writes
+   ``<ckpt>/manifest.json`` atomically. The manifest is the commit marker: a directory without
+   one is not a checkpoint and is never loaded. Callbacks (a framework's "latest" tracker) run
+   only after it is durable.
+3. The other ranks learn of the commit by seeing the manifest of their run appear.
+
+A failure on any rank writes ``rank-RRRRR.<run>.error.json``; every waiter polls for those and
+fails with the first one's message instead of waiting out its timeout. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from typing import Callable
+
+from .files import atomic_write_json
+from .jobs import CheckpointError, CheckpointJob, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
+from .telemetry import Telemetry
+
+MANIFEST = "manifest.json"
+REPORTS = ".reports"
+FORMAT_NAME = "megatron_ext.datastates"
+FORMAT_VERSION = 1
+_POLL_S = 0.02
+
+
+def report_name(rank: int, run_id: str, error: bool = False) -> str:
+    return f"rank-{rank:05d}.{run_id}{'.error' if error else ''}.json"
+
+
+def read_manifest(checkpoint_dir: str) -> dict | None:
+    """The manifest of a committed checkpoint, or None if the directory is not committed."""
+    try:
+        with open(os.path.join(checkpoint_dir, MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"unreadable manifest in {checkpoint_dir}: {exc}") from exc
+    if manifest.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{checkpoint_dir}/{MANIFEST} is not a {FORMAT_NAME} manifest")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{checkpoint_dir} was written by a newer format (version {manifest['format_version']})")
+    return manifest
+
+
+def list_committed(root: str) -> list[tuple[str, dict]]:
+    """Committed checkpoints under ``root``, oldest first (by version, then commit time)."""
+    found = []
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        path = os.path.join(root, name)
+        if os.path.isdir(path):
+            manifest = read_manifest(path)
+            if manifest is not None:
+                found.append((name, manifest))
+    found.sort(key=lambda item: (item[1].get("version") is None, item[1].get("version") or 0,
+                                 item[1].get("committed_at", 0)))
+    return found
+
+
+def _error_reports(reports_dir: str, run_id: str) -> list[str]:
+    try:
+        return sorted(n for n in os.listdir(reports_dir) if n.endswith(f".{run_id}.error.json"))
+    except FileNotFoundError:
+        return []
+
+
+def _raise_peer_error(reports_dir: str, run_id: str, checkpoint: str) -> None:
+    errors = _error_reports(reports_dir, run_id)
+    if errors:
+        try:
+            with open(os.path.join(reports_dir, errors[0]), encoding="utf-8") as f:
+                detail = json.load(f)
+        except (OSError, ValueError):
+            detail = {"rank": errors[0], "error": "unreadable error report"}
+        raise CheckpointError(
+            f"checkpoint {checkpoint} failed on rank {detail.get('rank')}: {detail.get('error')}")
+
+
+class Committer:
+    """Background thread: rank reports, and on rank 0 the manifest; in the order checkpoints get ready."""
+
+    def __init__(self, rank: int, world_size: int, run_id: str, local_root: Callable[[CheckpointJob], str | None],
+                 telemetry: Telemetry, timeout_s: float, fail: Callable[[BaseException], None],
+                 check: Callable[[], None]):
+        self.rank = rank
+        self.world_size = world_size
+        self.run_id = run_id
+        self.local_root = local_root
+        self.telemetry = telemetry
+        self.timeout_s = timeout_s
+        self.fail = fail
+        self.check = check
+        self._cond = threading.Condition()
+        self._pending: list[CheckpointJob] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="datastates-committer", daemon=True)
+        self._thread.start()
+
+    def track(self, job: CheckpointJob) -> None:
+        with self._cond:
+            self._pending.append(job)
+
+    def poke(self) -> None:
+        """Something changed (a file became durable, a commit was requested): look again."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def stop(self, timeout: float) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _next_ready(self) -> CheckpointJob | None:
+        with self._cond:
+            while True:
+                for job in self._pending:
+                    if job.commit_requested and job.durable_on(LEVEL_SHARED):
+                        self._pending.remove(job)
+                        return job
+                if self._stopping and not any(j.commit_requested for j in self._pending):
+                    return None
+                self._cond.wait(0.5)
+
+    def _run(self) -> None:
+        while True:
+            job = self._next_ready()
+            if job is None:
+                return
+            try:
+                self._commit(job)
+            except BaseException as exc:
+                self.fail(exc)
+                job.committed.set()  # waiters wake up and see the error
+                return
+
+    def _commit(self, job: CheckpointJob) -> None:
+        ckpt_dir = os.path.join(job.root, job.checkpoint)
+        reports_dir = os.path.join(ckpt_dir, REPORTS)
+        report = {
+            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": self.run_id,
+            "rank": self.rank, "world_size": self.world_size, "checkpoint": job.checkpoint,
+            "version": job.version, "files": [f.report() for f in job.files],
+        }
+        os.makedirs(reports_dir, exist_ok=True)
+        atomic_write_json(os.path.join(reports_dir, report_name(self.rank, self.run_id)), report)
+        local = self.local_root(job)
+        if local is not None:
+            local_reports = os.path.join(local, job.checkpoint, REPORTS)
+            os.makedirs(local_reports, exist_ok=True)
+            atomic_write_json(os.path.join(local_reports, report_name(self.rank, self.run_id)), report)
+        self._emit_levels(job)
+        if self.rank == 0:
+            manifest = self._write_manifest(job, ckpt_dir, reports_dir)
+        else:
+            manifest = self._await_manifest(job, ckpt_dir, reports_dir)
+        job.manifest = manifest
+        job.committed_at = time.monotonic()
+        for callback in job.on_committed:
+            callback(manifest)
+        first = min(f.submitted_at for f in job.files) if job.files else job.committed_at
+        if self.rank == 0:
+            total = sum(f["size"] + f["state_size"] for f in manifest["files"].values())
+            self.telemetry.emit("commit", job.checkpoint, "all", total, job.committed_at - first,
+                                world_size=self.world_size)
+        job.committed.set()
+
+    def _emit_levels(self, job: CheckpointJob) -> None:
+        if not job.files:
+            return
+        first = min(f.submitted_at for f in job.files)
+        snap = max(f.snapshot_at or first for f in job.files)
+        self.telemetry.emit("snapshot", job.checkpoint, LEVEL_HOST, job.nbytes, snap - first,
+                            blocked_s=job.blocked_s)
+        for level in (LEVEL_LOCAL, LEVEL_SHARED):
+            done = [f.durable_at[level] for f in job.files if level in f.durable_at]
+            if len(done) == len(job.files):
+                self.telemetry.emit("flush", job.checkpoint, level, job.nbytes, max(done) - first,
+                                    blocked_s=job.blocked_s)
+
+    def _wait(self, what: str, ready: Callable[[], bool], reports_dir: str, checkpoint: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not ready():
+            _raise_peer_error(reports_dir, self.run_id, checkpoint)
+            self.check()
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"checkpoint {checkpoint}: {what} within {self.timeout_s:.0f}s")
+            time.sleep(_POLL_S)
+
+    def _write_manifest(self, job: CheckpointJob, ckpt_dir: str, reports_dir: str) -> dict:
+        names = [report_name(r, self.run_id) for r in range(self.world_size)]
+        paths = [os.path.join(reports_dir, n) for n in names]
+
+        def all_reported() -> bool:
+            return all(os.path.exists(p) for p in paths)
+
+        def missing() -> str:
+            return ", ".join(str(r) for r, p in enumerate(paths) if not os.path.exists(p))
+
+        try:
+            self._wait("not every rank reported its files durable", all_reported, reports_dir, job.checkpoint)
+        except CheckpointError as exc:
+            if "not every rank" in str(exc):
+                raise CheckpointError(f"{exc} (missing ranks: {missing()})") from None
+            raise
+        files: dict[str, dict] = {}
+        versions = set()
+        for rank, path in enumerate(paths):
+            with open(path, encoding="utf-8") as f:
+                report = json.load(f)
+            versions.add(report.get("version"))
+            for entry in report["files"]:
+                if entry["name"] in files:
+                    raise CheckpointError(
+                        f"checkpoint {job.checkpoint}: file name {entry['name']!r} saved by ranks "
+                        f"{files[entry['name']]['rank']} and {rank}; names must be unique per checkpoint")
+                files[entry["name"]] = dict(entry, rank=rank)
+        if len(versions) != 1:
+            raise CheckpointError(f"checkpoint {job.checkpoint}: ranks disagree on the version {sorted(map(str, versions))}")
+        manifest = {
+            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": self.run_id,
+            "checkpoint": job.checkpoint, "version": job.version, "world_size": self.world_size,
+            "committed_at": time.time(), "files": files,
+        }
+        atomic_write_json(os.path.join(ckpt_dir, MANIFEST), manifest)
+        _remove_other_runs(ckpt_dir, self.run_id, files)
+        return manifest
+
+    def _await_manifest(self, job: CheckpointJob, ckpt_dir: str, reports_dir: str) -> dict:
+        found: dict = {}
+
+        def committed() -> bool:
+            manifest = read_manifest(ckpt_dir)
+            if manifest is not None and manifest.get("run_id") == self.run_id:
+                found["m"] = manifest
+                return True
+            return False
+
+        self._wait("rank 0 did not write the manifest", committed, reports_dir, job.checkpoint)
+        return found["m"]
+
+
+_RUN_FILE = re.compile(r"\.([0-9a-f]{12})\.(safetensors|state\.json)$")
+
+
+def _remove_other_runs(ckpt_dir: str, run_id: str, files: dict) -> None:
+    """Delete data files an earlier, overwritten or crashed attempt at this checkpoint left behind."""
+    keep = {os.path.basename(f[k]) for f in files.values() for k in ("tensor_file", "state_file")}
+    for name in os.listdir(ckpt_dir):
+        m = _RUN_FILE.search(name)
+        if m and m.group(1) != run_id and name not in keep:
+            try:
+                os.unlink(os.path.join(ckpt_dir, name))
+            except OSError:
+                pass

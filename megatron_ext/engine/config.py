@@ -1,0 +1,125 @@
+"""Engine configuration.
+
+A superset of DeepSpeed's ``"datastates_ckpt"`` section: DeepSpeed users pass that dict as is,
+Megatron users get the same keys from command-line flags. Every problem is reported at start-up,
+never in the middle of a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from typing import Any, Mapping
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+# Keys that DeepSpeed's own datastates section may carry; accepted and, where they have no
+# meaning here, ignored.
+_DEEPSPEED_COMPAT_KEYS = {"parser_threads"}
+
+
+class ConfigError(ValueError):
+    """A bad engine configuration, reported before any checkpoint is taken."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What the engine needs to know; see ``docs/ARCHITECTURE.md`` for each knob's effect."""
+
+    #: Size of the one host buffer all snapshots stream through, in GB (GiB), as in DeepSpeed.
+    host_cache_size: float = 1.0
+    #: Unit of copying and writing, in MiB. Shrunk automatically for tiny caches.
+    chunk_size_mb: float = 16.0
+    #: Default root directory of checkpoints (the shared level); callers may pass another per save.
+    save_dir: str | None = None
+    #: Optional node-local directory: ranks flush here first, a background stage copies to the root.
+    local_dir: str | None = None
+    #: "auto" probes each directory, True requires O_DIRECT, False never uses it.
+    o_direct: bool | str = "auto"
+    #: Seconds any single wait may take before it fails with an error instead of hanging.
+    snapshot_timeout_s: float = 600.0
+    persist_timeout_s: float = 1800.0
+    #: JSON-lines telemetry file; None puts it next to the checkpoints (``<root>/telemetry/``).
+    telemetry_path: str | None = None
+    #: Store non-tensor objects the safe encoder does not know with pickle (loaded only on request).
+    pickle_fallback: bool = False
+    #: Ignored, accepted for DeepSpeed compatibility.
+    parser_threads: int | None = None
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return int(self.host_cache_size * GIB)
+
+    @property
+    def chunk_bytes(self) -> int:
+        """Chunk size: a multiple of 4 KiB, and at most a quarter of the cache so copy and flush overlap."""
+        want = int(self.chunk_size_mb * MIB)
+        want = min(want, self.host_cache_bytes // 4)
+        return max(4096, want // 4096 * 4096)
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None, **overrides: Any) -> "EngineConfig":
+        """Build from a ``datastates_ckpt``-style dict; unknown keys are an error naming them."""
+        data = dict(section or {})
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known - _DEEPSPEED_COMPAT_KEYS)
+        if unknown:
+            raise ConfigError(
+                f"unknown datastates_ckpt key(s) {unknown}; known keys: {sorted(known)}"
+            )
+        cfg = cls(**data)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Raise ConfigError for sizes that cannot work and directories that cannot be written."""
+        _number(self.host_cache_size, "host_cache_size")
+        if not (self.host_cache_size > 0):
+            raise ConfigError(f"host_cache_size must be > 0 GB, got {self.host_cache_size}")
+        if self.host_cache_bytes < 4 * 4096:
+            raise ConfigError(f"host_cache_size {self.host_cache_size} GB is below the 16 KiB minimum")
+        ram = _physical_memory_bytes()
+        if ram and self.host_cache_bytes > ram * 0.9:
+            raise ConfigError(
+                f"host_cache_size {self.host_cache_size} GB exceeds 90% of this node's "
+                f"{ram / GIB:.1f} GB of memory"
+            )
+        _number(self.chunk_size_mb, "chunk_size_mb")
+        if not (0 < self.chunk_size_mb <= 4096):
+            raise ConfigError(f"chunk_size_mb must be in (0, 4096], got {self.chunk_size_mb}")
+        if self.o_direct not in (True, False, "auto"):
+            raise ConfigError(f"o_direct must be true, false or \"auto\", got {self.o_direct!r}")
+        for name in ("snapshot_timeout_s", "persist_timeout_s"):
+            value = getattr(self, name)
+            _number(value, name)
+            if not value > 0:
+                raise ConfigError(f"{name} must be > 0 seconds, got {value}")
+        for name in ("save_dir", "local_dir"):
+            path = getattr(self, name)
+            if path is not None:
+                check_writable_dir(path, name)
+
+
+def _number(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+
+
+def _physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_writable_dir(path: str, what: str = "directory") -> None:
+    """Create ``path`` if needed and prove a file can be written there, else ConfigError."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".datastates-probe-"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"{what} {path!r} is not writable: {exc.strerror or exc}") from exc

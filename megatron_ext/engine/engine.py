@@ -1,0 +1,334 @@
+"""``CheckpointEngine``: the public face of the lazy asynchronous multi-level checkpoint engine.
+
+Read top to bottom, a checkpoint goes: ``save`` (bookkeeping only, on the caller's thread) ->
+``SnapshotScheduler`` (copies into the host cache in the background) -> ``RankWriter`` (streams
+each chunk to the first storage level) -> ``LevelStager`` (node-local to shared, if configured)
+-> ``Committer`` (rank reports, manifest = commit marker, callbacks). The training loop calls
+``wait_snapshot`` right before it mutates the saved tensors, and nothing else.
+
+The engine knows nothing of Megatron or DeepSpeed: nested states of tensors in, files out.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+import traceback
+import uuid
+import weakref
+from typing import Any, Callable, Mapping
+
+import torch
+
+from . import codec, layout as file_layout, restore
+from .commit import Committer, list_committed, read_manifest, report_name, REPORTS
+from .config import ConfigError, EngineConfig, check_writable_dir
+from .copier import make_copier
+from .files import atomic_write_json
+from .flush import LevelStager, RankWriter
+from .host_cache import HostCache
+from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_SHARED
+from .snapshot import Chunk, SnapshotScheduler
+from .telemetry import Telemetry
+
+_POLL_S = 0.05
+_live_engines: "weakref.WeakSet[CheckpointEngine]" = weakref.WeakSet()
+
+
+def _default_rank_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _agree_run_id(world_size: int) -> str:
+    """Every rank of a job must tag its files with the same run id: rank 0 picks, all receive."""
+    run_id = uuid.uuid4().hex[:12]
+    if world_size > 1:
+        import torch.distributed as dist
+
+        box = [run_id]
+        dist.broadcast_object_list(box, src=0)
+        run_id = box[0]
+    return run_id
+
+
+class CheckpointEngine:
+    """Lazy snapshots into one host cache, streamed per rank to storage, committed by rank 0.
+
+    Thread safety: the public methods are meant for the one training thread of a rank.
+    """
+
+    def __init__(self, config: EngineConfig | Mapping[str, Any] | None = None, *, rank: int | None = None,
+                 world_size: int | None = None, run_id: str | None = None):
+        self.config = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config)
+        default_rank, default_world = _default_rank_world()
+        self.rank = default_rank if rank is None else rank
+        self.world_size = default_world if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} outside world of size {self.world_size}")
+        self.run_id = run_id or _agree_run_id(self.world_size)
+        self.use_cuda = torch.cuda.is_available()
+        self._error: BaseException | None = None
+        self._error_lock = threading.Lock()
+        self._checkpoints: dict[tuple[str, str], CheckpointJob] = {}
+        self._files: list[FileJob] = []
+        self._closed = False
+        self.last_load_level: str | None = None
+
+        tele_path = self.config.telemetry_path
+        if tele_path is None and self.config.save_dir is not None:
+            tele_path = os.path.join(self.config.save_dir, "datastates_telemetry", "rank-{rank:05d}.jsonl")
+        self.telemetry = Telemetry(tele_path.format(rank=self.rank) if tele_path else None, self.rank)
+
+        self.cache = HostCache(self.config.host_cache_bytes, self.config.chunk_bytes, pin=self.use_cuda)
+        local = self.config.local_dir
+        self.committer = Committer(self.rank, self.world_size, self.run_id,
+                                   (lambda job: local) if local else (lambda job: None),
+                                   self.telemetry, self.config.persist_timeout_s, self._fail, self._raise_if_failed)
+        self.stager = None
+        if local:
+            self.stager = LevelStager(lambda job: local, lambda job: job.checkpoint.root,
+                                      self.cache.chunk_bytes, self.config.o_direct, self._on_durable, self._fail)
+        self.writer = RankWriter(self.cache, LEVEL_LOCAL if local else LEVEL_SHARED,
+                                 (lambda job: local) if local else (lambda job: job.checkpoint.root),
+                                 self.config.o_direct, self._on_durable, self._fail)
+        self.scheduler = SnapshotScheduler(self.cache, make_copier(self.use_cuda), self._emit_chunk, self._fail,
+                                           self._raise_if_failed, self.config.persist_timeout_s)
+        _live_engines.add(self)
+
+    # ------------------------------------------------------------------ saving
+    def save(self, state: Any, checkpoint: str, name: str | None = None, *, root: str | None = None,
+             version: int | None = None) -> FileJob:
+        """Record ``state`` for checkpoint ``checkpoint``; returns at once, copies run in the background.
+
+        The tensors must not be modified until ``wait_snapshot`` returns. Non-tensor values are
+        encoded now, so later changes to them do not reach the checkpoint.
+        """
+        started = time.monotonic()
+        self._raise_if_failed()
+        if self._closed:
+            raise CheckpointError("save() after shutdown()")
+        root = self._root(root)
+        name = f"rank{self.rank:05d}" if name is None else name
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"file name {name!r} must be non-empty, without '/', not starting with '.'")
+        if not checkpoint or checkpoint.startswith(".") or "/" in checkpoint.strip("/"):
+            raise ValueError(f"checkpoint id {checkpoint!r} must be one non-hidden directory name")
+        job = self._checkpoints.get((root, checkpoint))
+        if job is None:
+            job = CheckpointJob(checkpoint=checkpoint, root=root, version=version)
+            self._checkpoints[(root, checkpoint)] = job
+            self.committer.track(job)
+        elif job.commit_requested:
+            raise CheckpointError(f"checkpoint {checkpoint} was already committed by this rank; use a new id")
+        if any(f.name == name for f in job.files):
+            raise CheckpointError(f"checkpoint {checkpoint} already has a file named {name!r}")
+        if job.version != version:
+            raise CheckpointError(f"checkpoint {checkpoint}: version {version} differs from {job.version}")
+
+        encoder = codec.Encoder(pickle_fallback=self.config.pickle_fallback)
+        skeleton = encoder.encode(state)
+        sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton},
+                             separators=(",", ":")).encode("utf-8")
+        plan = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name,
+                                                  "rank": str(self.rank), "run_id": self.run_id})
+        base = f"{checkpoint}/{name}.{self.run_id}"
+        fjob = FileJob(checkpoint=job, name=name, layout=plan, sidecar=sidecar,
+                       cuda_mark=self.scheduler.copier.mark([t for _, t in encoder.tensors]),
+                       tensor_rel=base + ".safetensors", sidecar_rel=base + ".state.json")
+        job.files.append(fjob)
+        self._files.append(fjob)
+        self.scheduler.submit(fjob)
+        job.blocked_s += time.monotonic() - started
+        return fjob
+
+    def commit(self, checkpoint: str, *, root: str | None = None,
+               on_committed: Callable[[dict], None] | None = None) -> CheckpointJob:
+        """Declare this rank's files of ``checkpoint`` complete; the commit then happens in the background.
+
+        ``on_committed(manifest)`` runs on every rank once the manifest is durable (a framework's
+        "latest" tracker belongs there, written by one rank).
+        """
+        self._raise_if_failed()
+        root = self._root(root)
+        job = self._checkpoints.get((root, checkpoint))
+        if job is None:  # a rank with nothing to save still takes part in the commit
+            job = CheckpointJob(checkpoint=checkpoint, root=root, version=None)
+            self._checkpoints[(root, checkpoint)] = job
+            self.committer.track(job)
+        if on_committed is not None:
+            job.on_committed.append(on_committed)
+        job.commit_requested = True
+        self.committer.poke()
+        return job
+
+    def save_and_commit(self, state: Any, checkpoint: str, name: str | None = None, **kwargs: Any) -> CheckpointJob:
+        root = kwargs.pop("root", None)
+        on_committed = kwargs.pop("on_committed", None)
+        self.save(state, checkpoint, name, root=root, **kwargs)
+        return self.commit(checkpoint, root=root, on_committed=on_committed)
+
+    # ------------------------------------------------------------------ waiting
+    def wait_snapshot(self, timeout: float | None = None) -> float:
+        """Block until every pending save is in the host cache; returns the seconds blocked."""
+        started = time.monotonic()
+        timeout = self.config.snapshot_timeout_s if timeout is None else timeout
+        pending = [f for f in self._files if not f.snapshot_done.is_set()]
+        for fjob in pending:
+            self._wait_event(fjob.snapshot_done, started + timeout, f"snapshot of {fjob.checkpoint.checkpoint}")
+        self._raise_if_failed()
+        blocked = time.monotonic() - started
+        for job in {f.checkpoint for f in pending}:
+            job.blocked_s += blocked
+        self._files = [f for f in self._files if not f.snapshot_done.is_set()]
+        return blocked
+
+    def wait_persisted(self, checkpoint: str | None = None, *, root: str | None = None,
+                       timeout: float | None = None) -> None:
+        """Block until saved files are durable on every level and requested commits are done."""
+        deadline = time.monotonic() + (self.config.persist_timeout_s if timeout is None else timeout)
+        if checkpoint is not None:
+            jobs = [self._checkpoints[(self._root(root), checkpoint)]]
+        else:
+            jobs = list(self._checkpoints.values())
+        for job in jobs:
+            if job.commit_requested:
+                self._wait_event(job.committed, deadline, f"commit of {job.checkpoint}")
+            else:
+                while not job.durable_on(LEVEL_SHARED):
+                    self._raise_if_failed()
+                    if time.monotonic() > deadline:
+                        raise CheckpointError(f"flush of {job.checkpoint} did not finish in time")
+                    time.sleep(_POLL_S)
+        self._raise_if_failed()
+        for job in jobs:
+            if job.committed.is_set():
+                self._checkpoints.pop((job.root, job.checkpoint), None)
+
+    def _wait_event(self, event: threading.Event, deadline: float, what: str) -> None:
+        while not event.wait(_POLL_S):
+            self._raise_if_failed()
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"{what} did not finish in time (timeout)")
+        self._raise_if_failed()
+
+    # ------------------------------------------------------------------ loading
+    def latest(self, root: str | None = None) -> str | None:
+        """Id of the newest committed checkpoint under ``root``, or None."""
+        committed = list_committed(self._root(root))
+        return committed[-1][0] if committed else None
+
+    def load(self, checkpoint: str, name: str | None = None, *, root: str | None = None,
+             map_location: Any = None, allow_pickle: bool = False, verify: bool = True,
+             level: str = "auto") -> Any:
+        """Load one saved state of a committed checkpoint, from the node-local level when complete there."""
+        root = self._root(root)
+        manifest = read_manifest(os.path.join(root, checkpoint))
+        if manifest is None:
+            raise CheckpointError(f"{os.path.join(root, checkpoint)} is not a committed checkpoint (no manifest)")
+        name = f"rank{self.rank:05d}" if name is None else name
+        entry = manifest["files"].get(name)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {checkpoint} has no file {name!r}; it has {sorted(manifest['files'])[:8]}")
+        base, self.last_load_level = root, LEVEL_SHARED
+        local = self.config.local_dir
+        if local and level in ("auto", LEVEL_LOCAL) and restore.local_copy_complete(
+                local, checkpoint, manifest, entry["rank"]):
+            base, self.last_load_level = local, LEVEL_LOCAL
+        elif level == LEVEL_LOCAL:
+            raise CheckpointError(f"checkpoint {checkpoint} is not complete on the node-local level")
+        loaded = restore.load_entry(base, entry, map_location=map_location, allow_pickle=allow_pickle, verify=verify)
+        return loaded["state"] if isinstance(loaded, dict) and loaded.get("format") == "megatron_ext.state" else loaded
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Commit whatever was saved, wait until it is durable and committed, stop the threads."""
+        if self._closed:
+            return
+        self._closed = True
+        timeout = self.config.persist_timeout_s if timeout is None else timeout
+        try:
+            if self._error is None:
+                for job in list(self._checkpoints.values()):
+                    if not job.commit_requested:
+                        job.commit_requested = True
+                self.committer.poke()
+                self.wait_persisted(timeout=timeout)
+        finally:
+            self.scheduler.stop(5)
+            self.writer.stop(5)
+            if self.stager is not None:
+                self.stager.stop(5)
+            self.committer.stop(5)
+            self.cache.close()
+            _live_engines.discard(self)
+        self._raise_if_failed()
+
+    def __enter__(self) -> "CheckpointEngine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.shutdown()
+        else:
+            try:
+                self.shutdown()
+            except Exception:  # do not hide the exception that ended the block
+                traceback.print_exc()
+
+    # ------------------------------------------------------------------ internals
+    def _root(self, root: str | None) -> str:
+        root = root or self.config.save_dir
+        if root is None:
+            raise ConfigError("no checkpoint directory: pass root= or set save_dir in the config")
+        return os.path.abspath(root)
+
+    def _emit_chunk(self, chunk: Chunk) -> None:
+        self.writer.submit(chunk)
+
+    def _on_durable(self, fjob: FileJob, level: str) -> None:
+        if level == LEVEL_LOCAL and self.stager is not None:
+            self.stager.submit(fjob)
+        self.committer.poke()
+
+    def _fail(self, exc: BaseException) -> None:
+        """Record the first background failure; every later public call raises it."""
+        with self._error_lock:
+            if self._error is not None:
+                return
+            self._error = exc
+        message = f"{type(exc).__name__}: {exc}"
+        for job in list(self._checkpoints.values()):
+            try:  # tell the other ranks so they fail fast instead of timing out
+                reports = os.path.join(job.root, job.checkpoint, REPORTS)
+                os.makedirs(reports, exist_ok=True)
+                atomic_write_json(os.path.join(reports, report_name(self.rank, self.run_id, error=True)),
+                                  {"rank": self.rank, "run_id": self.run_id, "error": message})
+            except OSError:
+                pass
+        self.committer.poke()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise CheckpointError(f"background checkpointing failed on rank {self.rank}: "
+                                  f"{type(self._error).__name__}: {self._error}") from self._error
+
+
+def _shutdown_live_engines() -> None:
+    """At interpreter exit: the last checkpoint of a run is committed even if nobody waited."""
+    for engine in list(_live_engines):
+        try:
+            engine.shutdown()
+        except Exception:
+            traceback.print_exc()
+
+
+atexit.register(_shutdown_live_engines)
+
+__all__ = ["CheckpointEngine", "CheckpointError", "EngineConfig", "ConfigError", "check_writable_dir"]

@@ -1,0 +1,125 @@
+"""Durable file primitives: O_DIRECT streaming with a clean fallback, fsync, atomic replace.
+
+``O_DIRECT`` bypasses the page cache, which on these machines writes about 4x faster than
+buffered writes followed by fsync. It needs offsets, lengths and memory aligned to the logical
+block size; the engine writes aligned chunks from an aligned buffer, pads the file's last chunk
+and truncates the padding away. File systems that refuse ``O_DIRECT`` (tmpfs, some FUSE mounts)
+are detected once per directory and written with buffered I/O plus fsync instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import threading
+from typing import Any
+
+from .layout import ALIGN
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_probe_lock = threading.Lock()
+_probe_cache: dict[str, bool] = {}
+
+
+def supports_o_direct(directory: str) -> bool:
+    """Whether an aligned O_DIRECT write works in ``directory`` (probed once, then cached)."""
+    if not _O_DIRECT:
+        return False
+    directory = os.path.realpath(directory)
+    with _probe_lock:
+        if directory in _probe_cache:
+            return _probe_cache[directory]
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f".datastates-odirect-probe-{os.getpid()}-{threading.get_ident()}")
+        ok = False
+        buf = mmap.mmap(-1, ALIGN)  # page-aligned anonymous memory
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
+            try:
+                ok = os.pwrite(fd, buf, 0) == ALIGN
+            finally:
+                os.close(fd)
+        except OSError:
+            ok = False
+        finally:
+            buf.close()
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        _probe_cache[directory] = ok
+        return ok
+
+
+class ChunkFile:
+    """A file written by aligned chunks at known offsets, then made durable by ``close``."""
+
+    def __init__(self, path: str, direct: bool):
+        self.path = path
+        self.direct = direct
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0)
+        self.fd = os.open(path, flags, 0o644)
+        self.size = 0
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        """Write all of ``data`` at ``offset`` (with O_DIRECT both must be 4 KiB aligned)."""
+        written = 0
+        while written < len(data):
+            n = os.pwrite(self.fd, data[written:], offset + written)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short write to {self.path}")
+            written += n
+
+    def close(self, size: int) -> None:
+        """Cut O_DIRECT padding, fsync data and size, close, and fsync the directory entry."""
+        try:
+            if os.fstat(self.fd).st_size != size:
+                os.ftruncate(self.fd, size)
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+            self.fd = -1
+        fsync_dir(os.path.dirname(self.path))
+
+    def abort(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def fsync_dir(directory: str) -> None:
+    fd = os.open(directory or ".", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write-to-temp, fsync, rename over ``path``, fsync the directory: all or nothing."""
+    directory = os.path.dirname(path) or "."
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{threading.get_ident()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(directory)
+
+
+def atomic_write_json(path: str, obj: Any) -> None:
+    atomic_write(path, json.dumps(obj, indent=1, sort_keys=True).encode("utf-8"))
+
+
+def write_durable(path: str, data: bytes) -> None:
+    """A small file written buffered and fsynced (its directory is fsynced by the caller)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,197 @@
+"""Flushing: host cache to the first storage level, then (optionally) node-local to shared.
+
+``RankWriter`` is this rank's writer thread. It takes filled chunks in file order, checksums them
+(xxh3-64 per tensor and per file), writes them at their offsets with ``O_DIRECT`` where the
+directory allows it, frees the cache slot, and on a file's last chunk truncates the padding,
+fsyncs the file and its directory and writes the sidecar. The first level is the node-local
+directory when one is configured, else the shared one.
+
+``LevelStager`` then copies each durable node-local file to the shared directory through a small
+bounce buffer, checking the checksum on the way, so a corrupt local copy never reaches the
+shared level unnoticed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+import xxhash
+
+from . import faults
+from .files import ChunkFile, fsync_dir, supports_o_direct, write_durable
+from .host_cache import HostCache
+from .jobs import CheckpointError, FileJob, LEVEL_LOCAL, LEVEL_SHARED
+from .layout import round_up
+from .snapshot import Chunk
+
+
+def _use_direct(setting, directory: str) -> bool:
+    if setting is False:
+        return False
+    ok = supports_o_direct(directory)
+    if setting is True and not ok:
+        raise CheckpointError(f"o_direct=true but {directory!r} does not support O_DIRECT")
+    return ok
+
+
+class RankWriter:
+    def __init__(self, cache: HostCache, level: str, level_root: Callable[[FileJob], str], o_direct,
+                 on_durable: Callable[[FileJob, str], None], fail: Callable[[BaseException], None]):
+        self.cache = cache
+        self.level = level
+        self.level_root = level_root
+        self.o_direct = o_direct
+        self.on_durable = on_durable
+        self.fail = fail
+        self._queue: "queue.Queue[Chunk | None]" = queue.Queue()
+        # Per open file: the file, its running checksum, per-tensor checksums, first unfinished tensor.
+        self._open: dict[int, list] = {}
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name=f"datastates-writer-{level}", daemon=True)
+        self._thread.start()
+
+    def submit(self, chunk: Chunk) -> None:
+        self._queue.put(chunk)
+
+    def stop(self, timeout: float) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            chunk = self._queue.get()
+            if chunk is None:
+                return
+            if self._failed:  # keep freeing slots so nobody waits on a dead writer
+                self.cache.release(chunk.slot)
+                continue
+            try:
+                self._write(chunk)
+            except BaseException as exc:
+                self._failed = True
+                self.cache.release(chunk.slot)
+                for state in self._open.values():
+                    state[0].abort()
+                self._open.clear()
+                self.fail(exc)
+
+    def _write(self, chunk: Chunk) -> None:
+        job = chunk.job
+        key = id(job)
+        if chunk.index == 0:
+            root = self.level_root(job)
+            path = os.path.join(root, job.tensor_rel)
+            directory = os.path.dirname(path)
+            os.makedirs(directory, exist_ok=True)
+            self._open[key] = [ChunkFile(path, _use_direct(self.o_direct, directory)), xxhash.xxh3_64(), {}, 0]
+        state = self._open[key]
+        f, file_hash, tensor_hash = state[:3]
+        chunk.ready()
+        data = self.cache.memory(chunk.slot, round_up(chunk.nbytes) if f.direct else chunk.nbytes)
+        payload = data[:chunk.nbytes]
+        file_hash.update(payload)
+        end = chunk.offset + chunk.nbytes
+        slots = job.layout.slots
+        k = state[3]
+        while k < len(slots) and slots[k].start < end:  # tensors are in file order
+            s = slots[k]
+            lo, hi = max(s.start, chunk.offset), min(s.end, end)
+            if hi > lo:
+                tensor_hash.setdefault(s.name, xxhash.xxh3_64()).update(payload[lo - chunk.offset:hi - chunk.offset])
+            if s.end > end:
+                break
+            k += 1
+        state[3] = k
+        faults.before_write(self.level, f.path, chunk.offset, chunk.nbytes)
+        f.write_at(chunk.offset, data)
+        self.cache.release(chunk.slot)
+        if chunk.last:
+            del self._open[key]
+            f.close(job.layout.size)
+            job.file_xxh3 = file_hash.hexdigest()
+            empty = xxhash.xxh3_64().hexdigest()
+            job.tensor_xxh3 = {s.name: (tensor_hash[s.name].hexdigest() if s.name in tensor_hash else empty)
+                               for s in job.layout.slots}
+            sidecar_path = os.path.join(self.level_root(job), job.sidecar_rel)
+            faults.before_write(self.level, sidecar_path, 0, len(job.sidecar))
+            write_durable(sidecar_path, job.sidecar)
+            fsync_dir(os.path.dirname(sidecar_path))
+            job.sidecar_xxh3 = xxhash.xxh3_64_hexdigest(job.sidecar)
+            job.durable_at[self.level] = time.monotonic()
+            self.on_durable(job, self.level)
+
+
+class LevelStager:
+    """Copies files that are durable on the node-local level to the shared level."""
+
+    def __init__(self, local_root: Callable[[FileJob], str], shared_root: Callable[[FileJob], str],
+                 chunk_bytes: int, o_direct, on_durable: Callable[[FileJob, str], None],
+                 fail: Callable[[BaseException], None]):
+        self.local_root = local_root
+        self.shared_root = shared_root
+        self.o_direct = o_direct
+        self.on_durable = on_durable
+        self.fail = fail
+        self._buffer = mmap.mmap(-1, chunk_bytes)  # page-aligned bounce buffer, allocated once
+        self._queue: "queue.Queue[FileJob | None]" = queue.Queue()
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name="datastates-stager", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: FileJob) -> None:
+        self._queue.put(job)
+
+    def stop(self, timeout: float) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if self._failed:
+                continue
+            try:
+                self._copy(job.tensor_rel, job, job.file_xxh3)
+                self._copy(job.sidecar_rel, job, job.sidecar_xxh3)
+                job.durable_at[LEVEL_SHARED] = time.monotonic()
+                self.on_durable(job, LEVEL_SHARED)
+            except BaseException as exc:
+                self._failed = True
+                self.fail(exc)
+
+    def _copy(self, rel: str, job: FileJob, expected: str | None) -> None:
+        src_path = os.path.join(self.local_root(job), rel)
+        dst_path = os.path.join(self.shared_root(job), rel)
+        directory = os.path.dirname(dst_path)
+        os.makedirs(directory, exist_ok=True)
+        size = os.path.getsize(src_path)
+        out = ChunkFile(dst_path, _use_direct(self.o_direct, directory))
+        digest = xxhash.xxh3_64()
+        view = memoryview(self._buffer)
+        try:
+            with open(src_path, "rb", buffering=0) as src:
+                offset = 0
+                while offset < size:
+                    n = src.readinto(view[:min(len(view), size - offset)])
+                    if not n:
+                        raise CheckpointError(f"{src_path} shrank while being staged")
+                    digest.update(view[:n])
+                    faults.before_write(LEVEL_SHARED, dst_path, offset, n)
+                    out.write_at(offset, view[:round_up(n)] if out.direct else view[:n])
+                    offset += n
+        except BaseException:
+            out.abort()
+            raise
+        out.close(size)
+        if expected is not None and digest.hexdigest() != expected:
+            raise CheckpointError(f"checksum mismatch while staging {src_path} to the shared level")
+
+
+__all__ = ["RankWriter", "LevelStager", "LEVEL_LOCAL", "LEVEL_SHARED"]

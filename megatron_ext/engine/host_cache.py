@@ -1,0 +1,117 @@
+"""The host cache: one fixed buffer, cut into equal chunk slots, reused by every checkpoint.
+
+Snapshots copy into free slots; flushes release them once written. When no slot is free the copy
+waits (backpressure), so host memory never grows past the buffer, and a tensor bigger than the
+whole cache simply streams through it slot by slot.
+
+Allocation happens on a background thread so constructing the engine never stalls training. On
+CPU the thread also touches every page and hands slots out as soon as they are touched, so the
+first snapshot starts copying after the first slot instead of after the whole buffer. With CUDA
+the buffer is pinned (``cudaHostAlloc`` of many GB takes seconds); slots become available when
+pinning finishes, which the first snapshot's copies wait for, never ``save`` itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .layout import ALIGN
+
+
+class CacheError(RuntimeError):
+    """The host cache could not be allocated or a slot was not freed in time."""
+
+
+class HostCache:
+    def __init__(self, nbytes: int, chunk_bytes: int, pin: bool):
+        if chunk_bytes % ALIGN or chunk_bytes <= 0:
+            raise ValueError("chunk size must be a positive multiple of 4096")
+        self.chunk_bytes = chunk_bytes
+        self.num_slots = max(1, nbytes // chunk_bytes)
+        self.nbytes = self.num_slots * chunk_bytes
+        self.pinned = pin
+        self._cond = threading.Condition()
+        self._free: list[int] = []
+        self._error: BaseException | None = None
+        self._buffer: torch.Tensor | None = None
+        self._array: np.ndarray | None = None
+        self._ready = threading.Event()
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._allocate, name="datastates-cache-alloc", daemon=True)
+        self._thread.start()
+
+    def _allocate(self) -> None:
+        try:
+            raw = torch.empty(self.nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
+            # O_DIRECT needs page-aligned memory: start the usable part on a 4 KiB boundary.
+            skip = (-raw.data_ptr()) % ALIGN
+            self._buffer = raw[skip: skip + self.nbytes]
+            self._array = self._buffer.numpy()
+            self._ready.set()
+            for slot in range(self.num_slots):
+                if self._closing.is_set():
+                    return
+                if not self.pinned:  # pinned pages are resident already
+                    self.view(slot).zero_()
+                with self._cond:
+                    self._free.append(slot)
+                    self._cond.notify_all()
+        except BaseException as exc:  # reported to whoever waits for a slot
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+
+    def wait_allocated(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        if self._error is not None:
+            raise CacheError(f"host cache of {self.nbytes} bytes could not be allocated: {self._error}") from self._error
+        if self._thread.is_alive():
+            raise CacheError(f"host cache allocation did not finish within {timeout:.0f}s")
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop pre-faulting and drop the buffer (a thread inside torch must not outlive exit)."""
+        self._closing.set()
+        self._thread.join(timeout)
+        self._buffer = None
+        self._array = None
+
+    def acquire(self, timeout: float, check: Callable[[], None] = lambda: None) -> int:
+        """Take a free slot, waiting for flushes to release one (backpressure)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._free:
+                if self._error is not None:
+                    raise CacheError(f"host cache allocation failed: {self._error}") from self._error
+                check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CacheError(
+                        f"no host cache slot was freed within {timeout:.0f}s: the flush is stuck or too slow"
+                    )
+                self._cond.wait(min(left, 0.5))
+            return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify_all()
+
+    def view(self, slot: int) -> torch.Tensor:
+        """The slot as a uint8 tensor (for copies)."""
+        base = slot * self.chunk_bytes
+        return self._buffer[base: base + self.chunk_bytes]
+
+    def memory(self, slot: int, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of a slot as a buffer (for writes and checksums), no copy."""
+        base = slot * self.chunk_bytes
+        return memoryview(self._array[base: base + nbytes])
+
+    @property
+    def free_slots(self) -> int:
+        with self._cond:
+            return len(self._free)

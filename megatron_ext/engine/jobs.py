@@ -1,0 +1,89 @@
+"""The bookkeeping records shared by the engine's threads: one per file, one per checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from .layout import FileLayout
+
+LEVEL_HOST = "host"
+LEVEL_LOCAL = "local"
+LEVEL_SHARED = "shared"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be taken, persisted, committed or loaded."""
+
+
+@dataclasses.dataclass(eq=False)
+class FileJob:
+    """One ``save`` call: one safetensors file plus its sidecar, for one rank."""
+
+    checkpoint: "CheckpointJob"
+    name: str
+    layout: FileLayout
+    sidecar: bytes
+    cuda_mark: Any
+    tensor_rel: str  # paths relative to the level's root directory
+    sidecar_rel: str
+    submitted_at: float = dataclasses.field(default_factory=time.monotonic)
+    snapshot_at: float | None = None
+    durable_at: dict[str, float] = dataclasses.field(default_factory=dict)
+    file_xxh3: str | None = None
+    sidecar_xxh3: str | None = None
+    tensor_xxh3: dict[str, str] = dataclasses.field(default_factory=dict)
+    snapshot_done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    # Temporaries that must outlive their asynchronous copies (CUDA .contiguous() results).
+    keepalive: list[torch.Tensor] = dataclasses.field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.size
+
+    def num_chunks(self, chunk_bytes: int) -> int:
+        return -(-self.layout.size // chunk_bytes)
+
+    def report(self) -> dict:
+        """This file's entry in the rank report and the manifest."""
+        return {
+            "name": self.name,
+            "tensor_file": self.tensor_rel,
+            "state_file": self.sidecar_rel,
+            "size": self.layout.size,
+            "state_size": len(self.sidecar),
+            "xxh3_64": self.file_xxh3,
+            "state_xxh3_64": self.sidecar_xxh3,
+            "tensors": {
+                s.name: {"dtype": s.dtype, "shape": s.shape, "offsets": [s.start, s.end],
+                         "xxh3_64": self.tensor_xxh3.get(s.name)}
+                for s in self.layout.slots
+            },
+        }
+
+
+@dataclasses.dataclass(eq=False)
+class CheckpointJob:
+    """Everything one rank saves under one checkpoint id, and its progress through the levels."""
+
+    checkpoint: str
+    root: str
+    version: int | None
+    files: list[FileJob] = dataclasses.field(default_factory=list)
+    commit_requested: bool = False
+    on_committed: list[Callable[[dict], None]] = dataclasses.field(default_factory=list)
+    committed: threading.Event = dataclasses.field(default_factory=threading.Event)
+    manifest: dict | None = None
+    blocked_s: float = 0.0  # time the training thread spent inside save/wait_snapshot for it
+    committed_at: float | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.nbytes + len(f.sidecar) for f in self.files)
+
+    def durable_on(self, level: str) -> bool:
+        return all(level in f.durable_at for f in self.files)
