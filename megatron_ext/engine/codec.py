@@ -6,6 +6,11 @@ references into the safetensors file, and a short list of well-known types (nump
 dtypes, enums of already-imported modules, argparse namespaces) get explicit tags. Anything else
 is refused at save time, or, when the user opted into ``pickle_fallback``, stored as a pickle
 blob that ``decode`` only unpickles when asked to (``allow_pickle=True``).
+
+Adapters may name module prefixes (``object_modules``, e.g. ``("deepspeed.",)``) whose plain
+objects (instances with a ``__dict__``) and named tuples are stored as their fields. Decoding
+rebuilds them with ``cls.__new__`` and the stored fields only, for classes of already-imported
+modules under the prefixes the loader allows: no import, no ``__setstate__``, no code from the file.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import argparse
 import base64
 import collections
 import enum
+import io
 import math
 import pickle
 import sys
@@ -44,8 +50,9 @@ def _unb64(text: str) -> bytes:
 class Encoder:
     """Walks a nested state once: collects tensors (in order) and builds the JSON skeleton."""
 
-    def __init__(self, pickle_fallback: bool = False):
+    def __init__(self, pickle_fallback: bool = False, object_modules: tuple[str, ...] = ()):
         self.pickle_fallback = pickle_fallback
+        self.object_modules = tuple(object_modules)
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self._names: set[str] = set()
 
@@ -73,10 +80,20 @@ class Encoder:
             return [self.encode(v, _join(path, i)) for i, v in enumerate(value)]
         if type(value) is tuple:
             return {TAG + "tuple": [self.encode(v, _join(path, i)) for i, v in enumerate(value)]}
+        cls = type(value)
+        if self.object_modules and cls.__module__.startswith(self.object_modules):
+            if isinstance(value, tuple) and hasattr(cls, "_fields"):
+                fields = [self.encode(v, _join(path, i)) for i, v in enumerate(value)]
+                return {TAG + "nt": [cls.__module__, cls.__qualname__, fields]}
+            if hasattr(value, "__dict__") and not hasattr(cls, "__slots__"):
+                fields = {k: self.encode(v, _join(path, k)) for k, v in vars(value).items()}
+                return {TAG + "obj": [cls.__module__, cls.__qualname__, fields]}
         if isinstance(value, argparse.Namespace):
             return {TAG + "ns": {k: self.encode(v, _join(path, k)) for k, v in vars(value).items()}}
         if isinstance(value, (bytes, bytearray)):
             return {TAG + "bytes": _b64(bytes(value))}
+        if isinstance(value, io.BytesIO):  # Transformer Engine keeps its extra state this way
+            return {TAG + "bytesio": _b64(value.getvalue())}
         if isinstance(value, torch.dtype):
             return {TAG + "dtype": str(value).removeprefix("torch.")}
         if isinstance(value, torch.Size):
@@ -116,21 +133,22 @@ def _join(path: str, key: Any) -> str:
     return f"{path}/{key}" if path else str(key)
 
 
-def decode(obj: Any, tensor_for: Callable[[str], torch.Tensor], allow_pickle: bool = False) -> Any:
+def decode(obj: Any, tensor_for: Callable[[str], torch.Tensor], allow_pickle: bool = False,
+           object_modules: tuple[str, ...] = ()) -> Any:
     """Rebuild the state; ``tensor_for(name)`` supplies each referenced tensor."""
     if isinstance(obj, list):
-        return [decode(v, tensor_for, allow_pickle) for v in obj]
+        return [decode(v, tensor_for, allow_pickle, object_modules) for v in obj]
     if not isinstance(obj, dict):
         return obj
     if len(obj) == 1:
         (key, val), = obj.items()
         if key.startswith(TAG):
-            return _decode_tagged(key[1:], val, tensor_for, allow_pickle)
-    return {k: decode(v, tensor_for, allow_pickle) for k, v in obj.items()}
+            return _decode_tagged(key[1:], val, tensor_for, allow_pickle, tuple(object_modules))
+    return {k: decode(v, tensor_for, allow_pickle, object_modules) for k, v in obj.items()}
 
 
-def _decode_tagged(tag: str, val: Any, tensor_for, allow_pickle: bool) -> Any:
-    rec = lambda v: decode(v, tensor_for, allow_pickle)  # noqa: E731
+def _decode_tagged(tag: str, val: Any, tensor_for, allow_pickle: bool, object_modules: tuple[str, ...]) -> Any:
+    rec = lambda v: decode(v, tensor_for, allow_pickle, object_modules)  # noqa: E731
     if tag == "t":
         return tensor_for(val)
     if tag == "f":
@@ -144,6 +162,8 @@ def _decode_tagged(tag: str, val: Any, tensor_for, allow_pickle: bool) -> Any:
         return argparse.Namespace(**{k: rec(v) for k, v in val.items()})
     if tag == "bytes":
         return _unb64(val)
+    if tag == "bytesio":
+        return io.BytesIO(_unb64(val))
     if tag == "dtype":
         dtype = getattr(torch, val, None)
         if not isinstance(dtype, torch.dtype):
@@ -163,6 +183,18 @@ def _decode_tagged(tag: str, val: Any, tensor_for, allow_pickle: bool) -> Any:
     if tag == "enum":
         module, qualname, raw = val
         return _resolve_enum(module, qualname, rec(raw))
+    if tag in ("obj", "nt"):
+        module, qualname, fields = val
+        cls = _resolve_class(module, qualname) if module.startswith(object_modules or ("\0",)) else None
+        if cls is None:
+            raise UnsafeCheckpointError(
+                f"checkpoint holds a {module}.{qualname} object; it loads only when that module is "
+                "imported and the loader allows its package (object_modules)")
+        if tag == "nt":
+            return cls(*[rec(v) for v in fields])
+        instance = cls.__new__(cls)
+        instance.__dict__.update({k: rec(v) for k, v in fields.items()})
+        return instance
     if tag == "pickle":
         if not allow_pickle:
             raise UnsafeCheckpointError(
@@ -177,14 +209,19 @@ def _hashable(value: Any) -> Any:
     return tuple(_hashable(v) for v in value) if isinstance(value, list) else value
 
 
-def _resolve_enum(module: str, qualname: str, raw: Any) -> Any:
-    """Enums come back as members only if their module is already imported: no import, no code."""
-    mod = sys.modules.get(module)
-    obj: Any = mod
+def _resolve_class(module: str, qualname: str) -> type | None:
+    """A class from an already-imported module, or None: decoding never imports anything."""
+    obj: Any = sys.modules.get(module)
     for part in qualname.split("."):
         obj = getattr(obj, part, None) if obj is not None else None
-    if isinstance(obj, type) and issubclass(obj, enum.Enum):
-        return obj(raw)
+    return obj if isinstance(obj, type) else None
+
+
+def _resolve_enum(module: str, qualname: str, raw: Any) -> Any:
+    """Enums come back as members only if their module is already imported, else as raw values."""
+    cls = _resolve_class(module, qualname)
+    if cls is not None and issubclass(cls, enum.Enum):
+        return cls(raw)
     return raw
 
 

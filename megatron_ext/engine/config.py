@@ -45,6 +45,8 @@ class EngineConfig:
     telemetry_path: str | None = None
     #: Store non-tensor objects the safe encoder does not know with pickle (loaded only on request).
     pickle_fallback: bool = False
+    #: Module prefixes whose plain objects and named tuples are stored field by field (codec.py).
+    object_modules: tuple[str, ...] = ()
     #: Ignored, accepted for DeepSpeed compatibility.
     parser_threads: int | None = None
 
@@ -70,6 +72,8 @@ class EngineConfig:
             raise ConfigError(
                 f"unknown datastates_ckpt key(s) {unknown}; known keys: {sorted(known)}"
             )
+        if isinstance(data.get("object_modules"), list):
+            data["object_modules"] = tuple(data["object_modules"])
         cfg = cls(**data)
         cfg.validate()
         return cfg
@@ -90,6 +94,8 @@ class EngineConfig:
         _number(self.chunk_size_mb, "chunk_size_mb")
         if not (0 < self.chunk_size_mb <= 4096):
             raise ConfigError(f"chunk_size_mb must be in (0, 4096], got {self.chunk_size_mb}")
+        if isinstance(self.object_modules, str) or not all(isinstance(m, str) and m for m in self.object_modules):
+            raise ConfigError(f"object_modules must be a list of module prefixes, got {self.object_modules!r}")
         if self.o_direct not in (True, False, "auto"):
             raise ConfigError(f"o_direct must be true, false or \"auto\", got {self.o_direct!r}")
         for name in ("snapshot_timeout_s", "persist_timeout_s"):

@@ -104,11 +104,12 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------ saving
     def save(self, state: Any, checkpoint: str, name: str | None = None, *, root: str | None = None,
-             version: int | None = None) -> FileJob:
+             version: int | None = None, extra: dict | None = None) -> FileJob:
         """Record ``state`` for checkpoint ``checkpoint``; returns at once, copies run in the background.
 
         The tensors must not be modified until ``wait_snapshot`` returns. Non-tensor values are
-        encoded now, so later changes to them do not reach the checkpoint.
+        encoded now, so later changes to them do not reach the checkpoint. ``extra`` (JSON-able)
+        is copied into this file's manifest entry, for adapters that index what each file holds.
         """
         started = time.monotonic()
         self._raise_if_failed()
@@ -132,7 +133,8 @@ class CheckpointEngine:
         if job.version != version:
             raise CheckpointError(f"checkpoint {checkpoint}: version {version} differs from {job.version}")
 
-        encoder = codec.Encoder(pickle_fallback=self.config.pickle_fallback)
+        encoder = codec.Encoder(pickle_fallback=self.config.pickle_fallback,
+                                object_modules=self.config.object_modules)
         skeleton = encoder.encode(state)
         sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton},
                              separators=(",", ":")).encode("utf-8")
@@ -141,7 +143,8 @@ class CheckpointEngine:
         base = f"{checkpoint}/{name}.{self.run_id}"
         fjob = FileJob(checkpoint=job, name=name, layout=plan, sidecar=sidecar,
                        cuda_mark=self.scheduler.copier.mark([t for _, t in encoder.tensors]),
-                       tensor_rel=base + ".safetensors", sidecar_rel=base + ".state.json")
+                       tensor_rel=base + ".safetensors", sidecar_rel=base + ".state.json",
+                       extra=json.loads(json.dumps(extra)) if extra is not None else None)
         job.files.append(fjob)
         self._files.append(fjob)
         self.scheduler.submit(fjob)
@@ -243,8 +246,16 @@ class CheckpointEngine:
             base, self.last_load_level = local, LEVEL_LOCAL
         elif level == LEVEL_LOCAL:
             raise CheckpointError(f"checkpoint {checkpoint} is not complete on the node-local level")
-        loaded = restore.load_entry(base, entry, map_location=map_location, allow_pickle=allow_pickle, verify=verify)
-        return loaded["state"] if isinstance(loaded, dict) and loaded.get("format") == "megatron_ext.state" else loaded
+        return restore.load_entry(base, entry, map_location=map_location, allow_pickle=allow_pickle,
+                                  verify=verify, object_modules=self.config.object_modules)
+
+    def open_checkpoint(self, checkpoint: str, *, root: str | None = None, verify: bool = True) -> "CommittedCheckpoint":
+        """A committed checkpoint's manifest plus per-file readers, for adapters that read selectively."""
+        root = self._root(root)
+        manifest = read_manifest(os.path.join(root, checkpoint))
+        if manifest is None:
+            raise CheckpointError(f"{os.path.join(root, checkpoint)} is not a committed checkpoint (no manifest)")
+        return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float | None = None) -> None:
@@ -318,6 +329,27 @@ class CheckpointEngine:
         if self._error is not None:
             raise CheckpointError(f"background checkpointing failed on rank {self.rank}: "
                                   f"{type(self._error).__name__}: {self._error}") from self._error
+
+
+class CommittedCheckpoint:
+    """Read side of one committed checkpoint: each file from the node-local level when complete there."""
+
+    def __init__(self, root: str, local_dir: str | None, checkpoint: str, manifest: dict, verify: bool):
+        self.root, self.local_dir, self.checkpoint, self.manifest, self.verify = root, local_dir, checkpoint, manifest, verify
+        self._readers: dict[str, restore.FileReader] = {}
+        self.levels_used: set[str] = set()
+
+    def reader(self, name: str) -> restore.FileReader:
+        if name not in self._readers:
+            entry = self.manifest["files"].get(name)
+            if entry is None:
+                raise CheckpointError(f"checkpoint {self.checkpoint} has no file {name!r}")
+            base, level = self.root, LEVEL_SHARED
+            if self.local_dir and restore.local_copy_complete(self.local_dir, self.checkpoint, self.manifest, entry["rank"]):
+                base, level = self.local_dir, LEVEL_LOCAL
+            self.levels_used.add(level)
+            self._readers[name] = restore.FileReader(base, entry, self.verify)
+        return self._readers[name]
 
 
 def _shutdown_live_engines() -> None:

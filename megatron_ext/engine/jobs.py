@@ -31,6 +31,7 @@ class FileJob:
     cuda_mark: Any
     tensor_rel: str  # paths relative to the level's root directory
     sidecar_rel: str
+    extra: dict | None = None  # caller's JSON-able index, copied into the report and manifest
     submitted_at: float = dataclasses.field(default_factory=time.monotonic)
     snapshot_at: float | None = None
     durable_at: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -50,7 +51,7 @@ class FileJob:
 
     def report(self) -> dict:
         """This file's entry in the rank report and the manifest."""
-        return {
+        entry = {
             "name": self.name,
             "tensor_file": self.tensor_rel,
             "state_file": self.sidecar_rel,
@@ -64,6 +65,9 @@ class FileJob:
                 for s in self.layout.slots
             },
         }
+        if self.extra is not None:
+            entry["extra"] = self.extra
+        return entry
 
 
 @dataclasses.dataclass(eq=False)

@@ -89,21 +89,74 @@ def local_copy_complete(local_root: str, checkpoint: str, manifest: dict, rank: 
     return True
 
 
+class FileReader:
+    """One committed file, read as a whole or tensor by tensor (each verified against the manifest)."""
+
+    def __init__(self, base: str, entry: dict, verify: bool = True):
+        self.entry = entry
+        self.verify = verify
+        self.tensor_path = os.path.join(base, entry["tensor_file"])
+        self.state_path = os.path.join(base, entry["state_file"])
+        self._skeleton: Any = None
+        self._header: tuple[dict, int] | None = None
+
+    def skeleton(self) -> Any:
+        if self._skeleton is None:
+            doc = read_state_file(self.state_path, self.entry, self.verify)
+            self._skeleton = doc["state"] if isinstance(doc, dict) and doc.get("format") == "megatron_ext.state" else doc
+        return self._skeleton
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if self._header is None:
+            if not os.path.exists(self.tensor_path):
+                raise CheckpointError(f"checkpoint file {self.tensor_path} is missing")
+            if os.path.getsize(self.tensor_path) != self.entry["size"]:
+                raise CheckpointError(f"{self.tensor_path} has {os.path.getsize(self.tensor_path)} bytes, "
+                                      f"the manifest says {self.entry['size']}")
+            self._header = read_header(self.tensor_path)
+        header, data_start = self._header
+        meta = header.get(name)
+        if meta is None or name == "__metadata__":
+            raise CheckpointError(f"{self.entry['tensor_file']} lacks tensor {name!r}")
+        begin, end = meta["data_offsets"]
+        tensor = torch.empty(meta["shape"], dtype=torch_dtype(meta["dtype"]))
+        if end > begin:
+            view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            with open(self.tensor_path, "rb", buffering=0) as f:
+                f.seek(data_start + begin)
+                _read_exact(f, view, self.tensor_path)
+            expected = self.entry["tensors"].get(name, {}).get("xxh3_64")
+            if self.verify and expected is not None and xxhash.xxh3_64_hexdigest(view) != expected:
+                raise CheckpointError(f"{self.tensor_path}: tensor {name!r} fails its checksum")
+        return tensor
+
+    def state(self, map_location: Any = None, allow_pickle: bool = False,
+              object_modules: tuple[str, ...] = ()) -> Any:
+        """The whole saved state; all tensors read in one pass with the whole-file checksum."""
+        tensors = read_tensor_file(self.tensor_path, self.entry, self.verify)
+        if map_location is not None:
+            tensors = {k: _map(v, map_location) for k, v in tensors.items()}
+
+        def tensor_for(name: str) -> torch.Tensor:
+            try:
+                return tensors[name]
+            except KeyError:
+                raise CheckpointError(f"{self.entry['tensor_file']} lacks tensor {name!r}") from None
+
+        return codec.decode(self.skeleton(), tensor_for, allow_pickle=allow_pickle, object_modules=object_modules)
+
+    def part(self, *keys: str, allow_pickle: bool = False, object_modules: tuple[str, ...] = ()) -> Any:
+        """One sub-tree of the saved state (top-level str keys), reading only the tensors it refers to."""
+        node = self.skeleton()
+        for key in keys:
+            node = node[key]
+        return codec.decode(node, self.tensor, allow_pickle=allow_pickle, object_modules=object_modules)
+
+
 def load_entry(base: str, entry: dict, map_location: Any = None, allow_pickle: bool = False,
-               verify: bool = True) -> Any:
+               verify: bool = True, object_modules: tuple[str, ...] = ()) -> Any:
     """Rebuild the nested state saved as one manifest file entry, reading from ``base``."""
-    tensors = read_tensor_file(os.path.join(base, entry["tensor_file"]), entry, verify)
-    skeleton = read_state_file(os.path.join(base, entry["state_file"]), entry, verify)
-    if map_location is not None:
-        tensors = {k: _map(v, map_location) for k, v in tensors.items()}
-
-    def tensor_for(name: str) -> torch.Tensor:
-        try:
-            return tensors[name]
-        except KeyError:
-            raise CheckpointError(f"{entry['tensor_file']} lacks tensor {name!r}") from None
-
-    return codec.decode(skeleton, tensor_for, allow_pickle=allow_pickle)
+    return FileReader(base, entry, verify).state(map_location, allow_pickle, object_modules)
 
 
 def _map(tensor: torch.Tensor, map_location: Any) -> torch.Tensor:

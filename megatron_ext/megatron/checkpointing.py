@@ -1,0 +1,396 @@
+"""Drop-in ``save_checkpoint`` / ``load_checkpoint`` for Megatron-LM, backed by the lazy engine.
+
+The signatures are those of ``megatron/training/checkpointing.py`` at the pinned commit, so the
+patch set only re-routes calls here. The layout stays Megatron's: ``<save>/iter_0000123/`` per
+checkpoint and ``<save>/latest_checkpointed_iteration.txt``, which rank 0 writes (atomically)
+only once the checkpoint is committed, i.e. every rank's bytes are durable.
+
+What each rank writes (one file per rank and checkpoint):
+
+* ``shards``: the model and distributed-optimizer shards this rank owns (``sharding.py``), as
+  zero-copy views; the optimizer uses megatron-core's ``dp_reshardable`` layout, in which each
+  data-parallel rank's fp32 main params and Adam moments are its own shards (no gather);
+* ``rng``: this rank's Python, NumPy, torch, CUDA and model-parallel tracker RNG states;
+* on global rank 0 only, ``common``: the non-sharded part of the state dict, the iteration,
+  the scheduler, the consumed samples and the args (copied at save time).
+
+``save_checkpoint`` returns as soon as the engine has recorded the tensors; the copies overlap
+with the next forward/backward, and ``install_lazy_wait`` makes the optimizer wait right before
+its inner step (``step_with_ready_grads``), after gradient preparation and clipping.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
+from megatron_ext.engine.files import atomic_write
+from megatron_ext.megatron import sharding
+
+log = logging.getLogger("megatron_ext.megatron")
+
+TRACKER = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0  # the Megatron-LM checkpoint version this layout answers to
+SHARDING_TYPE = "dp_reshardable"
+
+_engine: CheckpointEngine | None = None
+_engine_key: tuple | None = None
+_plan: sharding.OwnershipPlan | None = None
+_args: Any = None
+
+
+# ---------------------------------------------------------------------------- configuration
+def set_args(args: Any) -> None:
+    """For trainers without ``megatron.training`` (the PyPI megatron-core has none)."""
+    global _args
+    _args = args
+
+
+def _get_args() -> Any:
+    if _args is not None:
+        return _args
+    try:
+        from megatron.training import get_args  # present in a Megatron-LM checkout only
+    except ImportError as exc:
+        raise RuntimeError("megatron_ext.megatron.checkpointing.set_args(args) was not called") from exc
+    return get_args()
+
+
+def engine_config(args: Any) -> dict:
+    """The engine's configuration from Megatron-style args (see patches/ for the flags)."""
+    cfg = {
+        "host_cache_size": getattr(args, "datastates_host_cache_size", None) or 1.0,
+        "save_dir": args.save,
+        "local_dir": getattr(args, "datastates_local_dir", None),
+    }
+    for flag, key in (("datastates_chunk_size_mb", "chunk_size_mb"), ("datastates_timeout", "persist_timeout_s"),
+                      ("datastates_o_direct", "o_direct")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            cfg[key] = value
+    return cfg
+
+
+def get_engine(args: Any | None = None) -> CheckpointEngine:
+    """The process's engine, created on first use (its host cache then allocates in the background)."""
+    global _engine, _engine_key
+    args = args or _get_args()
+    cfg = engine_config(args)
+    key = tuple(sorted((k, str(v)) for k, v in cfg.items()))
+    if _engine is None:
+        _engine = CheckpointEngine(cfg)
+        _engine_key = key
+    elif key != _engine_key:
+        raise CheckpointError("the datastates configuration changed during the run; it is fixed at the first save")
+    return _engine
+
+
+def install_lazy_wait(optimizer: Any, engine: CheckpointEngine) -> None:
+    """Make ``optimizer.step_with_ready_grads`` wait for pending snapshots first (idempotent)."""
+    if optimizer is None or getattr(optimizer, "_datastates_lazy_wait", False):
+        return
+    inner_step = optimizer.step_with_ready_grads
+
+    def step_with_ready_grads(*args: Any, **kwargs: Any):
+        engine.wait_snapshot()
+        return inner_step(*args, **kwargs)
+
+    optimizer.step_with_ready_grads = step_with_ready_grads
+    optimizer._datastates_lazy_wait = True
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+# ---------------------------------------------------------------------------- state pieces
+def rng_state() -> dict:
+    from megatron.core import tensor_parallel
+
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _model_keys(model: list) -> list[str]:
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
+def _sharded_state(model: list, optimizer: Any, is_loading: bool, with_optimizer: bool) -> dict:
+    sharded = {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(model), model)}
+    if with_optimizer and optimizer is not None:
+        sharded["optimizer"] = optimizer.sharded_state_dict(
+            sharded, is_loading=is_loading, metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
+    return sharded
+
+
+def _layout() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world_size": torch.distributed.get_world_size(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(with_context_parallel=True),
+    }
+
+
+def _dp_gather() -> Callable[[Any], list]:
+    from megatron.core import parallel_state as ps
+
+    try:
+        group = ps.get_data_parallel_group_gloo(with_context_parallel=True)
+    except (AssertionError, AttributeError, RuntimeError):
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+
+    def gather(obj: Any) -> list:
+        out: list = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(out, obj, group=group)
+        return out
+
+    return gather
+
+
+def _ownership(shards: list) -> sharding.OwnershipPlan:
+    global _plan
+    layout = _layout()
+    signature = tuple(sorted({(sharding.shard_id(s), sharding.shard_nbytes(s))
+                              for s in shards if sharding.is_candidate(s)}))
+    if _plan is None:
+        _plan = sharding.plan_ownership(shards, layout["dp_rank"], layout["dp"], _dp_gather())
+        log.info("[datastates] shard ownership: bytes per data-parallel rank %s", _plan.bytes_by_dp_rank)
+    elif _plan.signature != signature:
+        raise CheckpointError("the model's sharded state changed between checkpoints; restart to re-plan")
+    return _plan
+
+
+# ---------------------------------------------------------------------------- save
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                    checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
+                    pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
+                    train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False,
+                    tp_group=None, pp_group=None, dp_cp_group=None):
+    """Record iteration ``iteration``'s state and return; flush and commit happen in the background."""
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+    args = _get_args()
+    if non_persistent_ckpt:
+        raise CheckpointError("--use-datastates does not support non-persistent checkpoints; "
+                              "use --save-interval (the engine is already asynchronous)")
+    started = time.monotonic()
+    model = model if isinstance(model, list) else [model]
+    engine = get_engine(args)
+    install_lazy_wait(optimizer, engine)
+    with_optimizer = not getattr(args, "no_save_optim", False)
+    sharded, common = save_preprocess(_sharded_state(model, optimizer, False, with_optimizer),
+                                      validate_access_integrity=False)
+    shards = list(sharding.sharded_leaves(sharded))
+    plan = _ownership(shards)
+    tensors, objects, meta = sharding.split_owned(shards, plan)
+    rank = torch.distributed.get_rank()
+    state: dict[str, Any] = {"shards": {"tensors": tensors, "objects": objects, "meta": meta}}
+    if not getattr(args, "no_save_rng", False):
+        state["rng"] = rng_state()
+    if rank == 0:
+        if preprocess_common_state_dict_fn is not None:
+            common = preprocess_common_state_dict_fn(common)
+        state["common"] = common
+        state["meta"] = {
+            "iteration": iteration,
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
+            "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+            "args": _storable_args(args),
+            "layout": _layout(),
+        }
+    name = checkpoint_name(iteration)
+    engine.save(state, name, f"rank{rank:05d}", version=iteration,
+                extra={"objects": sorted(objects), "layout": _layout()})
+    engine.commit(name, on_committed=_tracker_writer(args.save, iteration, rank))
+    log.info("[datastates] iteration %d: checkpoint recorded in %.4fs (%d tensors, %d objects owned here)",
+             iteration, time.monotonic() - started, len(tensors), len(objects))
+
+
+def _storable_args(args: Any) -> Any:
+    """A copy of args whose values the safe sidecar can hold; others become their repr()."""
+    import argparse
+
+    from megatron_ext.engine.codec import EncodeError, Encoder
+
+    plain = argparse.Namespace()
+    for key, value in vars(args).items():
+        try:
+            Encoder().encode(value)
+        except EncodeError:
+            value = repr(value)
+        setattr(plain, key, value)
+    return plain
+
+
+def _tracker_writer(save_dir: str, iteration: int, rank: int) -> Callable[[dict], None]:
+    def write_tracker(manifest: dict) -> None:
+        if rank == 0:
+            atomic_write(os.path.join(save_dir, TRACKER), str(iteration).encode())
+            log.info("[datastates] committed %s (%d files)", checkpoint_name(iteration), len(manifest["files"]))
+
+    return write_tracker
+
+
+def finalize_checkpoints(timeout: float | None = None) -> None:
+    """End of training or exit signal: wait until every pending checkpoint is committed."""
+    if _engine is not None:
+        _engine.wait_persisted(timeout=timeout)
+
+
+def shutdown() -> None:
+    global _engine, _plan
+    if _engine is not None:
+        _engine.shutdown()
+    _engine, _plan = None, None
+
+
+# ---------------------------------------------------------------------------- load
+def read_tracker(load_dir: str) -> int | None:
+    try:
+        with open(os.path.join(load_dir, TRACKER), encoding="utf-8") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not text.isdigit():
+        raise CheckpointError(f"{os.path.join(load_dir, TRACKER)} holds {text!r}, not an iteration number")
+    return int(text)
+
+
+def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
+                    checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None,
+                    pp_group=None, dp_cp_group=None):
+    """Load the newest committed checkpoint; returns ``(iteration, num_floating_point_operations_so_far)``."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+
+    args = _get_args()
+    load_dir = getattr(args, load_arg, None)
+    if load_dir is None:
+        return 0, 0
+    iteration = read_tracker(load_dir)
+    if iteration is None:
+        committed = list_committed(load_dir)
+        if not committed:
+            log.warning("[datastates] no committed checkpoint in %s: training starts from scratch", load_dir)
+            return 0, 0
+        iteration = committed[-1][1]["version"]
+        log.warning("[datastates] %s is missing; using the newest committed checkpoint, iteration %d",
+                    TRACKER, iteration)
+    started = time.monotonic()
+    model = ddp_model if isinstance(ddp_model, list) else [ddp_model]
+    engine = get_engine(args) if args.save else CheckpointEngine({"save_dir": load_dir, "host_cache_size": 0.01})
+    ckpt = engine.open_checkpoint(checkpoint_name(iteration), root=load_dir)
+    tensor_index, object_index = _index(ckpt.manifest)
+    rank = torch.distributed.get_rank()
+    zero_name = next(name for name, f in ckpt.manifest["files"].items() if f["rank"] == 0)
+    meta = ckpt.reader(zero_name).part("meta")
+    _check_layout(meta["layout"], _layout())
+
+    with_optimizer = optimizer is not None and not getattr(args, "no_load_optim", False) and not getattr(args, "finetune", False)
+    sharded, nonpersistent, factories = load_preprocess(_sharded_state(model, optimizer, True, with_optimizer))
+    missing: list[str] = []
+
+    def fill(leaf: Any) -> Any:
+        if not isinstance(leaf, (ShardedTensor, ShardedObject)):
+            return leaf
+        sid = sharding.shard_id(leaf)
+        if isinstance(leaf, ShardedObject):
+            if sid not in object_index:
+                missing.append(sid)
+                return None
+            return ckpt.reader(object_index[sid]).part("shards", "objects", sid)
+        if sid not in tensor_index:
+            missing.append(sid)
+            return None
+        file_name, tensor_name = tensor_index[sid]
+        tensor = ckpt.reader(file_name).tensor(tensor_name)
+        expected = tuple(leaf.data.shape) if leaf.data is not None else tuple(leaf.local_shape)
+        if tuple(tensor.shape) != expected:
+            raise CheckpointError(f"shard {sid}: checkpoint has shape {tuple(tensor.shape)}, the model {expected}")
+        return tensor
+
+    dict_list_map_inplace(fill, sharded)
+    if missing:
+        raise CheckpointError(f"{len(missing)} shard(s) needed by this rank are not in the checkpoint, e.g. "
+                              f"{missing[:3]}; was it saved from a different model or parallel layout?")
+    common = ckpt.reader(zero_name).part("common")
+    merge(common, nonpersistent)
+    merge(common, sharded)
+    state = apply_factory_merges(common, factories)
+
+    if not skip_load_to_model_and_opt:
+        for key, chunk in zip(_model_keys(model), model):
+            chunk.load_state_dict(state[key], strict=strict)
+        if with_optimizer:
+            optimizer.load_state_dict(state["optimizer"])
+    if opt_param_scheduler is not None and meta.get("scheduler") is not None and not getattr(args, "finetune", False):
+        opt_param_scheduler.load_state_dict(meta["scheduler"])
+    own = next((n for n, f in ckpt.manifest["files"].items() if f["rank"] == rank), None)
+    if own is not None and not getattr(args, "no_load_rng", False) and not getattr(args, "finetune", False):
+        rng = ckpt.reader(own).part("rng")
+        set_rng_state(rng)
+    saved_args = meta.get("args")
+    for field in ("consumed_train_samples", "consumed_valid_samples", "skipped_train_samples"):
+        if saved_args is not None and hasattr(saved_args, field) and not getattr(args, "finetune", False):
+            setattr(args, field, getattr(saved_args, field))
+    torch.distributed.barrier()
+    log.warning("[datastates] loaded %s from %s (%s level) in %.2fs", checkpoint_name(iteration), load_dir,
+                "/".join(sorted(ckpt.levels_used)) or "no", time.monotonic() - started)
+    if getattr(args, "finetune", False):
+        return 0, 0
+    return iteration, meta.get("num_floating_point_operations_so_far", 0)
+
+
+def _index(manifest: dict) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+    """Shard id -> (file, tensor name) for tensors and -> file for objects, over all ranks' files."""
+    prefix = "shards/tensors/"
+    tensors: dict[str, tuple[str, str]] = {}
+    objects: dict[str, str] = {}
+    for name, entry in manifest["files"].items():
+        for tensor_name in entry["tensors"]:
+            if tensor_name.startswith(prefix):
+                tensors[tensor_name[len(prefix):]] = (name, tensor_name)
+        for sid in (entry.get("extra") or {}).get("objects", []):
+            objects[sid] = name
+    return tensors, objects
+
+
+def _check_layout(saved: dict, current: dict) -> None:
+    keys = ("tp", "pp", "dp")
+    differ = [f"{k} {saved.get(k)} -> {current.get(k)}" for k in keys if saved.get(k) != current.get(k)]
+    if differ:
+        raise CheckpointError("checkpoint parallel layout differs from this run's (" + ", ".join(differ) +
+                              "); loading onto another layout is not supported yet")

@@ -1,0 +1,116 @@
+"""Shard ownership from megatron-core's sharded state dicts: every shard written once, by one rank.
+
+megatron-core describes each piece of state as a ``ShardedTensor`` / ``ShardedObject`` with a
+global key and offset and a ``replica_id``; a replica whose id is all zeros is the main copy.
+Writing only main copies would put every data-parallel-replicated tensor (all model weights) on
+data-parallel rank 0. Instead, replicas that differ only in their data-parallel component (the
+last entry of ``replica_id``) are *candidates*, and each shard goes to one candidate chosen by a
+greedy balance of bytes, computed identically on every rank of the data-parallel group from one
+``all_gather_object`` at the first checkpoint. Tensor-parallel replicas (non-zero middle
+entries) are never candidates. Shards held by one data-parallel rank only (the distributed
+optimizer's per-rank state) are written by that rank, with no gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
+
+
+def shard_id(shard: ShardedBase) -> str:
+    """A stable, readable id of a shard's data: the same on every rank that holds a replica."""
+    offset = ",".join(str(o) for o in shard.global_offset)
+    sid = f"{shard.key}@{offset}"
+    if isinstance(shard, ShardedTensor) and shard.flattened_range is not None:
+        sid += f"#{shard.flattened_range.start}:{shard.flattened_range.stop}"
+    return sid
+
+
+def _replica_tuple(replica_id: Any) -> tuple[int, ...]:
+    return (int(replica_id),) if isinstance(replica_id, int) else tuple(int(r) for r in replica_id)
+
+
+def is_candidate(shard: ShardedBase) -> bool:
+    """Main replica up to the data-parallel component (the last entry of ``replica_id``)."""
+    return all(r == 0 for r in _replica_tuple(shard.replica_id)[:-1])
+
+
+def shard_nbytes(shard: ShardedBase) -> int:
+    if isinstance(shard, ShardedTensor) and shard.data is not None:
+        return shard.data.numel() * shard.data.element_size()
+    return 64  # objects are small; a nominal size still spreads them over ranks
+
+
+def shard_meta(shard: ShardedBase) -> dict:
+    """What a loader needs to place a shard in its global tensor (recorded at save time)."""
+    meta = {"key": shard.key, "global_shape": list(shard.global_shape),
+            "global_offset": list(shard.global_offset)}
+    if isinstance(shard, ShardedTensor):
+        meta.update(local_shape=list(shard.local_shape), dtype=str(shard.dtype).removeprefix("torch."),
+                    axis_fragmentations=list(shard.axis_fragmentations or ()),
+                    prepend_axis_num=shard.prepend_axis_num)
+        if shard.flattened_range is not None:
+            meta["flattened_range"] = [shard.flattened_range.start, shard.flattened_range.stop]
+    return meta
+
+
+def sharded_leaves(sharded: Any) -> Iterable[ShardedBase]:
+    if isinstance(sharded, dict):
+        for value in sharded.values():
+            yield from sharded_leaves(value)
+    elif isinstance(sharded, list):
+        for value in sharded:
+            yield from sharded_leaves(value)
+    elif isinstance(sharded, ShardedBase):
+        yield sharded
+
+
+@dataclasses.dataclass
+class OwnershipPlan:
+    """Which shard ids this rank writes, decided once per process (the layout does not change)."""
+
+    signature: tuple[tuple[str, int], ...]
+    owned: frozenset[str]
+    bytes_by_dp_rank: list[int]
+
+
+def plan_ownership(shards: list[ShardedBase], dp_rank: int, dp_size: int, gather) -> OwnershipPlan:
+    """``gather(obj) -> list`` all-gathers over the data-parallel group (a collective)."""
+    candidates = sorted({(shard_id(s), shard_nbytes(s)) for s in shards if is_candidate(s)})
+    everyone = gather(candidates) if dp_size > 1 else [candidates]
+    holders: dict[str, list[int]] = {}
+    size: dict[str, int] = {}
+    for rank, listed in enumerate(everyone):
+        for sid, nbytes in listed:
+            holders.setdefault(sid, []).append(rank)
+            size[sid] = max(size.get(sid, 0), nbytes)
+    load = [0] * len(everyone)
+    owned = set()
+    # Largest first, ties by id: every rank computes the same assignment from the same input.
+    for sid in sorted(holders, key=lambda s: (-size[s], s)):
+        owner = min(holders[sid], key=lambda r: (load[r], r))
+        load[owner] += size[sid]
+        if owner == dp_rank:
+            owned.add(sid)
+    return OwnershipPlan(signature=tuple(candidates), owned=frozenset(owned), bytes_by_dp_rank=load)
+
+
+def split_owned(shards: list[ShardedBase], plan: OwnershipPlan) -> tuple[dict, dict, dict]:
+    """(tensors, objects, metadata) of the shards this rank writes, keyed by shard id."""
+    tensors: dict[str, torch.Tensor] = {}
+    objects: dict[str, Any] = {}
+    meta: dict[str, dict] = {}
+    for shard in shards:
+        sid = shard_id(shard)
+        if sid not in plan.owned or not is_candidate(shard) or sid in meta:
+            continue
+        meta[sid] = shard_meta(shard)
+        if isinstance(shard, ShardedObject):
+            objects[sid] = shard.data
+        else:
+            tensors[sid] = shard.data
+    return tensors, objects, meta
