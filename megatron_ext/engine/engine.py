@@ -325,6 +325,10 @@ class CheckpointEngine:
                 pass
         self.committer.poke()
 
+    def raise_if_failed(self) -> None:
+        """Raise, on the caller's thread, the first failure of a background thread (cheap)."""
+        self._raise_if_failed()
+
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise CheckpointError(f"background checkpointing failed on rank {self.rank}: "

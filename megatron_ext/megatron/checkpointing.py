@@ -263,10 +263,21 @@ def _tracker_writer(save_dir: str, iteration: int, rank: int) -> Callable[[dict]
     return write_tracker
 
 
-def finalize_checkpoints(timeout: float | None = None) -> None:
-    """End of training or exit signal: wait until every pending checkpoint is committed."""
-    if _engine is not None:
-        _engine.wait_persisted(timeout=timeout)
+def finalize_checkpoints(blocking: bool = False, terminate: bool = False) -> None:
+    """Megatron's ``maybe_finalize_async_save`` hook, called every iteration and at the end.
+
+    Non-blocking calls surface background failures on the training thread; blocking ones wait
+    until every pending checkpoint is committed (end of training, exit signal); ``terminate``
+    also stops the engine's threads.
+    """
+    if _engine is None:
+        return
+    if terminate:
+        shutdown()
+    elif blocking:
+        _engine.wait_persisted()
+    else:
+        _engine.raise_if_failed()
 
 
 def shutdown() -> None:

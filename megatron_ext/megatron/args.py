@@ -1,0 +1,64 @@
+"""The ``--use-datastates`` flags: defined here, added to Megatron-LM's parser by patch 0001.
+
+Megatron-LM's own parser and the reference trainer both call ``add_datastates_args`` and
+``validate_datastates_args``, so the flags, their help and their checks live in one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from megatron_ext.engine.config import ConfigError, EngineConfig
+
+
+def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("datastates", "lazy asynchronous multi-level checkpointing (megatron_ext)")
+    group.add_argument("--use-datastates", action="store_true",
+                       help="Checkpoint with megatron_ext: save only records the tensors, copies to host "
+                            "memory overlap with the next forward/backward, each rank streams its own "
+                            "shards to storage, and the tracker file is written once all ranks are durable. "
+                            "Meant for --save-interval 1.")
+    group.add_argument("--datastates-host-cache-size", type=float, default=None, metavar="GB",
+                       help="Host (pinned) cache per rank in GB, allocated once at start-up; snapshots wait "
+                            "for flushes when it is full. Default: 1.")
+    group.add_argument("--datastates-local-dir", type=str, default=None, metavar="DIR",
+                       help="Optional node-local directory (e.g. NVMe scratch): ranks flush there first and a "
+                            "background stage copies to --save. Restarts read it when every rank finds its files.")
+    group.add_argument("--datastates-chunk-size-mb", type=float, default=None, metavar="MB",
+                       help="Unit of copy and write in MiB (default 16).")
+    group.add_argument("--datastates-timeout", type=float, default=None, metavar="SECONDS",
+                       help="Longest a flush or commit may take before every rank fails with an error "
+                            "instead of hanging (default 1800).")
+    return parser
+
+
+def validate_datastates_args(args: Any) -> None:
+    """Reject flag combinations the engine cannot honour, with one clear message, before training."""
+    if not getattr(args, "use_datastates", False):
+        return
+    problems = []
+    if getattr(args, "async_save", False):
+        problems.append("--use-datastates replaces --async-save; drop --async-save")
+    fmt = getattr(args, "ckpt_format", "torch_dist")
+    if fmt not in (None, "torch_dist"):
+        problems.append(f"--use-datastates writes its own format from megatron-core's sharded state dicts; "
+                        f"it needs the default --ckpt-format torch_dist, not {fmt}")
+    if getattr(args, "non_persistent_save_interval", None):
+        problems.append("--use-datastates does not support --non-persistent-save-interval")
+    if getattr(args, "save", None) is None:
+        problems.append("--use-datastates needs --save")
+    if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
+        problems.append("--use-datastates does not support FSDP")
+    if problems:
+        raise ValueError("invalid datastates configuration: " + "; ".join(problems))
+    try:
+        cfg = {"host_cache_size": args.datastates_host_cache_size or 1.0, "save_dir": args.save,
+               "local_dir": args.datastates_local_dir}
+        if args.datastates_chunk_size_mb is not None:
+            cfg["chunk_size_mb"] = args.datastates_chunk_size_mb
+        if args.datastates_timeout is not None:
+            cfg["persist_timeout_s"] = args.datastates_timeout
+        EngineConfig.from_dict(cfg)
+    except ConfigError as exc:
+        raise ValueError(f"invalid datastates configuration: {exc}") from exc
