@@ -40,6 +40,8 @@ def _use_direct(setting, directory: str) -> bool:
 
 
 class RankWriter:
+    """Two pipelined threads: one checksums chunk k+1 while the other writes chunk k."""
+
     def __init__(self, cache: HostCache, level: str, level_root: Callable[[FileJob], str], o_direct,
                  on_durable: Callable[[FileJob, str], None], fail: Callable[[BaseException], None]):
         self.cache = cache
@@ -48,56 +50,64 @@ class RankWriter:
         self.o_direct = o_direct
         self.on_durable = on_durable
         self.fail = fail
-        self._queue: "queue.Queue[Chunk | None]" = queue.Queue()
-        # Per open file: the file, its running checksum, per-tensor checksums, first unfinished tensor.
-        self._open: dict[int, list] = {}
-        self._failed = False
-        self._thread = threading.Thread(target=self._run, name=f"datastates-writer-{level}", daemon=True)
-        self._thread.start()
+        self._hash_queue: "queue.Queue[Chunk | None]" = queue.Queue()
+        self._write_queue: "queue.Queue[Chunk | None]" = queue.Queue()
+        # Per file being checksummed: whole-file hash, per-tensor hashes, first unfinished tensor.
+        self._hashing: dict[int, list] = {}
+        self._files: dict[int, ChunkFile] = {}
+        self._failed = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(self._hash_queue, self._checksum, self._write_queue),
+                             name=f"datastates-checksum-{level}", daemon=True),
+            threading.Thread(target=self._loop, args=(self._write_queue, self._write, None),
+                             name=f"datastates-writer-{level}", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, chunk: Chunk) -> None:
-        self._queue.put(chunk)
+        self._hash_queue.put(chunk)
 
     def stop(self, timeout: float) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout)
+        self._hash_queue.put(None)
+        for thread in self._threads:
+            thread.join(timeout)
 
-    def _run(self) -> None:
+    def _loop(self, source: "queue.Queue", step: Callable[[Chunk], None], forward: "queue.Queue | None") -> None:
         while True:
-            chunk = self._queue.get()
+            chunk = source.get()
             if chunk is None:
+                if forward is not None:
+                    forward.put(None)
                 return
-            if self._failed:  # keep freeing slots so nobody waits on a dead writer
+            if self._failed.is_set():  # keep freeing slots so nobody waits on a dead writer
                 self.cache.release(chunk.slot)
                 continue
             try:
-                self._write(chunk)
+                step(chunk)
             except BaseException as exc:
-                self._failed = True
+                self._failed.set()
                 self.cache.release(chunk.slot)
-                for state in self._open.values():
-                    state[0].abort()
-                self._open.clear()
+                for f in list(self._files.values()):
+                    f.abort()
                 self.fail(exc)
+                continue
+            if forward is not None:
+                forward.put(chunk)
 
-    def _write(self, chunk: Chunk) -> None:
+    def _checksum(self, chunk: Chunk) -> None:
         job = chunk.job
         key = id(job)
         if chunk.index == 0:
-            root = self.level_root(job)
-            path = os.path.join(root, job.tensor_rel)
-            directory = os.path.dirname(path)
-            os.makedirs(directory, exist_ok=True)
-            self._open[key] = [ChunkFile(path, _use_direct(self.o_direct, directory)), xxhash.xxh3_64(), {}, 0]
-        state = self._open[key]
-        f, file_hash, tensor_hash = state[:3]
+            self._hashing[key] = [xxhash.xxh3_64(), {}, 0]
+        state = self._hashing[key]
+        file_hash, tensor_hash = state[0], state[1]
         chunk.ready()
-        data = self.cache.memory(chunk.slot, round_up(chunk.nbytes) if f.direct else chunk.nbytes)
-        payload = data[:chunk.nbytes]
+        payload = self.cache.memory(chunk.slot, chunk.nbytes)
         file_hash.update(payload)
         end = chunk.offset + chunk.nbytes
         slots = job.layout.slots
-        k = state[3]
+        k = state[2]
         while k < len(slots) and slots[k].start < end:  # tensors are in file order
             s = slots[k]
             lo, hi = max(s.start, chunk.offset), min(s.end, end)
@@ -106,22 +116,35 @@ class RankWriter:
             if s.end > end:
                 break
             k += 1
-        state[3] = k
+        state[2] = k
+        if chunk.last:
+            del self._hashing[key]
+            empty = xxhash.xxh3_64().hexdigest()
+            job.file_xxh3 = file_hash.hexdigest()
+            job.tensor_xxh3 = {s.name: (tensor_hash[s.name].hexdigest() if s.name in tensor_hash else empty)
+                               for s in slots}
+            job.sidecar_xxh3 = xxhash.xxh3_64_hexdigest(job.sidecar)
+
+    def _write(self, chunk: Chunk) -> None:
+        job = chunk.job
+        key = id(job)
+        if chunk.index == 0:
+            path = os.path.join(self.level_root(job), job.tensor_rel)
+            directory = os.path.dirname(path)
+            os.makedirs(directory, exist_ok=True)
+            self._files[key] = ChunkFile(path, _use_direct(self.o_direct, directory))
+        f = self._files[key]
+        data = self.cache.memory(chunk.slot, round_up(chunk.nbytes) if f.direct else chunk.nbytes)
         faults.before_write(self.level, f.path, chunk.offset, chunk.nbytes)
         f.write_at(chunk.offset, data)
         self.cache.release(chunk.slot)
         if chunk.last:
-            del self._open[key]
+            del self._files[key]
             f.close(job.layout.size)
-            job.file_xxh3 = file_hash.hexdigest()
-            empty = xxhash.xxh3_64().hexdigest()
-            job.tensor_xxh3 = {s.name: (tensor_hash[s.name].hexdigest() if s.name in tensor_hash else empty)
-                               for s in job.layout.slots}
             sidecar_path = os.path.join(self.level_root(job), job.sidecar_rel)
             faults.before_write(self.level, sidecar_path, 0, len(job.sidecar))
             write_durable(sidecar_path, job.sidecar)
             fsync_dir(os.path.dirname(sidecar_path))
-            job.sidecar_xxh3 = xxhash.xxh3_64_hexdigest(job.sidecar)
             job.durable_at[self.level] = time.monotonic()
             self.on_durable(job, self.level)
 

@@ -32,7 +32,7 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
 from megatron_ext.engine.files import atomic_write
-from megatron_ext.megatron import sharding
+from megatron_ext.megatron import optimizer_state, sharding
 
 log = logging.getLogger("megatron_ext.megatron")
 
@@ -136,6 +136,13 @@ def set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _unwrap(model: Any) -> list:
+    """The bare model chunks (no DDP or Float16Module wrappers), as Megatron-LM saves them."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(model if isinstance(model, list) else [model])
+
+
 def _model_keys(model: list) -> list[str]:
     return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
 
@@ -205,7 +212,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         raise CheckpointError("--use-datastates does not support non-persistent checkpoints; "
                               "use --save-interval (the engine is already asynchronous)")
     started = time.monotonic()
-    model = model if isinstance(model, list) else [model]
+    model = _unwrap(model)
     engine = get_engine(args)
     install_lazy_wait(optimizer, engine)
     with_optimizer = not getattr(args, "no_save_optim", False)
@@ -306,6 +313,7 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+    from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
     args = _get_args()
     load_dir = getattr(args, load_arg, None)
@@ -321,7 +329,7 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
         log.warning("[datastates] %s is missing; using the newest committed checkpoint, iteration %d",
                     TRACKER, iteration)
     started = time.monotonic()
-    model = ddp_model if isinstance(ddp_model, list) else [ddp_model]
+    model = _unwrap(ddp_model)
     engine = get_engine(args) if args.save else CheckpointEngine({"save_dir": load_dir, "host_cache_size": 0.01})
     ckpt = engine.open_checkpoint(checkpoint_name(iteration), root=load_dir)
     tensor_index, object_index = _index(ckpt.manifest)
@@ -331,7 +339,10 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     _check_layout(meta["layout"], _layout())
 
     with_optimizer = optimizer is not None and not getattr(args, "no_load_optim", False) and not getattr(args, "finetune", False)
+    if with_optimizer:
+        optimizer_state.ensure_state(optimizer)
     sharded, nonpersistent, factories = load_preprocess(_sharded_state(model, optimizer, True, with_optimizer))
+    sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"
     missing: list[str] = []
 
     def fill(leaf: Any) -> Any:
@@ -367,6 +378,7 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
             chunk.load_state_dict(state[key], strict=strict)
         if with_optimizer:
             optimizer.load_state_dict(state["optimizer"])
+            optimizer_state.restore_adam_steps(optimizer)
     if opt_param_scheduler is not None and meta.get("scheduler") is not None and not getattr(args, "finetune", False):
         opt_param_scheduler.load_state_dict(meta["scheduler"])
     own = next((n for n, f in ckpt.manifest["files"].items() if f["rank"] == rank), None)

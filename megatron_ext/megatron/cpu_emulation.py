@@ -1,0 +1,170 @@
+"""Run real megatron-core on CPU ranks (gloo) by answering its few CUDA assumptions.
+
+megatron-core 0.16.1 trains on a CPU almost unchanged; what stops it is a handful of places where
+it names the CUDA device or calls a CUDA-only API:
+
+* tensors are created with ``device='cuda'`` / ``device=torch.cuda.current_device()`` and moved
+  with ``.cuda()``;
+* the mixed-precision optimizer checks ``param.type()`` against ``'torch.cuda.BFloat16Tensor'``
+  and friends to decide which parameters get fp32 main copies;
+* the RNG tracker (``tensor_parallel.random``) saves and restores the CUDA generator;
+* the distributed optimizer reduce-scatters gradients, which gloo does not implement.
+
+``enable_cpu_emulation()`` answers each of these for CPU tensors. It is meant for tests and the CPU
+demo: when a GPU is present it does nothing, so the production path never sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["enable_cpu_emulation", "is_cpu_emulation_enabled"]
+
+_lock = threading.Lock()
+_enabled = False
+
+# What ``Tensor.type()`` answers for CPU tensors: the names megatron's optimizer compares against.
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+def _is_cuda_device(device: Any) -> bool:
+    """True for every spelling of a CUDA device megatron uses: 'cuda', 'cuda:0', an int index."""
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device arguments to CPU on every torch call made while the mode is active.
+
+    A function mode sees factory functions (``torch.empty(..., device='cuda')``) and tensor
+    methods (``t.cuda()``, ``t.to('cuda')``, ``t.type()``) alike, so no megatron module needs
+    to be patched for device placement.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            if name is not None:
+                return name
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _reduce_scatter_via_all_reduce(output, input, op=dist.ReduceOp.SUM, group=None,
+                                   async_op=False):
+    """gloo has no reduce-scatter: all-reduce a copy of the input and keep this rank's slice.
+
+    Costs a full all-reduce instead of a reduce-scatter, which is irrelevant at test sizes.
+    The work is done synchronously; when ``async_op`` is requested a completed handle is returned.
+    """
+    reduced = input.clone()
+    dist.all_reduce(reduced, op=op, group=group)
+    rank = dist.get_rank(group)
+    numel = output.numel()
+    output.copy_(reduced.view(-1)[rank * numel:(rank + 1) * numel].view_as(output))
+    return _CompletedWork() if async_op else None
+
+
+class _CompletedWork:
+    """Stands in for a ``dist.Work`` handle of an operation that already finished."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _patch_torch_cuda() -> None:
+    """Send the CUDA device, seed and RNG-state helpers megatron calls to their CPU equivalents."""
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    # Seed only the CPU generator: ``torch.manual_seed`` itself calls ``cuda.manual_seed_all``.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+
+
+def _patch_megatron() -> None:
+    """Point megatron's own CUDA helpers and import-time bound collectives at the CPU versions.
+
+    ``_get_cuda_rng_state``/``_set_cuda_rng_state`` reach ``torch.cuda.default_generators``
+    directly, and several modules bind ``reduce_scatter_tensor`` to a module global at import
+    time, so patching ``torch`` alone is not enough.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = (
+        lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    )
+    mrandom._set_cuda_rng_state = (
+        lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+    )
+
+    # On a CPU the "CUDA" generator *is* the CPU generator, so the tracker's check that forked
+    # regions leave the CPU RNG alone fires on every dropout; it is expected here, not a bug.
+    logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+
+    import importlib
+
+    for name in ("megatron.core.distributed.param_and_grad_buffer",
+                 "megatron.core.tensor_parallel.mappings",
+                 "megatron.core.tensor_parallel.layers"):
+        module = importlib.import_module(name)
+        if hasattr(module, "dist_reduce_scatter_func"):
+            module.dist_reduce_scatter_func = _reduce_scatter_via_all_reduce
+
+
+def enable_cpu_emulation() -> bool:
+    """Make megatron-core train on CPU ranks; returns True when the emulation is active.
+
+    Idempotent. Does nothing (and returns False) when CUDA is available, so calling it
+    unconditionally is safe on GPU machines. Call it before building models or optimizers; the
+    device mode stays pushed for the rest of the process.
+    """
+    global _enabled
+    if torch.cuda.is_available():
+        return False
+    with _lock:
+        if _enabled:
+            return True
+        _patch_torch_cuda()
+        dist.reduce_scatter_tensor = _reduce_scatter_via_all_reduce
+        dist._reduce_scatter_base = _reduce_scatter_via_all_reduce
+        _patch_megatron()
+        _CudaToCpuMode().__enter__()
+        _enabled = True
+        return True
+
+
+def is_cpu_emulation_enabled() -> bool:
+    """True once ``enable_cpu_emulation()`` has switched the emulation on in this process."""
+    return _enabled

@@ -1,0 +1,568 @@
+"""Reference trainer: a small megatron-core GPT with TP/PP/DP, deterministic data and checkpoints.
+
+Run with ``torchrun --nproc-per-node N -m megatron_ext.megatron.trainer [args]``. It uses the real
+megatron-core building blocks (``GPTModel``, ``DistributedDataParallel``, the distributed
+optimizer, the pipeline schedules, ``OptimizerParamScheduler``) so checkpointing code exercised
+here sees the same objects it sees inside Megatron-LM. On a machine without GPUs it switches on
+``cpu_emulation`` and runs over gloo.
+
+Checkpointing goes through exactly two functions chosen at start-up by ``select_checkpointing``:
+``save_checkpoint_fn(iteration, model, optimizer, scheduler, args)`` and
+``load_checkpoint_fn(model, optimizer, scheduler, args) -> iteration``. The baseline pair below
+uses megatron-core ``dist_checkpointing`` with the ``torch_dist`` format in Megatron's layout
+(``<save>/iter_0000005/`` plus ``<save>/latest_checkpointed_iteration.txt``).
+
+Resuming is bit-exact: the batch of iteration ``i`` is a pure function of ``(seed, i, dp_rank)``
+and every RNG the step consumes (torch, python, numpy, megatron's model-parallel tracker) is saved
+and restored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import time
+from functools import partial
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_ext.megatron.args import add_datastates_args, validate_datastates_args
+from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+# Per-rank bucket-space optimizer state, no gathers or copies (``DistributedOptimizer.
+# sharded_state_dict`` needs this metadata at 0.16.1; without it, it fails on ``flattened_range``).
+OPTIMIZER_SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """Megatron-style command line; defaults are a tiny model that trains quickly on 2 cores."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=32)
+    g.add_argument("--vocab-size", type=int, default=256)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--bf16", action="store_true")
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro-batch-size x data-parallel size (one micro-batch)")
+    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--lr", type=float, default=1e-2)
+    g.add_argument("--min-lr", type=float, default=1e-3)
+    g.add_argument("--lr-warmup-iters", type=int, default=1)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after any save) when iteration %% exit-interval == 0, as Megatron")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-json", default=None,
+                   help="append one JSON line per iteration (loss as float.hex())")
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None, help="checkpoint root directory")
+    g.add_argument("--load", default=None, help="checkpoint root to resume from")
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--crash-at-iteration", type=int, default=None,
+                   help="test aid: SIGKILL this process right after iteration N's save call returns")
+    add_datastates_args(p)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# Start-up
+# --------------------------------------------------------------------------------------------
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+    """Process groups (gloo on CPU, nccl on GPU), megatron's parallel state and its RNGs."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    on_cpu = enable_cpu_emulation()  # False (and a no-op) whenever CUDA is available
+    if not dist.is_initialized():
+        if not on_cpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend="gloo" if on_cpu else "nccl")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+    )
+    args.data_parallel_size = parallel_state.get_data_parallel_world_size()
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                         f"micro-batch-size x DP = {per_step}")
+    args.num_microbatches = args.global_batch_size // per_step
+
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    # Bit-exact resumption needs reproducible kernels; on CPU this costs nothing.
+    torch.use_deterministic_algorithms(True)
+
+
+def build_model(args: argparse.Namespace):
+    """This pipeline stage's GPT, cast to bf16 (Float16Module) and wrapped in megatron's DDP."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        use_cpu_initialization=True,
+        init_method_std=0.02,
+    )
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.vocab_size,
+        max_sequence_length=args.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        position_embedding_type="learned_absolute",
+    )
+    module = Float16Module(config, gpt) if args.bf16 else gpt
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    model = DistributedDataParallel(config, ddp_config, module)
+    # What Megatron-LM's setup does: the schedule syncs grads through these hooks.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    return model, config
+
+
+def build_optimizer(args: argparse.Namespace, model, config):
+    """megatron's Adam (a ChainedOptimizer over DistributedOptimizer) and its LR scheduler."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        clip_grad=args.clip_grad,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    config.grad_scale_func = optimizer.scale_loss
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        # Counted in samples, as Megatron-LM does (``step(increment=global_batch_size)``).
+        lr_warmup_steps=args.lr_warmup_iters * args.global_batch_size,
+        lr_decay_steps=args.train_iters * args.global_batch_size,
+        lr_decay_style="cosine",
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * args.global_batch_size,
+        wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+# --------------------------------------------------------------------------------------------
+# Data
+# --------------------------------------------------------------------------------------------
+
+def synthetic_batch(seed: int, iteration: int, dp_rank: int, num_microbatches: int,
+                    micro_batch_size: int, seq_length: int, vocab_size: int) -> torch.Tensor:
+    """Token ids ``[num_microbatches, micro_batch_size, seq_length + 1]`` for one iteration.
+
+    A pure function of ``(seed, iteration, dp_rank)``: a private generator, never the global RNG,
+    so the data does not depend on where a run started. Each row is an arithmetic progression
+    modulo the vocabulary, which a small model learns quickly (the loss visibly falls).
+    """
+    gen = torch.Generator().manual_seed(
+        (seed * 1_000_003 + iteration * 7_919 + dp_rank * 104_729) % (2**63 - 1))
+    shape = (num_microbatches, micro_batch_size, 1)
+    start = torch.randint(0, vocab_size, shape, generator=gen)
+    stride = torch.randint(1, 3, shape, generator=gen)
+    positions = torch.arange(seq_length + 1).view(1, 1, -1)
+    return (start + stride * positions) % vocab_size
+
+
+def microbatch_iterator(tokens: torch.Tensor) -> Iterator[dict]:
+    """Yield the schedule's micro-batches: inputs, shifted labels, a full loss mask."""
+    for mb in tokens:
+        yield {
+            "tokens": mb[:, :-1].contiguous(),
+            "labels": mb[:, 1:].contiguous(),
+            "loss_mask": torch.ones(mb.shape[0], mb.shape[1] - 1, dtype=torch.float32),
+        }
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean token loss of one micro-batch (the schedule divides by the number of micro-batches)."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1)
+    loss = torch.sum(losses * mask) / mask.sum()
+    # A copy: the schedule divides the returned loss by the micro-batch count in place.
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(data_iterator, model):
+    """One micro-batch through this stage; the last stage also returns the loss function."""
+    batch = next(data_iterator)
+    tokens = batch["tokens"]
+    position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, position_ids, None, labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+# --------------------------------------------------------------------------------------------
+# Baseline checkpointing: megatron-core dist_checkpointing, torch_dist format
+# --------------------------------------------------------------------------------------------
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    """Megatron's per-iteration directory name."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    """Publish ``iteration`` as the latest checkpoint: temp file, fsync, rename, fsync the dir."""
+    tmp = os.path.join(root, f".{TRACKER_FILENAME}.tmp")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
+    dir_fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_tracker(root: str) -> Optional[int]:
+    """The iteration named by the tracker file, or None when there is no checkpoint yet."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return 0
+    return int(text)
+
+
+def unwrap_model(model):
+    """The module whose ``sharded_state_dict`` megatron uses: inside DDP (and Float16Module)."""
+    return model.module
+
+
+def rng_state_object(args: argparse.Namespace, rng: Optional[dict] = None):
+    """This rank's RNG states as a ShardedObject: one entry per (pp, tp, dp) coordinate.
+
+    Every rank writes its own entry, so nothing is assumed about which ranks share RNG states.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject(
+        "rng_state",
+        rng,
+        (args.pipeline_model_parallel_size, args.tensor_model_parallel_size,
+         args.data_parallel_size),
+        (parallel_state.get_pipeline_model_parallel_rank(),
+         parallel_state.get_tensor_model_parallel_rank(),
+         parallel_state.get_data_parallel_rank()),
+        replica_id=0,
+    )
+
+
+def capture_rng_state() -> dict:
+    """Every RNG a training step can consume on this rank."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+    }
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of ``capture_rng_state``."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def build_sharded_state_dict(model, optimizer, scheduler, args, iteration: int,
+                             is_loading: bool) -> dict:
+    """Megatron's checkpoint content: model, optimizer, scheduler, RNG, iteration and args."""
+    model_sd = unwrap_model(model).sharded_state_dict()
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_SHARDING_METADATA)),
+        "opt_param_scheduler": scheduler.state_dict(),
+        "rng_state": rng_state_object(args, None if is_loading else capture_rng_state()),
+        "iteration": iteration,
+        "args": {k: v for k, v in vars(args).items()},
+        "checkpoint_version": 3.0,
+    }
+
+
+def ensure_optimizer_state(optimizer) -> None:
+    """Allocate Adam state on a fresh optimizer so its sharded state dict can be built for loading.
+
+    Without TE/Apex, ``DistributedOptimizer.state_dict()`` at megatron-core 0.16.1 reads the
+    ``step`` of every torch Adam state and fails (``assert len(steps) == 1``) before the first
+    step. megatron's own helper runs one zero-gradient inner step; everything it touches (main
+    params, moments, step) is overwritten by the load.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        init_states = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+        if init_states is not None and len(opt.optimizer.state) == 0:
+            init_states()
+
+
+def restore_adam_steps(optimizer) -> None:
+    """Give every torch Adam state its own ``step`` tensor holding the checkpointed step count.
+
+    Two megatron-core 0.16.1 quirks on the torch-Adam (no TE/Apex) path after a
+    ``dp_reshardable`` load: ``DistributedOptimizer.load_state_dict`` puts ONE shared ``step``
+    tensor into every param's state (torch's single-tensor Adam then increments it once per
+    parameter), and ``load_parameter_state_from_dp_reshardable`` copies the *template's* ``step``
+    (a ``LocalNonpersistentObject``, i.e. the pre-load value) over it. The true count survives in
+    ``param_groups[i]['step']``, which ``DistributedOptimizer.state_dict()`` saves.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = inner.state.get(param)
+                if state and "step" in state:
+                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def save_checkpoint_torch_dist(iteration: int, model, optimizer, scheduler,
+                               args: argparse.Namespace) -> None:
+    """Synchronous torch_dist save of this iteration, then the tracker (rank 0, after a barrier)."""
+    from megatron.core import dist_checkpointing
+
+    ckpt = checkpoint_dir(args.save, iteration)
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt, exist_ok=True)
+    dist.barrier()
+    state = build_sharded_state_dict(model, optimizer, scheduler, args, iteration,
+                                     is_loading=False)
+    dist_checkpointing.save(state, ckpt, sharded_strategy=("torch_dist", 1))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        write_tracker(args.save, iteration)
+    dist.barrier()
+
+
+def load_checkpoint_torch_dist(model, optimizer, scheduler, args: argparse.Namespace) -> int:
+    """Restore the tracker's checkpoint into model, optimizer, scheduler and RNGs; 0 if none."""
+    from megatron.core import dist_checkpointing
+
+    iteration = read_tracker(args.load)
+    if iteration is None:
+        return 0
+    ckpt = checkpoint_dir(args.load, iteration)
+    ensure_optimizer_state(optimizer)
+    template = build_sharded_state_dict(model, optimizer, scheduler, args, iteration,
+                                        is_loading=True)
+    state = dist_checkpointing.load(template, ckpt)
+    unwrap_model(model).load_state_dict(state["model"], strict=True)
+    optimizer.load_state_dict(state["optimizer"])
+    restore_adam_steps(optimizer)
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    restore_rng_state(state["rng_state"])
+    return int(state["iteration"])
+
+
+SaveFn = Callable[..., None]
+LoadFn = Callable[..., int]
+
+
+def save_checkpoint_datastates(iteration: int, model, optimizer, scheduler, args: argparse.Namespace) -> None:
+    """The drop-in Megatron-LM ``save_checkpoint``, called as Megatron's training loop calls it."""
+    from megatron_ext.megatron import checkpointing
+
+    checkpointing.set_args(args)
+    checkpointing.save_checkpoint(iteration, [model], optimizer, scheduler, 0)
+
+
+def load_checkpoint_datastates(model, optimizer, scheduler, args: argparse.Namespace) -> int:
+    from megatron_ext.megatron import checkpointing
+
+    checkpointing.set_args(args)
+    iteration, _ = checkpointing.load_checkpoint([model], optimizer, scheduler)
+    return iteration
+
+
+def finish_checkpointing(args: argparse.Namespace) -> None:
+    """End of training: every pending checkpoint committed before the process exits."""
+    if args.use_datastates:
+        from megatron_ext.megatron import checkpointing
+
+        checkpointing.finalize_checkpoints(blocking=True, terminate=True)
+
+
+def select_checkpointing(args: argparse.Namespace) -> Tuple[SaveFn, LoadFn]:
+    """The one place that decides how checkpoints are written and read."""
+    if args.use_datastates:
+        validate_datastates_args(args)
+        return save_checkpoint_datastates, load_checkpoint_datastates
+    return save_checkpoint_torch_dist, load_checkpoint_torch_dist
+
+
+# --------------------------------------------------------------------------------------------
+# Training loop
+# --------------------------------------------------------------------------------------------
+
+def train_step(args, iteration: int, model, optimizer, scheduler) -> Optional[float]:
+    """One global batch: forward/backward over all micro-batches, optimizer and scheduler step.
+
+    Returns the DP-averaged loss on the logging rank (last pipeline stage), else None.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tokens = synthetic_batch(args.seed, iteration, parallel_state.get_data_parallel_rank(),
+                             args.num_microbatches, args.micro_batch_size, args.seq_length,
+                             args.vocab_size)
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=microbatch_iterator(tokens),
+        model=[model],
+        num_microbatches=args.num_microbatches,
+        seq_length=args.seq_length,
+        micro_batch_size=args.micro_batch_size,
+        forward_only=False,
+    )
+    # ChainedOptimizer.step() = prepare_grads, clip, step_with_ready_grads (the inner AdamW step
+    # that mutates fp32 main params and moments, then the bf16 param all-gather). A lazy
+    # checkpoint must finish its snapshot before step_with_ready_grads runs.
+    success, _grad_norm, _ = optimizer.step()
+    if not success:
+        raise RuntimeError(f"optimizer step skipped at iteration {iteration}")
+    scheduler.step(increment=args.global_batch_size)
+
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    loss = torch.stack([x["lm loss"] for x in losses]).mean()
+    dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    return (loss / args.data_parallel_size).item()
+
+
+def _is_logging_rank() -> bool:
+    from megatron.core import parallel_state
+
+    return (parallel_state.is_pipeline_last_stage()
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0)
+
+
+def train(args: argparse.Namespace) -> List[float]:
+    """Build everything, resume if asked, train to ``--train-iters``; returns logged losses.
+
+    Iterations are numbered from 1 like Megatron; a checkpoint taken after iteration ``k`` is
+    ``iter_000000k`` and resuming from it runs iteration ``k + 1`` next.
+    """
+    initialize_distributed(args)
+    save_checkpoint_fn, load_checkpoint_fn = select_checkpointing(args)
+    model, config = build_model(args)
+    optimizer, scheduler = build_optimizer(args, model, config)
+
+    iteration = 0
+    if args.load:
+        iteration = load_checkpoint_fn(model, optimizer, scheduler, args)
+
+    log = open(args.log_json, "a") if args.log_json and _is_logging_rank() else None
+    losses = []
+    try:
+        while iteration < args.train_iters:
+            start = time.perf_counter()
+            loss = train_step(args, iteration + 1, model, optimizer, scheduler)
+            iteration += 1
+            elapsed = time.perf_counter() - start
+            if loss is not None and _is_logging_rank():
+                losses.append(loss)
+                print(f"iteration {iteration:6d} | loss {loss:.6f} | "
+                      f"lr {scheduler.get_lr(optimizer.param_groups[0]):.3e} | "
+                      f"time {elapsed * 1000:.1f} ms", flush=True)
+                if log is not None:
+                    log.write(json.dumps({"iteration": iteration, "loss": float(loss).hex(),
+                                          "loss_float": loss, "iter_time_s": elapsed}) + "\n")
+                    log.flush()
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                save_checkpoint_fn(iteration, model, optimizer, scheduler, args)
+            if args.crash_at_iteration == iteration:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                break
+    finally:
+        if log is not None:
+            log.close()
+    finish_checkpointing(args)
+    dist.barrier()
+    return losses
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        train(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""megatron-core GPT training on CPU ranks (gloo) through the reference trainer.
+
+Each test launches ``megatron_ext.megatron.trainer`` with torchrun in a subprocess, reads the
+per-iteration JSON log written by the logging rank and compares losses (bit for bit where the
+test is about resumption).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT_S = 240
+
+# Small but real: bf16, distributed optimizer, 2 micro-batches per DP rank per iteration.
+COMMON = ["--bf16", "--use-distributed-optimizer", "--global-batch-size", "8",
+          "--micro-batch-size", "2", "--seed", "1234"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_trainer(nproc: int, args: list[str], log_json: Path) -> list[dict]:
+    """Run the trainer on ``nproc`` CPU processes; return the JSON lines it logged."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()),
+           "-m", "megatron_ext.megatron.trainer", *COMMON, *args, "--log-json", str(log_json)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S)
+    if proc.returncode != 0:
+        pytest.fail(f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n"
+                    f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
+    return [json.loads(line) for line in log_json.read_text().splitlines()]
+
+
+def run_python(code: str) -> None:
+    """Run ``code`` in a fresh interpreter: the emulation is process-wide and must not leak."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def test_emulation_does_nothing_when_cuda_is_available():
+    run_python(
+        "import torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "before = torch.cuda.current_device\n"
+        "from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation, "
+        "is_cpu_emulation_enabled\n"
+        "assert enable_cpu_emulation() is False and not is_cpu_emulation_enabled()\n"
+        "assert torch.cuda.current_device is before\n"
+        "assert torch.ones(1).type() == 'torch.FloatTensor'\n"
+    )
+
+
+def test_emulation_maps_cuda_to_cpu_and_is_idempotent():
+    run_python(
+        "import torch\n"
+        "from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation\n"
+        "assert enable_cpu_emulation() is True and enable_cpu_emulation() is True\n"
+        "x = torch.zeros(2, device='cuda')\n"
+        "assert x.device.type == 'cpu' and x.cuda() is x\n"
+        "assert torch.empty(1, device=torch.cuda.current_device()).device.type == 'cpu'\n"
+        "assert x.to('cuda').device.type == 'cpu'\n"
+        "assert torch.ones(1, dtype=torch.bfloat16).type() == 'torch.cuda.BFloat16Tensor'\n"
+        "assert torch.ones(1, dtype=torch.int64).type() == 'torch.LongTensor'\n"
+        "torch.cuda.manual_seed(3); a = torch.cuda.get_rng_state(); r1 = torch.rand(3)\n"
+        "torch.cuda.set_rng_state(a); assert torch.equal(torch.rand(3), r1)\n"
+    )
+
+
+def losses_by_iteration(records: list[dict]) -> dict[int, str]:
+    return {r["iteration"]: r["loss"] for r in records}
+
+
+@pytest.mark.multiproc
+def test_tp2_pp2_dp2_trains_with_falling_loss(tmp_path):
+    records = run_trainer(8, ["--tensor-model-parallel-size", "2",
+                              "--pipeline-model-parallel-size", "2", "--train-iters", "10"],
+                          tmp_path / "log.jsonl")
+    assert [r["iteration"] for r in records] == list(range(1, 11))
+    losses = [float.fromhex(r["loss"]) for r in records]
+    assert 5.0 < losses[0] < 6.0, losses  # about ln(256) before training
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.1, losses
+
+
+@pytest.mark.multiproc
+def test_torch_dist_resume_is_bit_exact_tp2_dp2(tmp_path):
+    parallel = ["--tensor-model-parallel-size", "2", "--train-iters", "6"]
+    reference = losses_by_iteration(run_trainer(4, parallel, tmp_path / "reference.jsonl"))
+    assert sorted(reference) == [1, 2, 3, 4, 5, 6]
+
+    ckpt = tmp_path / "ckpt"
+    first = run_trainer(4, [*parallel, "--save", str(ckpt), "--save-interval", "1",
+                            "--exit-interval", "3"], tmp_path / "first.jsonl")
+    assert [r["iteration"] for r in first] == [1, 2, 3]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == [
+        "iter_0000001", "iter_0000002", "iter_0000003"]
+    assert (ckpt / "iter_0000003" / "metadata.json").exists()
+    assert not list(ckpt.glob(".*tmp*"))
+
+    resumed = losses_by_iteration(run_trainer(4, [*parallel, "--load", str(ckpt)],
+                                              tmp_path / "resumed.jsonl"))
+    assert sorted(resumed) == [4, 5, 6]
+    for iteration in (4, 5, 6):
+        assert resumed[iteration] == reference[iteration], (iteration, resumed, reference)
