@@ -539,6 +539,7 @@ def train(args: argparse.Namespace) -> List[float]:
                       f"time {elapsed * 1000:.1f} ms", flush=True)
                 if log is not None:
                     log.write(json.dumps({"iteration": iteration, "loss": float(loss).hex(),
+                                          "lr": scheduler.get_lr(optimizer.param_groups[0]).hex(),
                                           "loss_float": loss, "iter_time_s": elapsed}) + "\n")
                     log.flush()
             if args.save and args.save_interval and iteration % args.save_interval == 0:

@@ -7,44 +7,15 @@ test is about resumption).
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
-REPO = Path(__file__).resolve().parents[2]
-RUN_TIMEOUT_S = 240
-
-# Small but real: bf16, distributed optimizer, 2 micro-batches per DP rank per iteration.
-COMMON = ["--bf16", "--use-distributed-optimizer", "--global-batch-size", "8",
-          "--micro-batch-size", "2", "--seed", "1234"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_trainer(nproc: int, args: list[str], log_json: Path) -> list[dict]:
-    """Run the trainer on ``nproc`` CPU processes; return the JSON lines it logged."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()),
-           "-m", "megatron_ext.megatron.trainer", *COMMON, *args, "--log-json", str(log_json)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
-    if proc.returncode != 0:
-        pytest.fail(f"trainer failed ({proc.returncode}): {' '.join(cmd)}\n"
-                    f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
-    return [json.loads(line) for line in log_json.read_text().splitlines()]
+from launch import COMMON, REPO, run_trainer  # noqa: E402
 
 
 def run_python(code: str) -> None:
