@@ -38,10 +38,26 @@ def _demo(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _main_job(sub) -> None:
+    p = sub.add_parser("main-job", help="train a small GPT on 8 CPU ranks with --use-datastates, crash, resume, compare")
+    p.add_argument("--out", default="runs/main", help="work directory (default runs/main)")
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--crash-at", type=int, default=7)
+    p.add_argument("--host-cache-size", type=float, default=0.05, help="GiB per rank")
+
+    def run(args) -> int:
+        from megatron_ext import main_job
+
+        return main_job.main(args)
+
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-ext", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log every checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
+    _main_job(sub)
     _demo(sub)
     bench = sub.add_parser("bench", help="benchmarks (figures are ratios against peers measured in the same run)")
     _bench_engine(bench.add_subparsers(dest="bench", required=True))
