@@ -24,6 +24,21 @@ def _bench_engine(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _bench_train(sub) -> None:
+    p = sub.add_parser("train", help="reference trainer: no checkpoints vs datastates vs megatron-core async save")
+    p.add_argument("--iters", type=int, default=12)
+    p.add_argument("--nproc", type=int, default=2, help="CPU ranks (data parallel)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
+
+    def run(args) -> int:
+        from megatron_ext.bench import train_bench
+
+        return train_bench.main(args)
+
+    p.set_defaults(func=run)
+
+
 def _demo(sub) -> None:
     p = sub.add_parser("demo", help="save every step of a toy training loop, then resume and check it")
     p.add_argument("--out", default="runs/demo", help="checkpoint directory (default runs/demo)")
@@ -60,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     _main_job(sub)
     _demo(sub)
     bench = sub.add_parser("bench", help="benchmarks (figures are ratios against peers measured in the same run)")
-    _bench_engine(bench.add_subparsers(dest="bench", required=True))
+    benches = bench.add_subparsers(dest="bench", required=True)
+    _bench_engine(benches)
+    _bench_train(benches)
     return parser
 
 

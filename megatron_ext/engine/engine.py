@@ -80,6 +80,7 @@ class CheckpointEngine:
         self._files: list[FileJob] = []
         self._closed = False
         self.last_load_level: str | None = None
+        self.blocked_total_s = 0.0  # all time the caller spent in save() and wait_snapshot()
 
         tele_path = self.config.telemetry_path
         if tele_path is None and self.config.save_dir is not None:
@@ -149,6 +150,7 @@ class CheckpointEngine:
         self._files.append(fjob)
         self.scheduler.submit(fjob)
         job.blocked_s += time.monotonic() - started
+        self.blocked_total_s += time.monotonic() - started
         return fjob
 
     def commit(self, checkpoint: str, *, root: str | None = None,
@@ -187,6 +189,7 @@ class CheckpointEngine:
             self._wait_event(fjob.snapshot_done, started + timeout, f"snapshot of {fjob.checkpoint.checkpoint}")
         self._raise_if_failed()
         blocked = time.monotonic() - started
+        self.blocked_total_s += blocked
         for job in {f.checkpoint for f in pending}:
             job.blocked_s += blocked
         self._files = [f for f in self._files if not f.snapshot_done.is_set()]

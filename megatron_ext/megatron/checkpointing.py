@@ -92,6 +92,10 @@ def get_engine(args: Any | None = None) -> CheckpointEngine:
     return _engine
 
 
+def current_engine() -> CheckpointEngine | None:
+    return _engine
+
+
 def install_lazy_wait(optimizer: Any, engine: CheckpointEngine) -> None:
     """Make ``optimizer.step_with_ready_grads`` wait for pending snapshots first (idempotent)."""
     if optimizer is None or getattr(optimizer, "_datastates_lazy_wait", False):

@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None, help="checkpoint root directory")
     g.add_argument("--load", default=None, help="checkpoint root to resume from")
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--megatron-async-save", action="store_true",
+                   help="baseline for benchmarks: megatron-core's async torch_dist save (as --async-save)")
     g.add_argument("--crash-at-iteration", type=int, default=None,
                    help="test aid: SIGKILL this process right after iteration N's save call returns")
     add_datastates_args(p)
@@ -444,12 +446,70 @@ def load_checkpoint_datastates(model, optimizer, scheduler, args: argparse.Names
     return iteration
 
 
-def finish_checkpointing(args: argparse.Namespace) -> None:
-    """End of training: every pending checkpoint committed before the process exits."""
+def save_checkpoint_megatron_async(iteration: int, model, optimizer, scheduler, args: argparse.Namespace) -> None:
+    """megatron-core's own asynchronous torch_dist save, scheduled and finalized as Megatron-LM does.
+
+    The call stages the tensors (the part that blocks training) and hands the write to a
+    background process; the tracker is written by the finalize step once every rank is done.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    global _async_queue
+    if _async_queue is None:
+        _async_queue = AsyncCallsQueue()
+    ckpt = checkpoint_dir(args.save, iteration)
+    if dist.get_rank() == 0:
+        os.makedirs(ckpt, exist_ok=True)
+    dist.barrier()
+    state = build_sharded_state_dict(model, optimizer, scheduler, args, iteration, is_loading=False)
+    request = dist_checkpointing.save(state, ckpt, sharded_strategy=("torch_dist", 1), async_sharded_save=True)
+    rank = dist.get_rank()
+    request.add_finalize_fn(lambda: write_tracker(args.save, iteration) if rank == 0 else None)
+    _async_queue.schedule_async_request(request)
+
+
+_async_queue = None
+_blocked_s = [0.0]  # seconds spent inside checkpoint calls on this rank (non-datastates modes)
+
+
+def timed_checkpoint_call(fn: Callable, *args, **kwargs):
+    start = time.perf_counter()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _blocked_s[0] += time.perf_counter() - start
+
+
+def checkpoint_blocked_seconds(args: argparse.Namespace) -> float:
+    """Time training has waited for checkpointing so far on this rank.
+
+    With datastates this is the engine's count (``save`` calls plus the lazy wait inside the
+    optimizer step); otherwise the time spent in the save and finalize calls.
+    """
     if args.use_datastates:
         from megatron_ext.megatron import checkpointing
 
-        checkpointing.finalize_checkpoints(blocking=True, terminate=True)
+        engine = checkpointing.current_engine()
+        return engine.blocked_total_s if engine is not None else 0.0
+    return _blocked_s[0]
+
+
+def finalize_checkpoints(args: argparse.Namespace, blocking: bool) -> None:
+    """Megatron-LM's ``maybe_finalize_async_save``: every iteration (non-blocking) and at the end."""
+    if args.use_datastates:
+        from megatron_ext.megatron import checkpointing
+
+        checkpointing.finalize_checkpoints(blocking=blocking, terminate=blocking)
+    elif _async_queue is not None:
+        _async_queue.maybe_finalize_async_calls(blocking=blocking)
+        if blocking:
+            _async_queue.close()
+
+
+def finish_checkpointing(args: argparse.Namespace) -> None:
+    """End of training: every pending checkpoint committed before the process exits."""
+    finalize_checkpoints(args, blocking=True)
 
 
 def select_checkpointing(args: argparse.Namespace) -> Tuple[SaveFn, LoadFn]:
@@ -457,6 +517,8 @@ def select_checkpointing(args: argparse.Namespace) -> Tuple[SaveFn, LoadFn]:
     if args.use_datastates:
         validate_datastates_args(args)
         return save_checkpoint_datastates, load_checkpoint_datastates
+    if args.megatron_async_save:
+        return save_checkpoint_megatron_async, load_checkpoint_torch_dist
     return save_checkpoint_torch_dist, load_checkpoint_torch_dist
 
 
@@ -526,24 +588,32 @@ def train(args: argparse.Namespace) -> List[float]:
 
     log = open(args.log_json, "a") if args.log_json and _is_logging_rank() else None
     losses = []
+    checkpointing_on = bool(args.save and args.save_interval)
     try:
         while iteration < args.train_iters:
             start = time.perf_counter()
+            blocked_before = checkpoint_blocked_seconds(args)
             loss = train_step(args, iteration + 1, model, optimizer, scheduler)
             iteration += 1
+            if checkpointing_on and iteration % args.save_interval == 0:
+                timed_checkpoint_call(save_checkpoint_fn, iteration, model, optimizer, scheduler, args)
+            timed_checkpoint_call(finalize_checkpoints, args, blocking=False)
             elapsed = time.perf_counter() - start
+            blocked = torch.tensor([checkpoint_blocked_seconds(args) - blocked_before])
+            if checkpointing_on:  # the slowest rank is the one training waits for
+                dist.all_reduce(blocked, op=dist.ReduceOp.MAX)
             if loss is not None and _is_logging_rank():
                 losses.append(loss)
                 print(f"iteration {iteration:6d} | loss {loss:.6f} | "
                       f"lr {scheduler.get_lr(optimizer.param_groups[0]):.3e} | "
-                      f"time {elapsed * 1000:.1f} ms", flush=True)
+                      f"time {elapsed * 1000:.1f} ms | checkpoint blocked {blocked.item() * 1000:.1f} ms",
+                      flush=True)
                 if log is not None:
                     log.write(json.dumps({"iteration": iteration, "loss": float(loss).hex(),
                                           "lr": scheduler.get_lr(optimizer.param_groups[0]).hex(),
-                                          "loss_float": loss, "iter_time_s": elapsed}) + "\n")
+                                          "loss_float": loss, "iter_time_s": elapsed,
+                                          "ckpt_blocked_s": blocked.item()}) + "\n")
                     log.flush()
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
-                save_checkpoint_fn(iteration, model, optimizer, scheduler, args)
             if args.crash_at_iteration == iteration:
                 os.kill(os.getpid(), signal.SIGKILL)
             if args.exit_interval and iteration % args.exit_interval == 0:

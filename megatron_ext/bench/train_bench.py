@@ -1,0 +1,113 @@
+"""``megatron-ext bench train``: the reference trainer three ways, same model, one run.
+
+1. no checkpointing (the baseline iteration time);
+2. ``--use-datastates --save-interval 1``;
+3. megatron-core's ``dist_checkpointing.save(..., async_sharded_save=True)`` every iteration
+   (torch_dist strategy, scheduled and finalized with ``AsyncCallsQueue`` as Megatron-LM's
+   ``--async-save`` does).
+
+Iteration time is the median over the iterations after the warm-up, and includes the checkpoint
+calls. Time blocked is what the slowest rank spent in checkpointing per iteration: for datastates
+the ``save`` call plus the lazy wait inside the optimizer step, for megatron-core the save call
+(which stages the tensors) plus the per-iteration finalize.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+
+MODEL = ["--bf16", "--use-distributed-optimizer", "--num-layers", "4", "--hidden-size", "512",
+         "--num-attention-heads", "8", "--seq-length", "128", "--vocab-size", "8192",
+         "--micro-batch-size", "4", "--hidden-dropout", "0.0", "--attention-dropout", "0.0"]
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench train] {msg}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(nproc: int, args: list[str], log_json: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "-m", "megatron_ext.megatron.trainer", *MODEL, *args, "--log-json", log_json]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"trainer failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    with open(log_json) as f:
+        return [json.loads(line) for line in f]
+
+
+def run(iters: int = 12, nproc: int = 2, warmup: int = 3, workdir: str | None = None,
+        host_cache_gb: float = 0.5) -> dict:
+    base = workdir or tempfile.mkdtemp(prefix="megatron-ext-bench-train-", dir=os.getcwd())
+    os.makedirs(base, exist_ok=True)
+    common = ["--train-iters", str(iters)]
+    modes = {
+        "baseline": [],
+        "datastates": ["--save", f"{base}/datastates", "--save-interval", "1", "--use-datastates",
+                       "--datastates-host-cache-size", str(host_cache_gb)],
+        "megatron_async": ["--save", f"{base}/megatron_async", "--save-interval", "1", "--megatron-async-save"],
+    }
+    records = {}
+    for i, (mode, extra) in enumerate(modes.items(), 1):
+        _progress(f"{i}/3 {mode}: {iters} iterations on {nproc} CPU ranks")
+        records[mode] = _run(nproc, [*common, *extra], f"{base}/{mode}.jsonl")[warmup:]
+
+    def iter_s(mode: str) -> float:
+        return statistics.median(r["iter_time_s"] for r in records[mode])
+
+    def blocked_s(mode: str) -> float:
+        return statistics.mean(r["ckpt_blocked_s"] for r in records[mode])
+
+    manifest_dir = os.path.join(base, "datastates", f"iter_{iters:07d}", "manifest.json")
+    with open(manifest_dir) as f:
+        files = json.load(f)["files"].values()
+    result = {
+        "nproc": nproc,
+        "iterations_measured": iters - warmup,
+        "iter_s_baseline": iter_s("baseline"),
+        "iter_s_datastates": iter_s("datastates"),
+        "iter_s_megatron_async": iter_s("megatron_async"),
+        "blocked_s_datastates": blocked_s("datastates"),
+        "blocked_s_megatron_async": blocked_s("megatron_async"),
+        "ckpt_bytes_per_rank": sum(f["size"] + f["state_size"] for f in files) / len(files),
+    }
+    result["ratio_iter_datastates_vs_baseline"] = result["iter_s_datastates"] / result["iter_s_baseline"]
+    result["ratio_blocked_megatron_vs_datastates"] = (
+        result["blocked_s_megatron_async"] / max(result["blocked_s_datastates"], 1e-9))
+    if workdir is None:
+        shutil.rmtree(base, ignore_errors=True)
+    return result
+
+
+def format_table(r: dict) -> str:
+    return "\n".join([
+        f"{r['nproc']} CPU ranks, {r['ckpt_bytes_per_rank'] / 1e6:.1f} MB checkpoint per rank, "
+        f"median of {r['iterations_measured']} iterations",
+        f"  no checkpoints          iteration {r['iter_s_baseline'] * 1000:.1f} ms",
+        f"  datastates, every iter  iteration {r['iter_s_datastates'] * 1000:.1f} ms, blocked "
+        f"{r['blocked_s_datastates'] * 1000:.1f} ms",
+        f"  megatron-core async     iteration {r['iter_s_megatron_async'] * 1000:.1f} ms, blocked "
+        f"{r['blocked_s_megatron_async'] * 1000:.1f} ms",
+        f"  ratios                  datastates/baseline iteration {r['ratio_iter_datastates_vs_baseline']:.3f} "
+        f"(target <= 1.05), megatron/datastates blocked {r['ratio_blocked_megatron_vs_datastates']:.1f}x (target >= 5)",
+    ])
+
+
+def main(args) -> int:
+    result = run(args.iters, args.nproc, workdir=args.dir)
+    print(json.dumps(result, indent=1, sort_keys=True) if args.json else format_table(result))
+    return 0
