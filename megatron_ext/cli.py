@@ -68,11 +68,39 @@ def _main_job(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _verify(sub) -> None:
+    p = sub.add_parser("verify", help="check manifests, sizes and checksums of committed checkpoints")
+    p.add_argument("dir", help="checkpoint root (e.g. Megatron's --save directory)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--iteration", type=int, help="only iter_NNNNNNN (Megatron layout)")
+    which.add_argument("--checkpoint", help="only this checkpoint id (directory name)")
+    p.add_argument("--quick", action="store_true", help="sizes and headers only, no checksums")
+
+    def run(args) -> int:
+        from megatron_ext.engine.verify import verify_root
+
+        name = f"iter_{args.iteration:07d}" if args.iteration is not None else args.checkpoint
+        checked, problems = verify_root(args.dir, name, deep=not args.quick)
+        for problem in problems:
+            print(f"BAD  {problem}")
+        if not checked:
+            print(f"no committed checkpoint under {args.dir}")
+            return 1
+        if problems:
+            print(f"{len(problems)} problem(s); first bad file: {str(problems[0]).split(': ')[0]}")
+            return 1
+        print(f"OK   {len(checked)} checkpoint(s) verified: {', '.join(checked)}")
+        return 0
+
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-ext", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log every checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     _main_job(sub)
+    _verify(sub)
     _demo(sub)
     bench = sub.add_parser("bench", help="benchmarks (figures are ratios against peers measured in the same run)")
     benches = bench.add_subparsers(dest="bench", required=True)

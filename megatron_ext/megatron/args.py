@@ -30,6 +30,9 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--datastates-timeout", type=float, default=None, metavar="SECONDS",
                        help="Longest a flush or commit may take before every rank fails with an error "
                             "instead of hanging (default 1800).")
+    group.add_argument("--datastates-load-fallback", action="store_true",
+                       help="If the newest committed checkpoint fails its checks (a flipped byte, a truncated "
+                            "or missing file), load the next older committed one instead of stopping.")
     return parser
 
 

@@ -313,26 +313,60 @@ def read_tracker(load_dir: str) -> int | None:
 def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
                     checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None,
                     pp_group=None, dp_cp_group=None):
-    """Load the newest committed checkpoint; returns ``(iteration, num_floating_point_operations_so_far)``."""
+    """Load the newest committed checkpoint; returns ``(iteration, num_floating_point_operations_so_far)``.
+
+    Every file read is checked against the manifest's sizes and checksums. If any rank finds
+    the checkpoint damaged, all ranks raise, or, with ``--datastates-load-fallback``, all move on
+    to the next older committed checkpoint together.
+    """
+    args = _get_args()
+    load_dir = getattr(args, load_arg, None)
+    if load_dir is None:
+        return 0, 0
+    committed = [m["version"] for _, m in list_committed(load_dir) if isinstance(m.get("version"), int)]
+    iteration = read_tracker(load_dir)
+    if iteration is None:
+        if not committed:
+            log.warning("[datastates] no committed checkpoint in %s: training starts from scratch", load_dir)
+            return 0, 0
+        iteration = committed[-1]
+        log.warning("[datastates] %s is missing; using the newest committed checkpoint, iteration %d",
+                    TRACKER, iteration)
+    candidates = [iteration]
+    if getattr(args, "datastates_load_fallback", False):
+        candidates += sorted((v for v in committed if v < iteration), reverse=True)
+    started = time.monotonic()
+    for n, candidate in enumerate(candidates):
+        error: BaseException | None = None
+        try:
+            *result, levels = _load_iteration(load_dir, candidate, ddp_model, optimizer, opt_param_scheduler, args,
+                                     strict, skip_load_to_model_and_opt)
+        except CheckpointError as exc:
+            error = exc
+        failed = torch.tensor([0 if error is None else 1])
+        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if not failed.item():
+            log.warning("[datastates] loaded %s from %s (%s level) in %.2fs", checkpoint_name(candidate), load_dir,
+                        levels, time.monotonic() - started)
+            return tuple(result)
+        reason = str(error) if error is not None else "damaged on another rank"
+        if n + 1 < len(candidates):
+            log.warning("[datastates] %s cannot be loaded (%s); falling back to %s", checkpoint_name(candidate),
+                        reason, checkpoint_name(candidates[n + 1]))
+            continue
+        hint = "" if len(candidates) > 1 else " (--datastates-load-fallback loads the previous one instead)"
+        raise CheckpointError(f"{checkpoint_name(candidate)} in {load_dir} cannot be loaded: {reason}{hint}") from error
+    raise AssertionError("unreachable")
+
+
+def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_param_scheduler, args,
+                    strict: bool, skip_load_to_model_and_opt: bool) -> tuple[int, Any, str]:
+    """Load one committed checkpoint into model, optimizer, scheduler and RNGs; also the levels read."""
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
     from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
-    args = _get_args()
-    load_dir = getattr(args, load_arg, None)
-    if load_dir is None:
-        return 0, 0
-    iteration = read_tracker(load_dir)
-    if iteration is None:
-        committed = list_committed(load_dir)
-        if not committed:
-            log.warning("[datastates] no committed checkpoint in %s: training starts from scratch", load_dir)
-            return 0, 0
-        iteration = committed[-1][1]["version"]
-        log.warning("[datastates] %s is missing; using the newest committed checkpoint, iteration %d",
-                    TRACKER, iteration)
-    started = time.monotonic()
     model = _unwrap(ddp_model)
     engine = get_engine(args) if args.save else CheckpointEngine({"save_dir": load_dir, "host_cache_size": 0.01})
     ckpt = engine.open_checkpoint(checkpoint_name(iteration), root=load_dir)
@@ -393,12 +427,10 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     for field in ("consumed_train_samples", "consumed_valid_samples", "skipped_train_samples"):
         if saved_args is not None and hasattr(saved_args, field) and not getattr(args, "finetune", False):
             setattr(args, field, getattr(saved_args, field))
-    torch.distributed.barrier()
-    log.warning("[datastates] loaded %s from %s (%s level) in %.2fs", checkpoint_name(iteration), load_dir,
-                "/".join(sorted(ckpt.levels_used)) or "no", time.monotonic() - started)
+    levels = "/".join(sorted(ckpt.levels_used)) or "no"
     if getattr(args, "finetune", False):
-        return 0, 0
-    return iteration, meta.get("num_floating_point_operations_so_far", 0)
+        return 0, 0, levels
+    return iteration, meta.get("num_floating_point_operations_so_far", 0), levels
 
 
 def _index(manifest: dict) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:

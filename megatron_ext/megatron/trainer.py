@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--megatron-async-save", action="store_true",
                    help="baseline for benchmarks: megatron-core's async torch_dist save (as --async-save)")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM or SIGUSR1: finish the iteration, checkpoint it, wait until every "
+                        "checkpoint is committed, exit 0 (as Megatron-LM's flag)")
     g.add_argument("--crash-at-iteration", type=int, default=None,
                    help="test aid: SIGKILL this process right after iteration N's save call returns")
     add_datastates_args(p)
@@ -563,6 +566,25 @@ def train_step(args, iteration: int, model, optimizer, scheduler) -> Optional[fl
     return (loss / args.data_parallel_size).item()
 
 
+def install_exit_signal_handler() -> list[int | None]:
+    """SIGTERM/SIGUSR1 only set a flag; the loop stops cleanly after the current iteration."""
+    received: list[int | None] = [None]
+
+    def handler(signum, frame):
+        received[0] = signum
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, handler)
+    return received
+
+
+def _any_rank(flag) -> bool:
+    """All ranks stop at the same iteration if any of them got the signal."""
+    hit = torch.tensor([1 if flag else 0])
+    dist.all_reduce(hit, op=dist.ReduceOp.MAX)
+    return bool(hit.item())
+
+
 def _is_logging_rank() -> bool:
     from megatron.core import parallel_state
 
@@ -589,6 +611,7 @@ def train(args: argparse.Namespace) -> List[float]:
     log = open(args.log_json, "a") if args.log_json and _is_logging_rank() else None
     losses = []
     checkpointing_on = bool(args.save and args.save_interval)
+    stop_signal = install_exit_signal_handler() if args.exit_signal_handler else None
     try:
         while iteration < args.train_iters:
             start = time.perf_counter()
@@ -616,6 +639,13 @@ def train(args: argparse.Namespace) -> List[float]:
                     log.flush()
             if args.crash_at_iteration == iteration:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if stop_signal is not None and _any_rank(stop_signal[0]):
+                if args.save and not (checkpointing_on and iteration % args.save_interval == 0):
+                    save_checkpoint_fn(iteration, model, optimizer, scheduler, args)
+                if _is_logging_rank():
+                    print(f"exit signal received: checkpoint of iteration {iteration} taken, committing and "
+                          "exiting", flush=True)
+                break
             if args.exit_interval and iteration % args.exit_interval == 0:
                 break
     finally:
