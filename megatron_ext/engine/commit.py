@@ -96,7 +96,7 @@ class Committer:
     """Background thread: rank reports, and on rank 0 the manifest; in the order checkpoints get ready."""
 
     def __init__(self, rank: int, world_size: int, run_id: str, local_root: Callable[[CheckpointJob], str | None],
-                 telemetry: Telemetry, timeout_s: float, fail: Callable[[BaseException], None],
+                 telemetry: Telemetry, timeout_s: float, fail: Callable[..., bool],
                  check: Callable[[], None]):
         self.rank = rank
         self.world_size = world_size
@@ -131,6 +131,10 @@ class Committer:
         with self._cond:
             while True:
                 for job in self._pending:
+                    if job.error is not None:  # abandoned after a failure the engine survives
+                        self._pending.remove(job)
+                        job.committed.set()
+                        continue
                     if job.commit_requested and job.durable_on(LEVEL_SHARED):
                         self._pending.remove(job)
                         return job
@@ -146,9 +150,10 @@ class Committer:
             try:
                 self._commit(job)
             except BaseException as exc:
-                self.fail(exc)
+                fatal = self.fail(exc, job)
                 job.committed.set()  # waiters wake up and see the error
-                return
+                if fatal:
+                    return
 
     def _commit(self, job: CheckpointJob) -> None:
         ckpt_dir = os.path.join(job.root, job.checkpoint)

@@ -45,6 +45,15 @@ class EngineConfig:
     telemetry_path: str | None = None
     #: Store non-tensor objects the safe encoder does not know with pickle (loaded only on request).
     pickle_fallback: bool = False
+    #: After a failed flush or commit: "stop" (every later engine call raises it) or "continue"
+    #: (that checkpoint is abandoned, reported in the log and telemetry; training goes on).
+    on_failure: str = "stop"
+    #: Retention: keep the newest ``keep_last`` committed checkpoints (None keeps all) ...
+    keep_last: int | None = None
+    #: ... plus those whose version is a multiple of ``keep_every``.
+    keep_every: int | None = None
+    #: Rank 0 removes uncommitted checkpoint directories a crashed run left, at start-up.
+    remove_partial_on_start: bool = True
     #: Module prefixes whose plain objects and named tuples are stored field by field (codec.py).
     object_modules: tuple[str, ...] = ()
     #: Ignored, accepted for DeepSpeed compatibility.
@@ -96,6 +105,12 @@ class EngineConfig:
             raise ConfigError(f"chunk_size_mb must be in (0, 4096], got {self.chunk_size_mb}")
         if isinstance(self.object_modules, str) or not all(isinstance(m, str) and m for m in self.object_modules):
             raise ConfigError(f"object_modules must be a list of module prefixes, got {self.object_modules!r}")
+        if self.on_failure not in ("stop", "continue"):
+            raise ConfigError(f"on_failure must be \"stop\" or \"continue\", got {self.on_failure!r}")
+        for name in ("keep_last", "keep_every"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
         if self.o_direct not in (True, False, "auto"):
             raise ConfigError(f"o_direct must be true, false or \"auto\", got {self.o_direct!r}")
         for name in ("snapshot_timeout_s", "persist_timeout_s"):

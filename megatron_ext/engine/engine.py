@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import threading
 import time
@@ -23,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import codec, layout as file_layout, restore
+from . import codec, layout as file_layout, restore, retention
 from .commit import Committer, list_committed, read_manifest, report_name, REPORTS
 from .config import ConfigError, EngineConfig, check_writable_dir
 from .copier import make_copier
@@ -35,6 +36,7 @@ from .snapshot import Chunk, SnapshotScheduler
 from .telemetry import Telemetry
 
 _POLL_S = 0.05
+log = logging.getLogger("megatron_ext.engine")
 _live_engines: "weakref.WeakSet[CheckpointEngine]" = weakref.WeakSet()
 
 
@@ -72,6 +74,12 @@ class CheckpointEngine:
         self.world_size = default_world if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} outside world of size {self.world_size}")
+        if self.rank == 0 and self.config.remove_partial_on_start and self.config.save_dir:
+            # Before the run id is agreed (a collective): no rank can have written anything yet.
+            removed = retention.remove_partial(self.config.save_dir)
+            if removed:
+                log.warning("[datastates] removed %d uncommitted checkpoint(s) left by a crash: %s",
+                            len(removed), ", ".join(sorted(removed)))
         self.run_id = run_id or _agree_run_id(self.world_size)
         self.use_cuda = torch.cuda.is_available()
         self._error: BaseException | None = None
@@ -99,6 +107,7 @@ class CheckpointEngine:
         self.writer = RankWriter(self.cache, LEVEL_LOCAL if local else LEVEL_SHARED,
                                  (lambda job: local) if local else (lambda job: job.checkpoint.root),
                                  self.config.o_direct, self._on_durable, self._fail)
+        self.deleter = retention.Deleter(self._fail) if self.config.keep_last is not None else None
         self.scheduler = SnapshotScheduler(self.cache, make_copier(self.use_cuda), self._emit_chunk, self._fail,
                                            self._raise_if_failed, self.config.persist_timeout_s)
         _live_engines.add(self)
@@ -169,6 +178,8 @@ class CheckpointEngine:
             self.committer.track(job)
         if on_committed is not None:
             job.on_committed.append(on_committed)
+        if self.deleter is not None:
+            job.on_committed.append(lambda manifest, root=root: self._apply_retention(root))
         job.commit_requested = True
         self.committer.poke()
         return job
@@ -207,7 +218,7 @@ class CheckpointEngine:
             if job.commit_requested:
                 self._wait_event(job.committed, deadline, f"commit of {job.checkpoint}")
             else:
-                while not job.durable_on(LEVEL_SHARED):
+                while not job.durable_on(LEVEL_SHARED) and job.error is None:
                     self._raise_if_failed()
                     if time.monotonic() > deadline:
                         raise CheckpointError(f"flush of {job.checkpoint} did not finish in time")
@@ -280,6 +291,8 @@ class CheckpointEngine:
             if self.stager is not None:
                 self.stager.stop(5)
             self.committer.stop(5)
+            if self.deleter is not None:
+                self.deleter.stop(60)
             self.cache.close()
             _live_engines.discard(self)
         self._raise_if_failed()
@@ -303,6 +316,17 @@ class CheckpointEngine:
             raise ConfigError("no checkpoint directory: pass root= or set save_dir in the config")
         return os.path.abspath(root)
 
+    def _apply_retention(self, root: str) -> None:
+        """After a commit: schedule deletion of what the retention policy no longer keeps."""
+        committed = [(name, m.get("version")) for name, m in list_committed(root)]
+        in_flight = {j.checkpoint for j in list(self._checkpoints.values())
+                     if j.root == root and not j.committed.is_set()}
+        for name in retention.to_delete(committed, self.config.keep_last, self.config.keep_every, in_flight):
+            if self.rank == 0:
+                self.deleter.submit(os.path.join(root, name))
+            if self.config.local_dir:
+                self.deleter.submit(os.path.join(self.config.local_dir, name))
+
     def _emit_chunk(self, chunk: Chunk) -> None:
         self.writer.submit(chunk)
 
@@ -311,22 +335,34 @@ class CheckpointEngine:
             self.stager.submit(fjob)
         self.committer.poke()
 
-    def _fail(self, exc: BaseException) -> None:
-        """Record the first background failure; every later public call raises it."""
-        with self._error_lock:
-            if self._error is not None:
-                return
-            self._error = exc
+    def _fail(self, exc: BaseException, job: CheckpointJob | None = None) -> bool:
+        """A background thread failed. Returns True if the engine must stop (then every call raises).
+
+        With ``on_failure="continue"`` a failure that belongs to one checkpoint only abandons
+        that checkpoint. Either way an error report tells the other ranks at once.
+        """
+        fatal = job is None or self.config.on_failure == "stop"
         message = f"{type(exc).__name__}: {exc}"
-        for job in list(self._checkpoints.values()):
-            try:  # tell the other ranks so they fail fast instead of timing out
-                reports = os.path.join(job.root, job.checkpoint, REPORTS)
+        with self._error_lock:
+            if fatal and self._error is None:
+                self._error = exc
+            if job is not None and job.error is None:
+                job.error = exc
+        jobs = [job] if job is not None else list(self._checkpoints.values())
+        for target in jobs:
+            try:
+                reports = os.path.join(target.root, target.checkpoint, REPORTS)
                 os.makedirs(reports, exist_ok=True)
                 atomic_write_json(os.path.join(reports, report_name(self.rank, self.run_id, error=True)),
                                   {"rank": self.rank, "run_id": self.run_id, "error": message})
             except OSError:
-                pass
+                pass  # the file system itself may be what failed; the local error still stands
+        if not fatal:
+            log.error("[datastates] rank %d: checkpoint %s abandoned, training continues: %s",
+                      self.rank, job.checkpoint, message)
+            self.telemetry.emit("failed", job.checkpoint, "all", job.nbytes, error=message)
         self.committer.poke()
+        return fatal
 
     def raise_if_failed(self) -> None:
         """Raise, on the caller's thread, the first failure of a background thread (cheap)."""

@@ -43,7 +43,7 @@ class RankWriter:
     """Two pipelined threads: one checksums chunk k+1 while the other writes chunk k."""
 
     def __init__(self, cache: HostCache, level: str, level_root: Callable[[FileJob], str], o_direct,
-                 on_durable: Callable[[FileJob, str], None], fail: Callable[[BaseException], None]):
+                 on_durable: Callable[[FileJob, str], None], fail: Callable[..., bool]):
         self.cache = cache
         self.level = level
         self.level_root = level_root
@@ -55,7 +55,8 @@ class RankWriter:
         # Per file being checksummed: whole-file hash, per-tensor hashes, first unfinished tensor.
         self._hashing: dict[int, list] = {}
         self._files: dict[int, ChunkFile] = {}
-        self._failed = threading.Event()
+        self._failed = threading.Event()  # a fatal failure: stop writing anything
+        self._failed_jobs: set[int] = set()  # files abandoned after a failure the engine survives
         self._threads = [
             threading.Thread(target=self._loop, args=(self._hash_queue, self._checksum, self._write_queue),
                              name=f"datastates-checksum-{level}", daemon=True),
@@ -80,17 +81,21 @@ class RankWriter:
                 if forward is not None:
                     forward.put(None)
                 return
-            if self._failed.is_set():  # keep freeing slots so nobody waits on a dead writer
-                self.cache.release(chunk.slot)
+            if self._failed.is_set() or id(chunk.job) in self._failed_jobs:
+                self.cache.release(chunk.slot)  # keep freeing slots so nobody waits on a dead file
                 continue
             try:
                 step(chunk)
             except BaseException as exc:
-                self._failed.set()
                 self.cache.release(chunk.slot)
-                for f in list(self._files.values()):
-                    f.abort()
-                self.fail(exc)
+                self._failed_jobs.add(id(chunk.job))
+                broken = self._files.pop(id(chunk.job), None)
+                if broken is not None:
+                    broken.abort()
+                if self.fail(exc, chunk.job.checkpoint):
+                    self._failed.set()
+                    for f in list(self._files.values()):
+                        f.abort()
                 continue
             if forward is not None:
                 forward.put(chunk)
@@ -154,7 +159,7 @@ class LevelStager:
 
     def __init__(self, local_root: Callable[[FileJob], str], shared_root: Callable[[FileJob], str],
                  chunk_bytes: int, o_direct, on_durable: Callable[[FileJob, str], None],
-                 fail: Callable[[BaseException], None]):
+                 fail: Callable[..., bool]):
         self.local_root = local_root
         self.shared_root = shared_root
         self.o_direct = o_direct
@@ -178,7 +183,7 @@ class LevelStager:
             job = self._queue.get()
             if job is None:
                 return
-            if self._failed:
+            if self._failed or job.checkpoint.error is not None:
                 continue
             try:
                 self._copy(job.tensor_rel, job, job.file_xxh3)
@@ -186,8 +191,7 @@ class LevelStager:
                 job.durable_at[LEVEL_SHARED] = time.monotonic()
                 self.on_durable(job, LEVEL_SHARED)
             except BaseException as exc:
-                self._failed = True
-                self.fail(exc)
+                self._failed = self.fail(exc, job.checkpoint)
 
     def _copy(self, rel: str, job: FileJob, expected: str | None) -> None:
         src_path = os.path.join(self.local_root(job), rel)

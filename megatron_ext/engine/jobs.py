@@ -83,6 +83,7 @@ class CheckpointJob:
     committed: threading.Event = dataclasses.field(default_factory=threading.Event)
     manifest: dict | None = None
     blocked_s: float = 0.0  # time the training thread spent inside save/wait_snapshot for it
+    error: BaseException | None = None  # set when abandoned under on_failure="continue"
     committed_at: float | None = None
 
     @property

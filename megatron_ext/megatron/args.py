@@ -30,10 +30,36 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--datastates-timeout", type=float, default=None, metavar="SECONDS",
                        help="Longest a flush or commit may take before every rank fails with an error "
                             "instead of hanging (default 1800).")
+    group.add_argument("--datastates-on-failure", choices=["stop", "continue"], default=None,
+                       help="When a checkpoint fails to flush or commit (disk full, I/O error, a rank that "
+                            "never reports within --datastates-timeout): 'stop' raises on every rank (default), "
+                            "'continue' abandons that checkpoint, logs it, and trains on.")
+    group.add_argument("--datastates-keep-last", type=int, default=None, metavar="K",
+                       help="Keep only the newest K committed checkpoints (plus --datastates-keep-every); "
+                            "older ones are deleted in the background. Default: keep all.")
+    group.add_argument("--datastates-keep-every", type=int, default=None, metavar="M",
+                       help="With --datastates-keep-last, also keep every checkpoint whose iteration is a "
+                            "multiple of M.")
     group.add_argument("--datastates-load-fallback", action="store_true",
                        help="If the newest committed checkpoint fails its checks (a flipped byte, a truncated "
                             "or missing file), load the next older committed one instead of stopping.")
     return parser
+
+
+# Flags whose value, when given, goes to the engine configuration key of the same meaning.
+_OPTIONAL_FLAGS = (("datastates_chunk_size_mb", "chunk_size_mb"), ("datastates_timeout", "persist_timeout_s"),
+                   ("datastates_on_failure", "on_failure"), ("datastates_keep_last", "keep_last"),
+                   ("datastates_keep_every", "keep_every"))
+
+
+def engine_config_from_args(args: Any) -> dict:
+    """The engine configuration the flags describe."""
+    cfg = {"host_cache_size": getattr(args, "datastates_host_cache_size", None) or 1.0,
+           "save_dir": args.save, "local_dir": getattr(args, "datastates_local_dir", None)}
+    for flag, key in _OPTIONAL_FLAGS:
+        if getattr(args, flag, None) is not None:
+            cfg[key] = getattr(args, flag)
+    return cfg
 
 
 def validate_datastates_args(args: Any) -> None:
@@ -56,12 +82,6 @@ def validate_datastates_args(args: Any) -> None:
     if problems:
         raise ValueError("invalid datastates configuration: " + "; ".join(problems))
     try:
-        cfg = {"host_cache_size": args.datastates_host_cache_size or 1.0, "save_dir": args.save,
-               "local_dir": args.datastates_local_dir}
-        if args.datastates_chunk_size_mb is not None:
-            cfg["chunk_size_mb"] = args.datastates_chunk_size_mb
-        if args.datastates_timeout is not None:
-            cfg["persist_timeout_s"] = args.datastates_timeout
-        EngineConfig.from_dict(cfg)
+        EngineConfig.from_dict(engine_config_from_args(args))
     except ConfigError as exc:
         raise ValueError(f"invalid datastates configuration: {exc}") from exc

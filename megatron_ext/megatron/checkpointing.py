@@ -33,6 +33,7 @@ import torch
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
 from megatron_ext.engine.files import atomic_write
 from megatron_ext.megatron import optimizer_state, sharding
+from megatron_ext.megatron.args import engine_config_from_args
 
 log = logging.getLogger("megatron_ext.megatron")
 
@@ -63,26 +64,11 @@ def _get_args() -> Any:
     return get_args()
 
 
-def engine_config(args: Any) -> dict:
-    """The engine's configuration from Megatron-style args (see patches/ for the flags)."""
-    cfg = {
-        "host_cache_size": getattr(args, "datastates_host_cache_size", None) or 1.0,
-        "save_dir": args.save,
-        "local_dir": getattr(args, "datastates_local_dir", None),
-    }
-    for flag, key in (("datastates_chunk_size_mb", "chunk_size_mb"), ("datastates_timeout", "persist_timeout_s"),
-                      ("datastates_o_direct", "o_direct")):
-        value = getattr(args, flag, None)
-        if value is not None:
-            cfg[key] = value
-    return cfg
-
-
 def get_engine(args: Any | None = None) -> CheckpointEngine:
     """The process's engine, created on first use (its host cache then allocates in the background)."""
     global _engine, _engine_key
     args = args or _get_args()
-    cfg = engine_config(args)
+    cfg = engine_config_from_args(args)
     key = tuple(sorted((k, str(v)) for k, v in cfg.items()))
     if _engine is None:
         _engine = CheckpointEngine(cfg)
