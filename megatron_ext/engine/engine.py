@@ -211,7 +211,11 @@ class CheckpointEngine:
         """Block until saved files are durable on every level and requested commits are done."""
         deadline = time.monotonic() + (self.config.persist_timeout_s if timeout is None else timeout)
         if checkpoint is not None:
-            jobs = [self._checkpoints[(self._root(root), checkpoint)]]
+            key = (self._root(root), checkpoint)
+            if key not in self._checkpoints:
+                raise CheckpointError(f"checkpoint {checkpoint} has nothing pending on rank {self.rank} "
+                                      "(never saved here, or already waited for)")
+            jobs = [self._checkpoints[key]]
         else:
             jobs = list(self._checkpoints.values())
         for job in jobs:

@@ -1,0 +1,99 @@
+"""Fault injection in the writers on 2 gloo ranks: one clear error on every rank, nothing lost.
+
+Each fault hits rank 1 while it writes checkpoint c002 (the hook in megatron_ext.engine.faults):
+no space left, an I/O error, a slow file system, a writer thread that dies, a rank that never
+reports. Afterwards c001 must still be committed and load bit-exact; with on_failure=stop every
+rank raises (within the configured timeout) and stays stopped, with on_failure=continue c002 is
+abandoned everywhere and c003 commits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_ext.engine import CheckpointEngine
+
+HERE = Path(__file__).parent
+TIMEOUT_S = 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp_path: Path, fault: str, on_failure: str) -> dict[int, dict]:
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, FAULT=fault, FAULT_RANK="1", ON_FAILURE=on_failure, TIMEOUT=str(TIMEOUT_S),
+               OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(HERE / "fault_worker.py"), str(root), str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)}
+
+
+def _assert_c001_intact(root: Path) -> None:
+    with CheckpointEngine({"save_dir": str(root), "host_cache_size": 0.001}, rank=0, world_size=1) as engine:
+        for rank in range(2):
+            state = engine.load("c001", f"r{rank}")
+            assert torch.equal(state["w"], torch.full((200_000,), float(1 + rank))) and state["step"] == 1
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("fault, message", [
+    ("enospc", "No space left on device"),
+    ("eio", "Input/output error"),
+    ("writer_dies", "writer thread killed"),
+])
+def test_write_fault_stops_every_rank_with_one_clear_error(tmp_path, fault, message):
+    outcome = _run(tmp_path, fault, "stop")
+    for rank in range(2):
+        c002 = outcome[rank]["c002"]
+        assert not c002["ok"] and message in c002["error"], (rank, c002)
+        assert c002["seconds"] < TIMEOUT_S + 5  # the peer's error report, not a timeout
+        assert not outcome[rank]["c003"]["ok"]  # stopped: the engine refuses to go on
+    assert "failed on rank 1" in outcome[0]["c002"]["error"]
+    assert not (tmp_path / "ckpt" / "c002" / "manifest.json").exists()
+    _assert_c001_intact(tmp_path / "ckpt")
+
+
+@pytest.mark.multiproc
+def test_continue_abandons_the_failed_checkpoint_and_trains_on(tmp_path):
+    outcome = _run(tmp_path, "enospc", "continue")
+    for rank in range(2):
+        assert outcome[rank]["c002"]["ok"]  # nothing raised: the failure was logged and skipped
+        assert outcome[rank]["c003"]["ok"] and outcome[rank]["latest"] == "c003"
+        assert "shutdown_error" not in outcome[rank]
+    assert not (tmp_path / "ckpt" / "c002" / "manifest.json").exists()
+    telemetry = (tmp_path / "ckpt" / "datastates_telemetry" / "rank-00001.jsonl").read_text()
+    assert '"event": "failed"' in telemetry and "No space left" in telemetry
+    _assert_c001_intact(tmp_path / "ckpt")
+
+
+@pytest.mark.multiproc
+def test_slow_file_system_still_commits(tmp_path):
+    outcome = _run(tmp_path, "slow", "stop")
+    for rank in range(2):
+        assert all(outcome[rank][c]["ok"] for c in ("c001", "c002", "c003")), outcome[rank]
+        assert outcome[rank]["latest"] == "c003"
+
+
+@pytest.mark.multiproc
+def test_rank_that_never_reports_times_out_on_every_rank(tmp_path):
+    outcome = _run(tmp_path, "never_report", "stop")
+    assert not outcome[0]["c002"]["ok"]
+    assert "not every rank reported" in outcome[0]["c002"]["error"] and "missing ranks: 1" in outcome[0]["c002"]["error"]
+    assert TIMEOUT_S - 1 < outcome[0]["c002"]["seconds"] < TIMEOUT_S + 10
+    assert not outcome[1]["c002"]["ok"]  # it never saved c002: waiting for it is an error too
+    _assert_c001_intact(tmp_path / "ckpt")
