@@ -95,12 +95,31 @@ def _verify(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _inspect(sub) -> None:
+    p = sub.add_parser("inspect", help="list the checkpoints under a directory: committed or not, levels, ranks, sizes")
+    p.add_argument("dir")
+    p.add_argument("--local-dir", default=None, help="node-local level to report on as well")
+    p.add_argument("--json", action="store_true")
+
+    def run(args) -> int:
+        import json
+
+        from megatron_ext.engine.inspect import describe, format_rows
+
+        rows = describe(args.dir, args.local_dir)
+        print(json.dumps(rows, indent=1) if args.json else format_rows(rows))
+        return 0
+
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-ext", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log every checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     _main_job(sub)
     _verify(sub)
+    _inspect(sub)
     _demo(sub)
     bench = sub.add_parser("bench", help="benchmarks (figures are ratios against peers measured in the same run)")
     benches = bench.add_subparsers(dest="bench", required=True)
