@@ -107,7 +107,7 @@ class CheckpointEngine:
         self.writer = RankWriter(self.cache, LEVEL_LOCAL if local else LEVEL_SHARED,
                                  (lambda job: local) if local else (lambda job: job.checkpoint.root),
                                  self.config.o_direct, self._on_durable, self._fail)
-        self.deleter = retention.Deleter(self._fail) if self.config.keep_last is not None else None
+        self.deleter = retention.Deleter() if self.config.keep_last is not None else None
         self.scheduler = SnapshotScheduler(self.cache, make_copier(self.use_cuda), self._emit_chunk, self._fail,
                                            self._raise_if_failed, self.config.persist_timeout_s)
         _live_engines.add(self)

@@ -28,6 +28,7 @@ from .host_cache import HostCache
 from .jobs import CheckpointError, FileJob, LEVEL_LOCAL, LEVEL_SHARED
 from .layout import round_up
 from .snapshot import Chunk
+from .worker import QueueWorker
 
 
 def _use_direct(setting, directory: str) -> bool:
@@ -154,7 +155,7 @@ class RankWriter:
             self.on_durable(job, self.level)
 
 
-class LevelStager:
+class LevelStager(QueueWorker):
     """Copies files that are durable on the node-local level to the shared level."""
 
     def __init__(self, local_root: Callable[[FileJob], str], shared_root: Callable[[FileJob], str],
@@ -166,32 +167,19 @@ class LevelStager:
         self.on_durable = on_durable
         self.fail = fail
         self._buffer = mmap.mmap(-1, chunk_bytes)  # page-aligned bounce buffer, allocated once
-        self._queue: "queue.Queue[FileJob | None]" = queue.Queue()
         self._failed = False
-        self._thread = threading.Thread(target=self._run, name="datastates-stager", daemon=True)
-        self._thread.start()
+        self.start("datastates-stager")
 
-    def submit(self, job: FileJob) -> None:
-        self._queue.put(job)
-
-    def stop(self, timeout: float) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            if self._failed or job.checkpoint.error is not None:
-                continue
-            try:
-                self._copy(job.tensor_rel, job, job.file_xxh3)
-                self._copy(job.sidecar_rel, job, job.sidecar_xxh3)
-                job.durable_at[LEVEL_SHARED] = time.monotonic()
-                self.on_durable(job, LEVEL_SHARED)
-            except BaseException as exc:
-                self._failed = self.fail(exc, job.checkpoint)
+    def handle(self, job: FileJob) -> None:
+        if self._failed or job.checkpoint.error is not None:
+            return
+        try:
+            self._copy(job.tensor_rel, job, job.file_xxh3)
+            self._copy(job.sidecar_rel, job, job.sidecar_xxh3)
+            job.durable_at[LEVEL_SHARED] = time.monotonic()
+            self.on_durable(job, LEVEL_SHARED)
+        except BaseException as exc:
+            self._failed = self.fail(exc, job.checkpoint)
 
     def _copy(self, rel: str, job: FileJob, expected: str | None) -> None:
         src_path = os.path.join(self.local_root(job), rel)

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import shutil
-import threading
 
 from .commit import MANIFEST, REPORTS
+from .worker import QueueWorker
 
 log = logging.getLogger("megatron_ext.engine")
 
@@ -71,29 +70,15 @@ def remove_partial(root: str) -> list[str]:
     return removed
 
 
-class Deleter:
+class Deleter(QueueWorker):
     """One background thread that removes directories, so commits never wait for ``rmtree``."""
 
-    def __init__(self, fail):
-        self.fail = fail
-        self._queue: "queue.Queue[str | None]" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="datastates-retention", daemon=True)
-        self._thread.start()
+    def __init__(self):
+        self.start("datastates-retention")
 
-    def submit(self, directory: str) -> None:
-        self._queue.put(directory)
-
-    def stop(self, timeout: float) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            directory = self._queue.get()
-            if directory is None:
-                return
-            try:
-                hide_and_remove(directory)
-                log.info("[datastates] retention removed %s", directory)
-            except OSError as exc:  # a failed deletion loses nothing; report it, keep training
-                log.warning("[datastates] retention could not remove %s: %s", directory, exc)
+    def handle(self, directory: str) -> None:
+        try:
+            hide_and_remove(directory)
+            log.info("[datastates] retention removed %s", directory)
+        except OSError as exc:  # a failed deletion loses nothing; report it, keep training
+            log.warning("[datastates] retention could not remove %s: %s", directory, exc)

@@ -10,14 +10,13 @@ than after the whole snapshot. When a file's last chunk is copied its tensors ar
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
 import time
 from typing import Callable
 
 from .copier import CpuCopier
 from .host_cache import HostCache
 from .jobs import FileJob
+from .worker import QueueWorker
 
 
 @dataclasses.dataclass(eq=False)
@@ -33,7 +32,7 @@ class Chunk:
     ready: Callable[[], None]  # blocks until the slot's bytes are really there (CUDA event)
 
 
-class SnapshotScheduler:
+class SnapshotScheduler(QueueWorker):
     def __init__(self, cache: HostCache, copier: CpuCopier, emit: Callable[[Chunk], None],
                  fail: Callable[[BaseException], None], check: Callable[[], None], slot_timeout_s: float):
         self.cache = cache
@@ -42,39 +41,19 @@ class SnapshotScheduler:
         self.fail = fail
         self.check = check
         self.slot_timeout_s = slot_timeout_s
-        self._queue: "queue.Queue[FileJob | None]" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="datastates-snapshot", daemon=True)
-        self._thread.start()
+        self._dead = False
+        self.start("datastates-snapshot")
 
-    def submit(self, job: FileJob) -> None:
-        self._queue.put(job)
-
-    def stop(self, timeout: float) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                self._copy_file(job)
-            except BaseException as exc:
-                self.fail(exc)
-                job.snapshot_done.set()  # waiters wake up and see the error
-                self._drain()
-                return
-
-    def _drain(self) -> None:
-        """After a failure, wake every waiter: nothing more will be copied."""
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if job is not None:
-                job.snapshot_done.set()
+    def handle(self, job: FileJob) -> None:
+        if self._dead:  # after a failure nothing more is copied; waiters wake up and see the error
+            job.snapshot_done.set()
+            return
+        try:
+            self._copy_file(job)
+        except BaseException as exc:
+            self._dead = True
+            self.fail(exc)
+            job.snapshot_done.set()
 
     def _copy_file(self, job: FileJob) -> None:
         layout = job.layout

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.megatron.args import add_datastates_args, validate_datastates_args
+from megatron_ext.megatron import optimizer_state
 from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -356,41 +357,6 @@ def build_sharded_state_dict(model, optimizer, scheduler, args, iteration: int,
     }
 
 
-def ensure_optimizer_state(optimizer) -> None:
-    """Allocate Adam state on a fresh optimizer so its sharded state dict can be built for loading.
-
-    Without TE/Apex, ``DistributedOptimizer.state_dict()`` at megatron-core 0.16.1 reads the
-    ``step`` of every torch Adam state and fails (``assert len(steps) == 1``) before the first
-    step. megatron's own helper runs one zero-gradient inner step; everything it touches (main
-    params, moments, step) is overwritten by the load.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        init_states = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
-        if init_states is not None and len(opt.optimizer.state) == 0:
-            init_states()
-
-
-def restore_adam_steps(optimizer) -> None:
-    """Give every torch Adam state its own ``step`` tensor holding the checkpointed step count.
-
-    Two megatron-core 0.16.1 quirks on the torch-Adam (no TE/Apex) path after a
-    ``dp_reshardable`` load: ``DistributedOptimizer.load_state_dict`` puts ONE shared ``step``
-    tensor into every param's state (torch's single-tensor Adam then increments it once per
-    parameter), and ``load_parameter_state_from_dp_reshardable`` copies the *template's* ``step``
-    (a ``LocalNonpersistentObject``, i.e. the pre-load value) over it. The true count survives in
-    ``param_groups[i]['step']``, which ``DistributedOptimizer.state_dict()`` saves.
-    """
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            if "step" not in group:
-                continue
-            for param in group["params"]:
-                state = inner.state.get(param)
-                if state and "step" in state:
-                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
-
-
 def save_checkpoint_torch_dist(iteration: int, model, optimizer, scheduler,
                                args: argparse.Namespace) -> None:
     """Synchronous torch_dist save of this iteration, then the tracker (rank 0, after a barrier)."""
@@ -417,13 +383,13 @@ def load_checkpoint_torch_dist(model, optimizer, scheduler, args: argparse.Names
     if iteration is None:
         return 0
     ckpt = checkpoint_dir(args.load, iteration)
-    ensure_optimizer_state(optimizer)
+    optimizer_state.ensure_state(optimizer)
     template = build_sharded_state_dict(model, optimizer, scheduler, args, iteration,
                                         is_loading=True)
     state = dist_checkpointing.load(template, ckpt)
     unwrap_model(model).load_state_dict(state["model"], strict=True)
     optimizer.load_state_dict(state["optimizer"])
-    restore_adam_steps(optimizer)
+    optimizer_state.restore_adam_steps(optimizer)
     scheduler.load_state_dict(state["opt_param_scheduler"])
     restore_rng_state(state["rng_state"])
     return int(state["iteration"])
