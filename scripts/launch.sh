@@ -1,0 +1,227 @@
+#!/usr/bin/env bash
+# Shared launcher of the Slurm templates (slurm/*.sh): one torchrun per node through srun, c10d
+# rendezvous on the first node of the allocation, --use-datastates --save-interval 1, the shared
+# level (--save = --load, so a requeued job resumes from the newest committed checkpoint) on the
+# parallel file system and the node-local level on each node's scratch disk.
+#
+#   scripts/launch.sh --config gpt_70b [--site FILE] [--dry-run] [--nodes N] [-- extra trainer args]
+#
+# --config NAME|FILE  model config (configs/NAME.env); default $MODEL_CONFIG
+# --site FILE         site config; default $SITE_ENV, else configs/site.env when it exists
+# --dry-run           print the command line of every node and exit (no srun, nothing created)
+# --nodes N           outside Slurm (with --dry-run): pretend an allocation of N nodes
+#
+# Inside the job, the batch shell traps SIGUSR1 (#SBATCH --signal=B:USR1@300) and SIGTERM: it
+# forwards $FORWARD_SIGNAL (default SIGTERM) to the training step, waits up to $STOP_GRACE_S for it
+# to end (Megatron-LM with --exit-signal-handler saves, and the patched finalize waits until every
+# checkpoint is committed), prints the committed iteration, then `scontrol requeue`s the job.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+die() { echo "launch.sh: error: $*" >&2; exit 2; }
+say() { echo "launch.sh: $*" >&2; }
+
+CONFIG="${MODEL_CONFIG:-}"
+SITE="${SITE_ENV:-}"
+DRY_RUN=0
+FAKE_NODES=""
+EXTRA=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --config) [[ $# -ge 2 ]] || die "--config needs a value"; CONFIG="$2"; shift 2 ;;
+        --config=*) CONFIG="${1#*=}"; shift ;;
+        --site) [[ $# -ge 2 ]] || die "--site needs a value"; SITE="$2"; shift 2 ;;
+        --site=*) SITE="${1#*=}"; shift ;;
+        --dry-run) DRY_RUN=1; shift ;;
+        --nodes) [[ $# -ge 2 ]] || die "--nodes needs a value"; FAKE_NODES="$2"; shift 2 ;;
+        --nodes=*) FAKE_NODES="${1#*=}"; shift ;;
+        -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --) shift; EXTRA=("$@"); break ;;
+        *) die "unknown argument '$1' (trainer arguments go after --)" ;;
+    esac
+done
+
+# ------------------------------------------------------------------ configuration
+[[ -n "$CONFIG" ]] || die "no model config: pass --config NAME (one of: $(cd "$ROOT/configs" && ls *.env | sed 's/\.env$//' | tr '\n' ' '))"
+if [[ -f "$CONFIG" ]]; then CONFIG_FILE="$CONFIG"; else CONFIG_FILE="$ROOT/configs/${CONFIG%.env}.env"; fi
+[[ -f "$CONFIG_FILE" ]] || die "model config '$CONFIG' not found (looked for $CONFIG_FILE)"
+CONFIG_NAME="$(basename "${CONFIG_FILE%.env}")"
+
+if [[ -n "$SITE" ]]; then
+    [[ -f "$SITE" ]] || die "site config '$SITE' not found (from --site or SITE_ENV)"
+    SITE_FILE="$SITE"
+elif [[ -f "$ROOT/configs/site.env" ]]; then
+    SITE_FILE="$ROOT/configs/site.env"
+else
+    SITE_FILE=""  # everything from the environment
+fi
+# Site first (paths, environment), then the model (sizes); the environment fills what neither sets.
+set -a
+# shellcheck disable=SC1090
+[[ -n "$SITE_FILE" ]] && source "$SITE_FILE"
+# shellcheck disable=SC1090
+source "$CONFIG_FILE"
+set +a
+
+for v in TRAINER GPUS_PER_NODE NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS SEQ_LENGTH MICRO_BATCH_SIZE \
+         GLOBAL_BATCH_SIZE TP PP TRAIN_ITERS HOST_CACHE_GB; do
+    [[ -n "${!v:-}" ]] || die "$v is not set by $CONFIG_FILE"
+done
+for v in CKPT_ROOT LOCAL_SCRATCH; do
+    [[ -n "${!v:-}" ]] || die "$v is not set: put it in configs/site.env (see configs/site.env.example) or the environment"
+done
+[[ "$CKPT_ROOT" != *"<"* && "$LOCAL_SCRATCH" != *"<"* ]] || die "site config still has <placeholders>: CKPT_ROOT=$CKPT_ROOT LOCAL_SCRATCH=$LOCAL_SCRATCH"
+PYTHON="${PYTHON:-python3}"
+RUN_NAME="${RUN_NAME:-$CONFIG_NAME}"
+CKPT_DIR="$CKPT_ROOT/$RUN_NAME"
+LOCAL_DIR="$LOCAL_SCRATCH/$RUN_NAME"
+MASTER_PORT="${MASTER_PORT:-29500}"
+STOP_GRACE_S="${STOP_GRACE_S:-240}"
+FORWARD_SIGNAL="${FORWARD_SIGNAL:-TERM}"
+DATASTATES_TIMEOUT="${DATASTATES_TIMEOUT:-1800}"
+
+# ------------------------------------------------------------------ nodes
+if [[ -n "${SLURM_JOB_NODELIST:-}" && -z "$FAKE_NODES" ]]; then
+    command -v scontrol >/dev/null || die "SLURM_JOB_NODELIST is set but scontrol is not on PATH"
+    mapfile -t HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    NNODES="${SLURM_NNODES:-${#HOSTS[@]}}"
+    [[ "$NNODES" -eq "${#HOSTS[@]}" ]] || die "SLURM_NNODES=$NNODES but the node list has ${#HOSTS[@]} hosts"
+    MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -1)"
+    RDZV_ID="${SLURM_JOB_ID:-$RUN_NAME}"
+elif [[ -n "$FAKE_NODES" ]]; then
+    [[ "$FAKE_NODES" =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive integer, not '$FAKE_NODES'"
+    [[ $DRY_RUN -eq 1 ]] || die "--nodes only makes sense with --dry-run (inside Slurm the allocation decides)"
+    NNODES="$FAKE_NODES"
+    HOSTS=(); for ((i = 0; i < NNODES; i++)); do HOSTS+=("$(printf 'node%03d' "$i")"); done
+    MASTER_ADDR="${HOSTS[0]}"
+    RDZV_ID="dryrun"
+else
+    die "no allocation: run inside a Slurm job (SLURM_JOB_NODELIST) or pass --dry-run --nodes N"
+fi
+if [[ -n "${NODES:-}" && "$NODES" != "$NNODES" ]]; then
+    say "warning: $CONFIG_NAME is sized for $NODES nodes, the allocation has $NNODES"
+fi
+
+[[ "$PP" == "nodes" ]] && PP="$NNODES"
+WORLD=$((NNODES * GPUS_PER_NODE))
+(( WORLD % (TP * PP) == 0 )) || die "world size $NNODES nodes x $GPUS_PER_NODE = $WORLD is not a multiple of TP x PP = $TP x $PP"
+DP=$((WORLD / (TP * PP)))
+FIRST="${PIPELINE_FIRST_STAGE_LAYERS:-}"; LAST="${PIPELINE_LAST_STAGE_LAYERS:-}"
+if [[ -n "$FIRST$LAST" ]]; then  # uneven pipeline (Megatron-LM --decoder-first/last-pipeline-num-layers)
+    [[ -n "$FIRST" && -n "$LAST" && "$PP" -gt 2 ]] || die "PIPELINE_FIRST_STAGE_LAYERS and PIPELINE_LAST_STAGE_LAYERS need each other and PP > 2"
+    (( (NUM_LAYERS - FIRST - LAST) % (PP - 2) == 0 && NUM_LAYERS > FIRST + LAST )) || die "$NUM_LAYERS layers minus $FIRST (first stage) and $LAST (last stage) do not split into the $((PP - 2)) middle stages"
+else
+    (( NUM_LAYERS % PP == 0 )) || die "$NUM_LAYERS layers do not split into PP=$PP pipeline stages (set PIPELINE_FIRST_STAGE_LAYERS/PIPELINE_LAST_STAGE_LAYERS for an uneven split)"
+fi
+(( NUM_ATTENTION_HEADS % TP == 0 )) || die "$NUM_ATTENTION_HEADS heads do not split over TP=$TP"
+(( GLOBAL_BATCH_SIZE % (MICRO_BATCH_SIZE * DP) == 0 )) || die "global batch $GLOBAL_BATCH_SIZE is not a multiple of micro-batch $MICRO_BATCH_SIZE x DP $DP"
+
+# ------------------------------------------------------------------ program
+COMMON_ARGS=(
+    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --use-distributed-optimizer
+    --num-layers "$NUM_LAYERS" --hidden-size "$HIDDEN_SIZE" --num-attention-heads "$NUM_ATTENTION_HEADS"
+    --seq-length "$SEQ_LENGTH" --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
+    --train-iters "$TRAIN_ITERS"
+    --save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval 1
+    --use-datastates --datastates-host-cache-size "$HOST_CACHE_GB" --datastates-local-dir "$LOCAL_DIR"
+    --datastates-timeout "$DATASTATES_TIMEOUT"
+)
+case "$TRAINER" in
+    megatron)
+        [[ -n "${MEGATRON_LM_DIR:-}" ]] || die "TRAINER=megatron needs MEGATRON_LM_DIR (the patched Megatron-LM checkout) in configs/site.env or the environment"
+        [[ -d "$MEGATRON_LM_DIR" ]] || die "MEGATRON_LM_DIR=$MEGATRON_LM_DIR is not a directory"
+        [[ -f "$MEGATRON_LM_DIR/pretrain_gpt.py" ]] || die "no pretrain_gpt.py in MEGATRON_LM_DIR=$MEGATRON_LM_DIR"
+        PROGRAM=("$MEGATRON_LM_DIR/pretrain_gpt.py")
+        read -r -a DATA_ARGS <<< "${MEGATRON_DATA_ARGS:---mock-data --tokenizer-type NullTokenizer --vocab-size 32000}"
+        TRAINER_ARGS=("${COMMON_ARGS[@]}" --bf16 --max-position-embeddings "$SEQ_LENGTH"
+            --lr 1.0e-4 --min-lr 1.0e-5 --lr-decay-style cosine --lr-warmup-iters 10
+            --weight-decay 0.1 --clip-grad 1.0 --ckpt-format torch_dist
+            --exit-signal-handler --log-interval 1 --eval-iters 0 --eval-interval "$TRAIN_ITERS"
+            "${DATA_ARGS[@]}")
+        if [[ -n "$FIRST" ]]; then
+            TRAINER_ARGS+=(--decoder-first-pipeline-num-layers "$FIRST" --decoder-last-pipeline-num-layers "$LAST")
+        fi
+        if [[ "${RECOMPUTE:-none}" == full ]]; then
+            TRAINER_ARGS+=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1)
+        fi
+        ;;
+    reference)
+        [[ -z "$FIRST" ]] || die "the reference trainer has no uneven pipeline split"
+        PROGRAM=(-m megatron_ext.megatron.trainer)
+        TRAINER_ARGS=("${COMMON_ARGS[@]}" --exit-signal-handler)
+        ;;
+    *) die "TRAINER must be 'megatron' (pretrain_gpt.py in MEGATRON_LM_DIR) or 'reference' (megatron_ext.megatron.trainer), not '$TRAINER'" ;;
+esac
+read -r -a CONFIG_EXTRA <<< "${EXTRA_TRAINER_ARGS:-}"
+TRAINER_ARGS+=("${CONFIG_EXTRA[@]}" "${EXTRA[@]}")
+
+TORCHRUN=("$PYTHON" -m torch.distributed.run
+    --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE"
+    --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
+    --max-restarts 0)
+NODE_CMD=("${TORCHRUN[@]}" "${PROGRAM[@]}" "${TRAINER_ARGS[@]}")
+# torchrun forwards SIGTERM to its workers and SIGKILLs them after this many seconds.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$STOP_GRACE_S"
+NODE_SCRIPT="set -e; ${SITE_SETUP:+$SITE_SETUP; }mkdir -p $(printf '%q' "$LOCAL_DIR"); exec $(printf '%q ' "${NODE_CMD[@]}")"
+
+if [[ $DRY_RUN -eq 1 ]]; then
+    echo "# $CONFIG_NAME: $NNODES nodes x $GPUS_PER_NODE ranks = $WORLD ranks, TP=$TP PP=$PP DP=$DP, trainer=$TRAINER"
+    echo "# shared level (--save/--load): $CKPT_DIR ; node-local level: $LOCAL_DIR"
+    echo "# site: ${SITE_FILE:-environment only}; rendezvous: c10d at $MASTER_ADDR:$MASTER_PORT id $RDZV_ID"
+    # c10d numbers nodes in the sorted order of their host names: node k hosts ranks k*G .. k*G+G-1.
+    mapfile -t SORTED < <(printf '%s\n' "${HOSTS[@]}" | LC_ALL=C sort)
+    for ((k = 0; k < NNODES; k++)); do
+        first=$((k * GPUS_PER_NODE)); last=$((first + GPUS_PER_NODE - 1))
+        echo "node $k host ${SORTED[$k]} ranks $first-$last: cd $(printf '%q' "$ROOT") && $NODE_SCRIPT"
+    done
+    exit 0
+fi
+
+# ------------------------------------------------------------------ run
+[[ -n "${SLURM_JOB_ID:-}" ]] || die "not inside a Slurm job (use --dry-run to see the commands)"
+mkdir -p "$CKPT_DIR" || die "cannot create the checkpoint directory $CKPT_DIR"
+[[ -w "$CKPT_DIR" ]] || die "checkpoint directory $CKPT_DIR is not writable"
+TRACKER="$CKPT_DIR/latest_checkpointed_iteration.txt"
+committed() { cat "$TRACKER" 2>/dev/null || echo none; }
+say "job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0}: $CONFIG_NAME on $NNODES nodes, TP=$TP PP=$PP DP=$DP; latest committed iteration: $(committed)"
+say "node command: $NODE_SCRIPT"
+
+STOP=""
+SRUN_PID=""
+on_signal() {
+    STOP="$1"
+    say "caught SIG$1 at $(date +%T): forwarding SIG$FORWARD_SIGNAL to the training step (grace ${STOP_GRACE_S}s)"
+    scancel --signal="$FORWARD_SIGNAL" "$SLURM_JOB_ID" || say "scancel --signal failed"
+}
+trap 'on_signal USR1' USR1
+trap 'on_signal TERM' TERM
+
+cd "$ROOT"
+# shellcheck disable=SC2086
+srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 ${SRUN_EXTRA_ARGS:-} \
+    bash -c "$NODE_SCRIPT" &
+SRUN_PID=$!
+RC=0
+STOP_DEADLINE=""
+while kill -0 "$SRUN_PID" 2>/dev/null; do
+    if [[ -n "$STOP" && -z "$STOP_DEADLINE" ]]; then STOP_DEADLINE=$((SECONDS + STOP_GRACE_S + 30)); fi
+    if [[ -n "$STOP_DEADLINE" && $SECONDS -ge $STOP_DEADLINE ]]; then
+        say "training step still running ${STOP_GRACE_S}s after the signal: killing it"
+        scancel --signal=KILL "$SLURM_JOB_ID" || true
+        STOP_DEADLINE=$((SECONDS + 60))
+    fi
+    # Returns early (>128) when a trapped signal arrives; the loop then waits again.
+    wait "$SRUN_PID" && RC=0 || RC=$?
+done
+say "training step ended with exit code $RC; latest committed iteration: $(committed)"
+
+if [[ -n "$STOP" ]]; then
+    if [[ "$(committed)" == "$TRAIN_ITERS" ]]; then
+        say "training is complete; not requeueing"
+        exit 0
+    fi
+    say "requeueing job $SLURM_JOB_ID; it resumes from iteration $(committed)"
+    scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue $SLURM_JOB_ID failed (was the job submitted with --requeue?)"
+    exit 0
+fi
+exit "$RC"

@@ -1,0 +1,12 @@
+#!/bin/bash
+# CPU test of the launcher (tests/slurm): the reference trainer, 2 gloo ranks on one node.
+#SBATCH --job-name=cpu_tiny
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task=2
+#SBATCH --time=00:10:00
+#SBATCH --signal=B:USR1@60
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+exec "${MEGATRON_EXT_DIR:-$SLURM_SUBMIT_DIR}/scripts/launch.sh" --config cpu_tiny "$@"
