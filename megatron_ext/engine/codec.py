@@ -99,8 +99,7 @@ class Encoder:
         if isinstance(value, torch.Size):
             return {TAG + "size": list(value)}
         if isinstance(value, np.ndarray) and value.dtype != object:
-            arr = np.ascontiguousarray(value)
-            return {TAG + "nd": [arr.dtype.str, list(arr.shape), _b64(arr.tobytes())]}
+            return {TAG + "nd": [value.dtype.str, list(value.shape), _b64(value.tobytes(order="C"))]}
         if isinstance(value, np.generic) and not isinstance(value, np.object_):
             return {TAG + "npscalar": [value.dtype.str, _b64(value.tobytes())]}
         if isinstance(value, (set, frozenset)):
@@ -119,13 +118,16 @@ class Encoder:
 
     def _add_tensor(self, path: str, tensor: torch.Tensor) -> str:
         name = path or "tensor"
-        if name in self._names:
+        if name in self._names or name == "__metadata__":  # that key is reserved by safetensors
             n = 1
             while f"{name}#{n}" in self._names:
                 n += 1
             name = f"{name}#{n}"
         self._names.add(name)
-        self.tensors.append((name, tensor.detach()))
+        tensor = tensor.detach()
+        if tensor.is_conj() or tensor.is_neg():  # lazy conjugate/negative views have no plain bytes
+            tensor = tensor.resolve_conj().resolve_neg()
+        self.tensors.append((name, tensor))
         return name
 
 

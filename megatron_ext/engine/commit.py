@@ -140,6 +140,13 @@ class Committer:
                         return job
                 if self._stopping and not any(j.commit_requested for j in self._pending):
                     return None
+                try:
+                    self.check()
+                except CheckpointError:  # the engine stopped: nothing pending will become durable
+                    for job in self._pending:
+                        job.committed.set()
+                    self._pending.clear()
+                    return None
                 self._cond.wait(0.5)
 
     def _run(self) -> None:

@@ -8,6 +8,7 @@ never in the middle of a run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from typing import Any, Mapping
@@ -127,6 +128,8 @@ class EngineConfig:
 def _number(value: Any, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
 
 
 def _physical_memory_bytes() -> int | None:

@@ -85,6 +85,7 @@ class CheckpointEngine:
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._checkpoints: dict[tuple[str, str], CheckpointJob] = {}
+        self._committed_ids: set[tuple[str, str]] = set()  # never written again in this run
         self._files: list[FileJob] = []
         self._closed = False
         self.last_load_level: str | None = None
@@ -131,18 +132,18 @@ class CheckpointEngine:
             raise ValueError(f"file name {name!r} must be non-empty, without '/', not starting with '.'")
         if not checkpoint or checkpoint.startswith(".") or "/" in checkpoint.strip("/"):
             raise ValueError(f"checkpoint id {checkpoint!r} must be one non-hidden directory name")
+        self._forget_finished()
+        if (root, checkpoint) in self._committed_ids:
+            raise CheckpointError(f"checkpoint {checkpoint} was already committed in this run; use a new id")
         job = self._checkpoints.get((root, checkpoint))
-        if job is None:
-            job = CheckpointJob(checkpoint=checkpoint, root=root, version=version)
-            self._checkpoints[(root, checkpoint)] = job
-            self.committer.track(job)
-        elif job.commit_requested:
+        if job is not None and job.commit_requested:
             raise CheckpointError(f"checkpoint {checkpoint} was already committed by this rank; use a new id")
-        if any(f.name == name for f in job.files):
+        if job is not None and any(f.name == name for f in job.files):
             raise CheckpointError(f"checkpoint {checkpoint} already has a file named {name!r}")
-        if job.version != version:
+        if job is not None and job.version != version:
             raise CheckpointError(f"checkpoint {checkpoint}: version {version} differs from {job.version}")
 
+        # Everything that can refuse the state runs before the checkpoint is registered.
         encoder = codec.Encoder(pickle_fallback=self.config.pickle_fallback,
                                 object_modules=self.config.object_modules)
         skeleton = encoder.encode(state)
@@ -150,6 +151,10 @@ class CheckpointEngine:
                              separators=(",", ":")).encode("utf-8")
         plan = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name,
                                                   "rank": str(self.rank), "run_id": self.run_id})
+        if job is None:
+            job = CheckpointJob(checkpoint=checkpoint, root=root, version=version)
+            self._checkpoints[(root, checkpoint)] = job
+            self.committer.track(job)
         base = f"{checkpoint}/{name}.{self.run_id}"
         fjob = FileJob(checkpoint=job, name=name, layout=plan, sidecar=sidecar,
                        cuda_mark=self.scheduler.copier.mark([t for _, t in encoder.tensors]),
@@ -172,6 +177,8 @@ class CheckpointEngine:
         self._raise_if_failed()
         root = self._root(root)
         job = self._checkpoints.get((root, checkpoint))
+        if (root, checkpoint) in self._committed_ids:
+            raise CheckpointError(f"checkpoint {checkpoint} was already committed in this run")
         if job is None:  # a rank with nothing to save still takes part in the commit
             job = CheckpointJob(checkpoint=checkpoint, root=root, version=None)
             self._checkpoints[(root, checkpoint)] = job
@@ -228,9 +235,7 @@ class CheckpointEngine:
                         raise CheckpointError(f"flush of {job.checkpoint} did not finish in time")
                     time.sleep(_POLL_S)
         self._raise_if_failed()
-        for job in jobs:
-            if job.committed.is_set():
-                self._checkpoints.pop((job.root, job.checkpoint), None)
+        self._forget_finished()
 
     def _wait_event(self, event: threading.Event, deadline: float, what: str) -> None:
         while not event.wait(_POLL_S):
@@ -319,6 +324,13 @@ class CheckpointEngine:
         if root is None:
             raise ConfigError("no checkpoint directory: pass root= or set save_dir in the config")
         return os.path.abspath(root)
+
+    def _forget_finished(self) -> None:
+        """Drop the records of finished checkpoints (a run may take 100,000), keeping only their ids."""
+        for key, job in list(self._checkpoints.items()):
+            if job.committed.is_set():
+                del self._checkpoints[key]
+                self._committed_ids.add(key)
 
     def _apply_retention(self, root: str) -> None:
         """After a commit: schedule deletion of what the retention policy no longer keeps."""

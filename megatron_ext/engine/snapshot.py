@@ -52,7 +52,7 @@ class SnapshotScheduler(QueueWorker):
             self._copy_file(job)
         except BaseException as exc:
             self._dead = True
-            self.fail(exc)
+            self.fail(exc, None)  # the copy path is shared by all checkpoints: always fatal
             job.snapshot_done.set()
 
     def _copy_file(self, job: FileJob) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ class Telemetry:
         self.path = path
         self.rank = rank
         self._lock = threading.Lock()
-        self.records: list[dict] = []  # kept in memory too, for benchmarks and tests
+        self.records: collections.deque[dict] = collections.deque(maxlen=10_000)  # the latest, for benchmarks and tests
 
     def emit(self, event: str, checkpoint: str, level: str, nbytes: int, seconds: float | None = None,
              **extra) -> dict:

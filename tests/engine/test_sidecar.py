@@ -1,0 +1,109 @@
+"""Sidecar safety: values the safe encoder does not know are refused at save time unless the user
+opts into pickle, and a pickled value is only unpickled when the loader allows it."""
+
+from __future__ import annotations
+
+import collections
+import enum
+import json
+
+import pytest
+import torch
+
+from megatron_ext.engine import CheckpointError, EncodeError, UnsafeCheckpointError, read_manifest
+
+from engine_testlib import TINY, assert_same, committed_names
+
+
+class Opaque:
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return type(other) is Opaque and other.value == self.value
+
+
+class Color(enum.Enum):
+    RED = 1
+    BLUE = "b"
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+def test_unknown_class_is_refused_at_save(make_engine, tmp_path):
+    engine = make_engine(**TINY)
+    with pytest.raises(EncodeError, match=r"cannot store .*Opaque at 'extra/obj' safely.*pickle_fallback"):
+        engine.save({"w": torch.ones(3), "extra": {"obj": Opaque(1)}}, "c1")
+    with pytest.raises(EncodeError, match="set pickle_fallback"):
+        engine.save({"f": lambda: None}, "c2")
+
+
+def test_pickle_fallback_needs_allow_pickle_to_load(make_engine, tmp_path):
+    engine = make_engine(**TINY, pickle_fallback=True)
+    state = {"w": torch.arange(10.0), "extra": {"obj": Opaque([1, 2])}}
+    engine.save(state, "c1")
+    engine.commit("c1")
+    engine.wait_persisted()
+    sidecar = read_manifest(str(tmp_path / "ckpt" / "c1"))["files"]["rank00000"]["state_file"]
+    assert '"$pickle"' in (tmp_path / "ckpt" / sidecar).read_text()
+    with pytest.raises(UnsafeCheckpointError, match="allow_pickle=True"):
+        engine.load("c1")
+    loaded = engine.load("c1", allow_pickle=True)
+    assert loaded["extra"]["obj"] == Opaque([1, 2])
+    assert torch.equal(loaded["w"], torch.arange(10.0))
+
+
+def test_known_values_need_no_pickle(make_engine, tmp_path):
+    engine = make_engine(**TINY)
+    state = {"color": Color.BLUE, "red": Color.RED, "pt_plain": tuple(Point(1, 2))}
+    engine.save(state, "c1")
+    engine.commit("c1")
+    engine.wait_persisted()
+    loaded = engine.load("c1")
+    assert loaded["color"] is Color.BLUE and loaded["red"] is Color.RED and loaded["pt_plain"] == (1, 2)
+    sidecar = read_manifest(str(tmp_path / "ckpt" / "c1"))["files"]["rank00000"]["state_file"]
+    assert "$pickle" not in (tmp_path / "ckpt" / sidecar).read_text()
+
+
+def test_object_modules_store_plain_objects_field_by_field(make_engine, tmp_path):
+    module = Opaque.__module__
+    engine = make_engine(**TINY, object_modules=[module])
+    state = {"obj": Opaque(torch.full((3,), 2.0)), "pt": Point(torch.ones(2), "y")}
+    engine.save(state, "c1")
+    engine.commit("c1")
+    engine.wait_persisted()
+    loaded = engine.load("c1")
+    assert type(loaded["obj"]) is Opaque and torch.equal(loaded["obj"].value, torch.full((3,), 2.0))
+    assert type(loaded["pt"]) is Point and torch.equal(loaded["pt"].x, torch.ones(2)) and loaded["pt"].y == "y"
+    # A loader that does not allow the module refuses instead of building the object.
+    other = make_engine(**TINY)
+    with pytest.raises(UnsafeCheckpointError, match="object_modules"):
+        other.load("c1")
+
+
+def test_sidecar_is_plain_json(make_engine, tmp_path):
+    engine = make_engine(**TINY)
+    engine.save({"w": torch.ones(2), "lr": 0.5, "k": {1: "a"}}, "c1")
+    engine.commit("c1")
+    engine.wait_persisted()
+    sidecar = read_manifest(str(tmp_path / "ckpt" / "c1"))["files"]["rank00000"]["state_file"]
+    doc = json.loads((tmp_path / "ckpt" / sidecar).read_text())
+    assert doc == {"format": "megatron_ext.state",
+                   "state": {"w": {"$t": "w"}, "lr": 0.5, "k": {"$dict": [[1, "a"]]}}}
+
+
+@pytest.mark.parametrize("bad", [{"obj": Opaque(1)}, {"c": torch.zeros(2, dtype=torch.complex128)}],
+                         ids=["unknown_class", "unsupported_dtype"])
+def test_failed_save_leaves_no_checkpoint_behind(make_engine, tmp_path, bad):
+    engine = make_engine(**TINY)
+    engine.save({"w": torch.ones(3)}, "good", version=1)
+    engine.commit("good")
+    engine.wait_persisted()
+    with pytest.raises((EncodeError, TypeError)):
+        engine.save(bad, "bad", version=2)
+    engine.shutdown()
+    assert committed_names(tmp_path / "ckpt") == ["good"]
+    assert engine.latest() == "good"
+    with pytest.raises(CheckpointError):
+        engine.load("bad")

@@ -1,0 +1,67 @@
+"""Telemetry: one JSON line per checkpoint and level (snapshot to host, flush to each storage
+level, commit on rank 0), with bytes, seconds, rate and the time the caller was blocked."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from megatron_ext.engine import read_manifest
+
+from engine_testlib import TINY
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_one_line_per_checkpoint_and_level(make_engine, tmp_path):
+    root = tmp_path / "ckpt"
+    engine = make_engine(**TINY)
+    for step in (1, 2):
+        engine.save({"w": torch.randn(30_000), "step": step}, f"s{step}", version=step)
+        engine.wait_snapshot()
+        engine.commit(f"s{step}")
+    engine.wait_persisted()
+    records = _lines(root / "datastates_telemetry" / "rank-00000.jsonl")
+    assert sorted((r["checkpoint"], r["event"], r["level"]) for r in records) == sorted(
+        (f"s{s}", e, lvl) for s in (1, 2) for e, lvl in (("snapshot", "host"), ("flush", "shared"), ("commit", "all")))
+    assert records == list(engine.telemetry.records)  # the file and the in-memory copy agree
+    for r in records:
+        manifest = read_manifest(str(root / r["checkpoint"]))
+        total = sum(f["size"] + f["state_size"] for f in manifest["files"].values())
+        assert r["rank"] == 0 and r["bytes"] == total
+        assert isinstance(r["seconds"], float) and r["seconds"] >= 0
+        assert r["gbps"] is None or (isinstance(r["gbps"], float) and r["gbps"] >= 0)
+        if r["event"] in ("snapshot", "flush"):
+            assert isinstance(r["blocked_s"], float) and r["blocked_s"] >= 0
+        else:
+            assert r["world_size"] == 1
+
+
+def test_multilevel_and_custom_path(make_engine, tmp_path):
+    path = tmp_path / "tele" / "r{rank}.jsonl"
+    engine = make_engine(**TINY, local_dir=str(tmp_path / "local"), telemetry_path=str(path))
+    engine.save({"w": torch.randn(10_000)}, "c1")
+    engine.commit("c1")
+    engine.wait_persisted()
+    records = _lines(tmp_path / "tele" / "r0.jsonl")
+    assert sorted((r["event"], r["level"]) for r in records) == [
+        ("commit", "all"), ("flush", "local"), ("flush", "shared"), ("snapshot", "host")]
+    assert all("blocked_s" in r for r in records if r["event"] != "commit")
+    assert not (tmp_path / "ckpt" / "datastates_telemetry").exists()
+
+
+def test_non_zero_rank_writes_no_commit_line(make_engine, tmp_path):
+    # Both ranks of a 2-rank run as two engines in one process (same run id, no collectives).
+    r0 = make_engine(**TINY, rank=0, world_size=2, run_id="00000000beef")
+    r1 = make_engine(**TINY, rank=1, world_size=2, run_id="00000000beef")
+    for engine in (r0, r1):
+        engine.save({"w": torch.full((1000,), float(engine.rank))}, "c1", f"r{engine.rank}")
+        engine.commit("c1")
+    r0.wait_persisted()
+    r1.wait_persisted()
+    tele = tmp_path / "ckpt" / "datastates_telemetry"
+    assert [r["event"] for r in _lines(tele / "rank-00001.jsonl") if r["event"] == "commit"] == []
+    assert [r["event"] for r in _lines(tele / "rank-00000.jsonl") if r["event"] == "commit"] == ["commit"]
