@@ -2,33 +2,45 @@
 
 DeepSpeed 0.19 imports ``from datastates import CheckpointEngine`` and calls
 ``CheckpointEngine(deepspeed_config, rank)``, ``save(state_dict, path)``,
-``load(path, map_location)`` and ``wait(persist=True)``. It treats the engine as *decoupled*:
-at the next step boundary, right before the model update, it calls ``wait`` and then rank 0
-writes ``<save_dir>/latest`` with a plain ``open('w')``.
+``load(path, map_location)`` and ``wait(persist=True)``. It means to call ``wait`` at the next step
+boundary (its "decoupled" commit) and then write ``<save_dir>/latest``. At 0.19.8 that never
+happens: its DataStates wrapper does not implement ``get_commit_info``, so the per-step commit
+returns early, ``wait`` runs only at clean-up and ``latest`` is never written. This adapter
+therefore does not rely on it (docs/DEEPSPEED.md):
 
-The choice made here (docs/DEEPSPEED.md): ``wait`` blocks only until the snapshot is in host
-memory (the optimizer may then update), and asks for the commit, which completes in the
-background. ``latest`` can therefore name a tag whose bytes are not durable yet, or be torn by a
-crash. Loading never trusts it: a tag without a manifest (not committed) is replaced by the
-newest committed tag in the same directory, with a warning. ``"commit_wait": "durable"`` makes
-``wait`` block until the commit instead, for users who want ``latest`` always durable.
+* **Lazy wait.** A global ``torch.optim`` step pre-hook calls ``wait_snapshot`` before any
+  optimizer mutates parameters: the moment DeepSpeed meant, and no earlier. It does not wait for
+  the flush, only for the snapshot.
+* **Commit.** The same hook then asks for the commit of every tag saved since the last step; the
+  commit completes in the background. With ZeRO (stage >= 1) every rank saves its optimizer
+  partition, so every rank knows every tag. Without ZeRO, data-parallel ranks other than 0 save
+  nothing and cannot know the tag: then the ranks agree on the tags with one small all-gather in
+  the step hook, every step (the price of that configuration, documented).
+* **latest.** Rank 0 writes ``<save_dir>/latest`` itself, atomically, once a tag is committed, so
+  it never names a tag whose bytes are not durable. Should DeepSpeed write an uncommitted tag
+  there (a fixed wrapper, or a torn write), loading falls back to the newest committed tag.
 
 Paths map to the engine as ``<save_dir>/<tag>/<file>`` -> root ``save_dir``, checkpoint ``tag``,
 name ``<file>``. ``save`` also leaves a small JSON pointer file at the exact path DeepSpeed asked
 for, because DeepSpeed finds model files by globbing for them before it calls ``load``; the data
 itself is in ``<file>.<run>.safetensors`` and is only trusted through the tag's manifest.
+``"commit_wait": "durable"`` makes ``wait`` block until the commit, for callers who want that.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 from typing import Any
 
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
 
 from megatron_ext.engine import CheckpointEngine as _Engine, CheckpointError, list_committed, read_manifest
 from megatron_ext.engine.config import ConfigError, EngineConfig
+from megatron_ext.engine.files import atomic_write
 
 log = logging.getLogger("megatron_ext.deepspeed")
 
@@ -72,12 +84,20 @@ class CheckpointEngine:
         self.rank = rank
         self.engine = _Engine(config, rank=rank, world_size=world)
         self._uncommitted: list[tuple[str, str]] = []  # (root, tag) saved here, commit not yet asked
+        self._armed = False  # whether a save happened, so the step hook has something to do
+        # With ZeRO every rank saves its optimizer partition, so no rank needs to learn tags from others.
+        zero_stage = getattr(deepspeed_config, "zero_optimization_stage", 0) or 0
+        self._all_ranks_save = world == 1 or zero_stage >= 1
+        self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+        # Runs before the engine's own exit hook (registered earlier): the last tag gets its "latest".
+        atexit.register(self._commit_at_exit)
 
     # -- the four calls DeepSpeed makes -------------------------------------------------------
     def save(self, state_dict: Any, path: str) -> None:
         root, tag, name = _split(path)
         if (root, tag) not in self._uncommitted:
             self._uncommitted.append((root, tag))
+        self._armed = True
         self.engine.save(state_dict, tag, name, root=root)
         os.makedirs(os.path.join(root, tag), exist_ok=True)
         with open(os.path.join(root, tag, name), "w", encoding="utf-8") as f:  # tiny; no fsync needed
@@ -100,23 +120,39 @@ class CheckpointEngine:
         self.engine.wait_snapshot()
         if not persist:
             return
-        for root, tag in self._agree_on_tags():
-            self.engine.commit(tag, root=root)
-        self._uncommitted.clear()
+        self._commit_pending()
         if self.commit_wait == "durable":
             self.engine.wait_persisted()
 
     # -- helpers ------------------------------------------------------------------------------
-    def _agree_on_tags(self) -> list[tuple[str, str]]:
-        """Ranks that saved nothing (e.g. data-parallel ranks without ZeRO) still join each commit.
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        """Right before any optimizer mutates parameters: snapshot complete, commits requested."""
+        if self._armed or not self._all_ranks_save:  # the latter: every rank joins the all-gather
+            self.wait(persist=True)
 
-        DeepSpeed calls ``wait`` on every rank at the same point of the step, so a collective here
-        is in order; it runs only when something was saved somewhere.
+    def _commit_pending(self) -> None:
+        for root, tag in self._agree_on_tags():
+            self.engine.commit(tag, root=root, on_committed=self._latest_writer(root, tag))
+        self._uncommitted.clear()
+        self._armed = False
+
+    def _latest_writer(self, root: str, tag: str):
+        def write_latest(manifest: dict) -> None:
+            if self.rank == 0:
+                atomic_write(os.path.join(root, "latest"), tag.encode())
+
+        return write_latest
+
+    def _agree_on_tags(self) -> list[tuple[str, str]]:
+        """Ranks that saved nothing (data-parallel ranks without ZeRO) still join each commit.
+
+        Called from the optimizer step hook, which runs on every rank at the same point of the
+        step, so a collective is in order there.
         """
         import torch.distributed as dist
 
         mine = list(self._uncommitted)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if self._all_ranks_save or not (dist.is_available() and dist.is_initialized()):
             return mine
         gathered: list[list[tuple[str, str]] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
@@ -128,7 +164,20 @@ class CheckpointEngine:
                     ordered.append(key)
         return ordered
 
+    def _commit_at_exit(self) -> None:
+        """The last checkpoint of a run is committed (and named in ``latest``) even if no step follows it."""
+        if not self._uncommitted:
+            return
+        if self._all_ranks_save:
+            for root, tag in self._uncommitted:
+                self.engine.commit(tag, root=root, on_committed=self._latest_writer(root, tag))
+            self._uncommitted.clear()
+        else:  # no collective at interpreter exit: peers may be gone already
+            log.warning("[datastates] without ZeRO the last checkpoint (%s) is committed only if a step or "
+                        "engine.destroy() follows it", ", ".join(tag for _, tag in self._uncommitted))
+
     def shutdown(self) -> None:
+        self._hook.remove()
         self.engine.shutdown()
 
 

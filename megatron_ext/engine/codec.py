@@ -124,6 +124,9 @@ class Encoder:
                 n += 1
             name = f"{name}#{n}"
         self._names.add(name)
+        if tensor.layout != torch.strided:
+            raise EncodeError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) tensors can be "
+                              "checkpointed: convert it with .to_dense() first")
         tensor = tensor.detach()
         if tensor.is_conj() or tensor.is_neg():  # lazy conjugate/negative views have no plain bytes
             tensor = tensor.resolve_conj().resolve_neg()

@@ -130,7 +130,7 @@ class Committer:
     def _next_ready(self) -> CheckpointJob | None:
         with self._cond:
             while True:
-                for job in self._pending:
+                for job in list(self._pending):
                     if job.error is not None:  # abandoned after a failure the engine survives
                         self._pending.remove(job)
                         job.committed.set()

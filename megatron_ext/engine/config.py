@@ -42,7 +42,7 @@ class EngineConfig:
     #: Seconds any single wait may take before it fails with an error instead of hanging.
     snapshot_timeout_s: float = 600.0
     persist_timeout_s: float = 1800.0
-    #: JSON-lines telemetry file; None puts it next to the checkpoints (``<root>/telemetry/``).
+    #: JSON-lines telemetry file ({rank} is replaced); None: ``<save_dir>/datastates_telemetry/rank-RRRRR.jsonl``.
     telemetry_path: str | None = None
     #: Store non-tensor objects the safe encoder does not know with pickle (loaded only on request).
     pickle_fallback: bool = False
