@@ -39,6 +39,21 @@ def _bench_train(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _bench_deepspeed(sub) -> None:
+    p = sub.add_parser("deepspeed", help="DeepSpeed's default checkpoint engine vs datastates, same model")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--hidden", type=int, default=4096, help="MLP width (sets the checkpoint size)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
+
+    def run(args) -> int:
+        from megatron_ext.bench import deepspeed_bench
+
+        return deepspeed_bench.main(args)
+
+    p.set_defaults(func=run)
+
+
 def _demo(sub) -> None:
     p = sub.add_parser("demo", help="save every step of a toy training loop, then resume and check it")
     p.add_argument("--out", default="runs/demo", help="checkpoint directory (default runs/demo)")
@@ -125,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True)
     _bench_engine(benches)
     _bench_train(benches)
+    _bench_deepspeed(benches)
     return parser
 
 

@@ -37,18 +37,18 @@ IN_DIM, HIDDEN, OUT_DIM = 16, 32, 4
 MICRO_BATCH = 4
 
 
-def _layers() -> list[nn.Module]:
+def _layers(hidden: int = HIDDEN) -> list[nn.Module]:
     """The model as a flat layer list, so the same weights serve the plain and the pipeline engine."""
-    return [nn.Linear(IN_DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
-            nn.Linear(HIDDEN, OUT_DIM)]
+    return [nn.Linear(IN_DIM, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+            nn.Linear(hidden, OUT_DIM)]
 
 
 class TinyModel(nn.Module):
     """MLP returning the MSE loss, the way ``engine(x, y)`` expects for a non-pipeline engine."""
 
-    def __init__(self):
+    def __init__(self, hidden: int = HIDDEN):
         super().__init__()
-        self.net = nn.Sequential(*_layers())
+        self.net = nn.Sequential(*_layers(hidden))
 
     def forward(self, x, y):
         return nn.functional.mse_loss(self.net(x), y)
@@ -94,6 +94,8 @@ def parse_args(argv=None):
     p.add_argument("--kill-at-step", type=int, default=None,
                    help="every rank SIGKILLs itself right after this step's save_checkpoint returns")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="hidden width (benchmarks use a larger model)")
+    p.add_argument("--no-save", action="store_true", help="train without checkpoints (benchmark baseline)")
     return p.parse_args(argv)
 
 
@@ -107,10 +109,10 @@ def build_engine(args):
     torch.manual_seed(args.seed)
     if args.pipeline:
         from deepspeed.pipe import PipelineModule
-        model = PipelineModule(layers=_layers(), num_stages=2, partition_method="uniform",
+        model = PipelineModule(layers=_layers(args.hidden), num_stages=2, partition_method="uniform",
                                loss_fn=nn.functional.mse_loss)
     else:
-        model = TinyModel()
+        model = TinyModel(args.hidden)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(args))
     return engine
@@ -118,6 +120,12 @@ def build_engine(args):
 
 def _hexes(values: torch.Tensor) -> list[str]:
     return [float(v).hex() for v in values.tolist()]
+
+
+def _datastates_wait_total(engine) -> float:
+    """Seconds the datastates engine has blocked in wait_snapshot so far (0 for other engines)."""
+    adapter = getattr(getattr(engine, "checkpoint_engine", None), "ckpt_engine", None)
+    return getattr(getattr(adapter, "engine", None), "wait_total_s", 0.0)
 
 
 def main(argv=None) -> int:
@@ -140,6 +148,7 @@ def main(argv=None) -> int:
         assert client.get("harness_step") == start, (client.get("harness_step"), start)
 
     log = open(args.log_json, "a") if (args.log_json and rank == 0) else None
+    last_wait = _datastates_wait_total(engine)
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         if args.pipeline:
@@ -152,19 +161,27 @@ def main(argv=None) -> int:
             engine.step()
             loss = loss.detach().float()
         t1 = time.perf_counter()
-        engine.save_checkpoint(args.save_dir, client_state={"harness_step": step})
+        if not args.no_save:
+            engine.save_checkpoint(args.save_dir, client_state={"harness_step": step})
         t2 = time.perf_counter()
+        # Time training waited for checkpointing: the save call, plus (datastates) the lazy wait
+        # the optimizer-step hook did inside this step.
+        waited = _datastates_wait_total(engine)
+        blocked = (t2 - t1) + waited - last_wait
+        last_wait = waited
 
         # Every rank's loss and local parameter sum (float64) -> rank 0, for bit-exact comparisons.
         local = torch.tensor([loss.item(), sum(p.detach().double().sum().item()
-                                               for p in engine.module.parameters())], dtype=torch.float64)
+                                               for p in engine.module.parameters()), blocked],
+                             dtype=torch.float64)
         gathered = [torch.zeros_like(local) for _ in range(world)]
         dist.all_gather(gathered, local)
         if log is not None:
             rec = {"step": step, "loss": float(loss.item()).hex(),
                    "rank_losses": _hexes(torch.stack([g[0] for g in gathered])),
                    "rank_param_sums": _hexes(torch.stack([g[1] for g in gathered])),
-                   "step_s": t1 - t0, "save_s": t2 - t1, "engine": args.engine,
+                   "step_s": t1 - t0, "save_s": t2 - t1, "iter_s": t2 - t0,
+                   "ckpt_blocked_s": max(g[2].item() for g in gathered), "engine": args.engine,
                    "zero_stage": args.zero_stage, "pipeline": args.pipeline, "resumed": args.load}
             log.write(json.dumps(rec) + "\n")
             log.flush()

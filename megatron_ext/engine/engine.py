@@ -90,6 +90,7 @@ class CheckpointEngine:
         self._closed = False
         self.last_load_level: str | None = None
         self.blocked_total_s = 0.0  # all time the caller spent in save() and wait_snapshot()
+        self.wait_total_s = 0.0  # the wait_snapshot() part of it
 
         tele_path = self.config.telemetry_path
         if tele_path is None and self.config.save_dir is not None:
@@ -208,6 +209,7 @@ class CheckpointEngine:
         self._raise_if_failed()
         blocked = time.monotonic() - started
         self.blocked_total_s += blocked
+        self.wait_total_s += blocked
         for job in {f.checkpoint for f in pending}:
             job.blocked_s += blocked
         self._files = [f for f in self._files if not f.snapshot_done.is_set()]
