@@ -11,22 +11,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
-import sys
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_ext.procs import torchrun_command
 
 
 def _torchrun(nproc: int, args: list[str], log: str) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "megatron_ext.megatron.trainer", *args]
+    cmd = torchrun_command(nproc, "-m", "megatron_ext.megatron.trainer", *args)
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     print("[main-job] $ " + " ".join(["torchrun", f"--nproc-per-node {nproc}", "-m megatron_ext.megatron.trainer",
                                        *args]), flush=True)

@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+
+from megatron_ext.procs import torchrun_command
 
 MODEL = ["--bf16", "--use-distributed-optimizer", "--num-layers", "4", "--hidden-size", "512",
          "--num-attention-heads", "8", "--seq-length", "128", "--vocab-size", "8192",
@@ -32,16 +33,8 @@ def _progress(msg: str) -> None:
     print(f"[bench train] {msg}", file=sys.stderr, flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(nproc: int, args: list[str], log_json: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "megatron_ext.megatron.trainer", *MODEL, *args, "--log-json", log_json]
+    cmd = torchrun_command(nproc, "-m", "megatron_ext.megatron.trainer", *MODEL, *args, "--log-json", log_json)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:

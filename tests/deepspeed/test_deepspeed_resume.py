@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_ext.procs import torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 240
@@ -28,17 +29,9 @@ ENGINES = ["torch", "datastates"]
 COMPARED = ("rank_losses", "rank_param_sums")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_harness(args: list[str], log_json: Path, expect_crash: bool = False) -> list[dict]:
     """Run ``megatron_ext.deepspeed_harness`` on 2 CPU ranks; return the JSON lines logged so far."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           "-m", "megatron_ext.deepspeed_harness", *args, "--log-json", str(log_json)]
+    cmd = torchrun_command(2, "-m", "megatron_ext.deepspeed_harness", *args, "--log-json", str(log_json))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_ext.procs import free_port, torchrun_command  # noqa: F401  (free_port: re-exported)
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 300
@@ -19,21 +19,12 @@ COMMON = ["--bf16", "--use-distributed-optimizer", "--global-batch-size", "8",
           "--micro-batch-size", "2", "--seed", "1234"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_trainer(nproc: int, args: list[str], log_json: Path, expect_crash: bool = False) -> list[dict]:
     """Run the trainer on ``nproc`` CPU processes; return the JSON lines it logged.
 
     With ``expect_crash`` the run must end in failure (the trainer SIGKILLs itself).
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-           "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()),
-           "-m", "megatron_ext.megatron.trainer", *COMMON, *args, "--log-json", str(log_json)]
+    cmd = torchrun_command(nproc, "-m", "megatron_ext.megatron.trainer", *COMMON, *args, "--log-json", str(log_json))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if (proc.returncode != 0) != expect_crash:

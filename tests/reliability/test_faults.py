@@ -11,24 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_ext.engine import CheckpointEngine
+from megatron_ext.procs import torchrun_command
 
 HERE = Path(__file__).parent
 TIMEOUT_S = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(tmp_path: Path, fault: str, on_failure: str) -> dict[int, dict]:
@@ -36,8 +29,7 @@ def _run(tmp_path: Path, fault: str, on_failure: str) -> dict[int, dict]:
     out.mkdir()
     env = dict(os.environ, FAULT=fault, FAULT_RANK="1", ON_FAILURE=on_failure, TIMEOUT=str(TIMEOUT_S),
                OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(HERE / "fault_worker.py"), str(root), str(out)]
+    cmd = torchrun_command(2, str(HERE / "fault_worker.py"), str(root), str(out))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)}
