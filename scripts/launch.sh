@@ -148,7 +148,7 @@ case "$TRAINER" in
     reference)
         [[ -z "$FIRST" ]] || die "the reference trainer has no uneven pipeline split"
         PROGRAM=(-m megatron_ext.megatron.trainer)
-        TRAINER_ARGS=("${COMMON_ARGS[@]}" --exit-signal-handler)
+        TRAINER_ARGS=("${COMMON_ARGS[@]}")
         ;;
     *) die "TRAINER must be 'megatron' (pretrain_gpt.py in MEGATRON_LM_DIR) or 'reference' (megatron_ext.megatron.trainer), not '$TRAINER'" ;;
 esac

@@ -190,6 +190,19 @@ def _wait(what: str, predicate, timeout: float, interval: float = 0.2, on_timeou
     pytest.fail(f"timed out after {timeout}s waiting for {what}\n{on_timeout()}")
 
 
+def _trainer_processes() -> list:
+    import psutil
+
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "megatron_ext.megatron.trainer" in " ".join(proc.info["cmdline"] or []):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
 def test_cpu_job_is_signalled_requeued_and_resumes(cluster, site, tmp_path):
     out = tmp_path / "job.out"
     env = _env(cluster, site, TRAIN_ITERS=str(TRAIN_ITERS), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
@@ -221,6 +234,10 @@ def test_cpu_job_is_signalled_requeued_and_resumes(cluster, site, tmp_path):
           JOB_TIMEOUT_S, interval=0.5, on_timeout=show)
     stopped_at = committed()
     assert 5 <= stopped_at < TRAIN_ITERS
+    # The first run's training processes must be gone before the restart is forced, or the new
+    # step can fail to launch on the one node (it did once, when the graceful stop took longer).
+    _wait("the first run's processes to exit", lambda: not _trainer_processes(), JOB_TIMEOUT_S, interval=0.5,
+          on_timeout=show)
     # Slurm delays a requeued job's start (BeginTime, about a minute); start it now so the test
     # stays short. The job may still be completing its first run: retry while it is not running.
     def finished() -> bool:
