@@ -256,23 +256,11 @@ class CheckpointEngine:
              map_location: Any = None, allow_pickle: bool = False, verify: bool = True,
              level: str = "auto") -> Any:
         """Load one saved state of a committed checkpoint, from the node-local level when complete there."""
-        root = self._root(root)
-        manifest = read_manifest(os.path.join(root, checkpoint))
-        if manifest is None:
-            raise CheckpointError(f"{os.path.join(root, checkpoint)} is not a committed checkpoint (no manifest)")
+        committed = self.open_checkpoint(checkpoint, root=root, verify=verify)
         name = f"rank{self.rank:05d}" if name is None else name
-        entry = manifest["files"].get(name)
-        if entry is None:
-            raise CheckpointError(f"checkpoint {checkpoint} has no file {name!r}; it has {sorted(manifest['files'])[:8]}")
-        base, self.last_load_level = root, LEVEL_SHARED
-        local = self.config.local_dir
-        if local and level in ("auto", LEVEL_LOCAL) and restore.local_copy_complete(
-                local, checkpoint, manifest, entry["rank"]):
-            base, self.last_load_level = local, LEVEL_LOCAL
-        elif level == LEVEL_LOCAL:
-            raise CheckpointError(f"checkpoint {checkpoint} is not complete on the node-local level")
-        return restore.load_entry(base, entry, map_location=map_location, allow_pickle=allow_pickle,
-                                  verify=verify, object_modules=self.config.object_modules)
+        reader = committed.reader(name, level)
+        self.last_load_level = reader.level
+        return reader.state(map_location, allow_pickle, self.config.object_modules)
 
     def open_checkpoint(self, checkpoint: str, *, root: str | None = None, verify: bool = True) -> "CommittedCheckpoint":
         """A committed checkpoint's manifest plus per-file readers, for adapters that read selectively."""
@@ -400,16 +388,21 @@ class CommittedCheckpoint:
         self._readers: dict[str, restore.FileReader] = {}
         self.levels_used: set[str] = set()
 
-    def reader(self, name: str) -> restore.FileReader:
+    def reader(self, name: str, level: str = "auto") -> restore.FileReader:
+        """The reader of file ``name``: node-local when complete there (``level="local"`` requires it)."""
         if name not in self._readers:
             entry = self.manifest["files"].get(name)
             if entry is None:
-                raise CheckpointError(f"checkpoint {self.checkpoint} has no file {name!r}")
-            base, level = self.root, LEVEL_SHARED
-            if self.local_dir and restore.local_copy_complete(self.local_dir, self.checkpoint, self.manifest, entry["rank"]):
-                base, level = self.local_dir, LEVEL_LOCAL
-            self.levels_used.add(level)
-            self._readers[name] = restore.FileReader(base, entry, self.verify)
+                raise CheckpointError(f"checkpoint {self.checkpoint} has no file {name!r}; "
+                                      f"it has {sorted(self.manifest['files'])[:8]}")
+            base, chosen = self.root, LEVEL_SHARED
+            if self.local_dir and level in ("auto", LEVEL_LOCAL) and restore.local_copy_complete(
+                    self.local_dir, self.checkpoint, self.manifest, entry["rank"]):
+                base, chosen = self.local_dir, LEVEL_LOCAL
+            elif level == LEVEL_LOCAL:
+                raise CheckpointError(f"checkpoint {self.checkpoint} is not complete on the node-local level")
+            self.levels_used.add(chosen)
+            self._readers[name] = restore.FileReader(base, entry, self.verify, level=chosen)
         return self._readers[name]
 
 

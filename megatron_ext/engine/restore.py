@@ -92,7 +92,8 @@ def local_copy_complete(local_root: str, checkpoint: str, manifest: dict, rank: 
 class FileReader:
     """One committed file, read as a whole or tensor by tensor (each verified against the manifest)."""
 
-    def __init__(self, base: str, entry: dict, verify: bool = True):
+    def __init__(self, base: str, entry: dict, verify: bool = True, level: str = "shared"):
+        self.level = level  # the storage level it reads from
         self.entry = entry
         self.verify = verify
         self.tensor_path = os.path.join(base, entry["tensor_file"])
@@ -151,12 +152,6 @@ class FileReader:
         for key in keys:
             node = node[key]
         return codec.decode(node, self.tensor, allow_pickle=allow_pickle, object_modules=object_modules)
-
-
-def load_entry(base: str, entry: dict, map_location: Any = None, allow_pickle: bool = False,
-               verify: bool = True, object_modules: tuple[str, ...] = ()) -> Any:
-    """Rebuild the nested state saved as one manifest file entry, reading from ``base``."""
-    return FileReader(base, entry, verify).state(map_location, allow_pickle, object_modules)
 
 
 def _map(tensor: torch.Tensor, map_location: Any) -> torch.Tensor:

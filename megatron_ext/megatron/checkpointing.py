@@ -177,10 +177,9 @@ def _dp_gather() -> Callable[[Any], list]:
 
 def _ownership(shards: list) -> sharding.OwnershipPlan:
     global _plan
-    layout = _layout()
-    signature = tuple(sorted({(sharding.shard_id(s), sharding.shard_nbytes(s))
-                              for s in shards if sharding.is_candidate(s)}))
+    signature = sharding.candidate_signature(shards)
     if _plan is None:
+        layout = _layout()
         _plan = sharding.plan_ownership(shards, layout["dp_rank"], layout["dp"], _dp_gather())
         log.info("[datastates] shard ownership: bytes per data-parallel rank %s", _plan.bytes_by_dp_rank)
     elif _plan.signature != signature:
@@ -212,6 +211,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     plan = _ownership(shards)
     tensors, objects, meta = sharding.split_owned(shards, plan)
     rank = torch.distributed.get_rank()
+    layout = _layout()
     state: dict[str, Any] = {"shards": {"tensors": tensors, "objects": objects, "meta": meta}}
     if not getattr(args, "no_save_rng", False):
         state["rng"] = rng_state()
@@ -225,11 +225,11 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
             "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
             "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
             "args": _storable_args(args),
-            "layout": _layout(),
+            "layout": layout,
         }
     name = checkpoint_name(iteration)
     engine.save(state, name, f"rank{rank:05d}", version=iteration,
-                extra={"objects": sorted(objects), "layout": _layout()})
+                extra={"objects": sorted(objects), "layout": layout})
     engine.commit(name, on_committed=_tracker_writer(args.save, iteration, rank))
     log.info("[datastates] iteration %d: checkpoint recorded in %.4fs (%d tensors, %d objects owned here)",
              iteration, time.monotonic() - started, len(tensors), len(objects))

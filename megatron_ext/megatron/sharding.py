@@ -78,9 +78,14 @@ class OwnershipPlan:
     bytes_by_dp_rank: list[int]
 
 
+def candidate_signature(shards: list[ShardedBase]) -> tuple[tuple[str, int], ...]:
+    """(shard id, bytes) of the shards this rank could write: what ownership is planned from."""
+    return tuple(sorted({(shard_id(s), shard_nbytes(s)) for s in shards if is_candidate(s)}))
+
+
 def plan_ownership(shards: list[ShardedBase], dp_rank: int, dp_size: int, gather) -> OwnershipPlan:
     """``gather(obj) -> list`` all-gathers over the data-parallel group (a collective)."""
-    candidates = sorted({(shard_id(s), shard_nbytes(s)) for s in shards if is_candidate(s)})
+    candidates = list(candidate_signature(shards))
     everyone = gather(candidates) if dp_size > 1 else [candidates]
     holders: dict[str, list[int]] = {}
     size: dict[str, int] = {}
