@@ -8,11 +8,16 @@ only once the checkpoint is committed, i.e. every rank's bytes are durable.
 What each rank writes (one file per rank and checkpoint):
 
 * ``shards``: the model and distributed-optimizer shards this rank owns (``sharding.py``), as
-  zero-copy views; the optimizer uses megatron-core's ``dp_reshardable`` layout, in which each
-  data-parallel rank's fp32 main params and Adam moments are its own shards (no gather);
+  zero-copy views, with their global placement; the optimizer's state is described per parameter
+  (``optimizer_state.py``, model space): each data-parallel rank's slices of the fp32 main params
+  and Adam moments are its own shards (no gather);
 * ``rng``: this rank's Python, NumPy, torch, CUDA and model-parallel tracker RNG states;
 * on global rank 0 only, ``common``: the non-sharded part of the state dict, the iteration,
   the scheduler, the consumed samples and the args (copied at save time).
+
+Loading into the same TP/PP/DP layout reads each shard by id; into another layout, each shard
+is assembled from the saved shards that overlap it (``shard_assembly.py``), and RNGs are
+reseeded deterministically (``reseed_rngs``).
 
 ``save_checkpoint`` returns as soon as the engine has recorded the tensors; the copies overlap
 with the next forward/backward, and ``install_lazy_wait`` makes the optimizer wait right before
