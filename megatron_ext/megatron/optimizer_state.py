@@ -110,7 +110,8 @@ def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
     states = [state] if len(optimizers) == 1 else [state[i] for i in sorted(state)]
     for opt, opt_state in zip(optimizers, states):
         param_state = opt_state.get("param_state", {})
-        opt.load_state_dict({k: v for k, v in opt_state.items() if k not in ("param_state", "param_state_sharding_type")})
+        opt.load_state_dict({k: v for k, v in opt_state.items()
+                             if k not in ("param_state", "param_state_sharding_type")})
         for index, (model_param, _) in enumerate(_param_slices(opt)):
             for name, tensor in _param_tensors(opt, model_param).items():
                 tensor.copy_(param_state[index][name])
