@@ -14,11 +14,41 @@ optimizer's per-rank state) are written by that rank, with no gather.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable
 
 import torch
 
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
+
+
+@dataclasses.dataclass
+class FlatShardedTensor(ShardedTensor):
+    """A ShardedTensor whose ``data`` is the slice ``flattened_range`` of its flattened box.
+
+    That is what the distributed optimizer holds per data-parallel rank: a contiguous slice of
+    each parameter. megatron-core 0.16.1 rejects ``flattened_range`` in ``ShardedTensor`` (so its
+    own ``fully_sharded_model_space`` optimizer format fails); this subclass checks it instead.
+    """
+
+    def validate_metadata_integrity(self) -> None:
+        rng = self.flattened_range
+        if rng is None or not 0 <= rng.start <= rng.stop <= math.prod(self.local_shape):
+            raise CheckpointingException(f"flattened range {rng} outside the box {self.local_shape} of {self.key}")
+        if self.data is not None and (self.data.dtype != self.dtype or self.data.shape != (rng.stop - rng.start,)):
+            raise CheckpointingException(f"{self.key}: data {self.data.dtype} {tuple(self.data.shape)} does not match "
+                                         f"{self.dtype} and the flattened range {rng}")
+        if not (len(self.local_shape) + self.prepend_axis_num == len(self.global_shape) == len(self.global_offset)):
+            raise CheckpointingException(f"{self.key}: local shape, prepended axes and global shape disagree")
+
+
+def flat_shard(model_shard: ShardedTensor, key: str, data: torch.Tensor, flattened_range: slice,
+               replica_id: Any) -> FlatShardedTensor:
+    """``data`` (a flat slice of ``model_shard``'s box) described with that box's global placement."""
+    fields = {f.name: getattr(model_shard, f.name) for f in dataclasses.fields(ShardedTensor)}
+    fields.update(key=key, data=data, dtype=data.dtype, flattened_range=flattened_range, replica_id=replica_id)
+    return FlatShardedTensor(**fields)
 
 
 def shard_id(shard: ShardedBase) -> str:
