@@ -34,6 +34,8 @@ def common_layout(files: list[dict]) -> dict:
 
 def describe(root: str, local_dir: str | None = None) -> list[dict]:
     """One record per checkpoint directory under ``root`` (ours: with a manifest or reports)."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{root} is not a directory")
     rows = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)

@@ -385,7 +385,10 @@ def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_par
         tensor = ckpt.reader(file_name).tensor(tensor_name)
         expected = tuple(leaf.data.shape) if leaf.data is not None else tuple(leaf.local_shape)
         if tuple(tensor.shape) != expected:
-            raise CheckpointError(f"shard {sid}: checkpoint has shape {tuple(tensor.shape)}, the model {expected}")
+            # A shard converted from torch_dist keeps megatron-core's prepended axes of size 1.
+            if [n for n in tensor.shape if n != 1] != [n for n in expected if n != 1]:
+                raise CheckpointError(f"shard {sid}: checkpoint has shape {tuple(tensor.shape)}, the model {expected}")
+            tensor = tensor.view(expected)
         return tensor
 
     dict_list_map_inplace(fill, sharded)
