@@ -8,11 +8,16 @@ only once the checkpoint is committed, i.e. every rank's bytes are durable.
 What each rank writes (one file per rank and checkpoint):
 
 * ``shards``: the model and distributed-optimizer shards this rank owns (``sharding.py``), as
-  zero-copy views; the optimizer uses megatron-core's ``dp_reshardable`` layout, in which each
-  data-parallel rank's fp32 main params and Adam moments are its own shards (no gather);
+  zero-copy views, with their global placement; the optimizer's state is described per parameter
+  (``optimizer_state.py``, model space): each data-parallel rank's slices of the fp32 main params
+  and Adam moments are its own shards (no gather);
 * ``rng``: this rank's Python, NumPy, torch, CUDA and model-parallel tracker RNG states;
 * on global rank 0 only, ``common``: the non-sharded part of the state dict, the iteration,
   the scheduler, the consumed samples and the args (copied at save time).
+
+Loading into the same TP/PP/DP layout reads each shard by id; into another layout, each shard
+is assembled from the saved shards that overlap it (``shard_assembly.py``), and RNGs are
+reseeded deterministically (``reseed_rngs``).
 
 ``save_checkpoint`` returns as soon as the engine has recorded the tensors; the copies overlap
 with the next forward/backward, and ``install_lazy_wait`` makes the optimizer wait right before
@@ -34,12 +39,12 @@ from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committe
 from megatron_ext.engine.files import atomic_write
 from megatron_ext.megatron import optimizer_state, sharding
 from megatron_ext.megatron.args import engine_config_from_args
+from megatron_ext.megatron.shard_assembly import SavedShards
 
 log = logging.getLogger("megatron_ext.megatron")
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0  # the Megatron-LM checkpoint version this layout answers to
-SHARDING_TYPE = "dp_reshardable"
 
 _engine: CheckpointEngine | None = None
 _engine_key: tuple | None = None
@@ -137,11 +142,10 @@ def _model_keys(model: list) -> list[str]:
     return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
 
 
-def _sharded_state(model: list, optimizer: Any, is_loading: bool, with_optimizer: bool) -> dict:
+def _sharded_state(model: list, optimizer: Any, with_optimizer: bool) -> dict:
     sharded = {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(model), model)}
     if with_optimizer and optimizer is not None:
-        sharded["optimizer"] = optimizer.sharded_state_dict(
-            sharded, is_loading=is_loading, metadata={"distrib_optim_sharding_type": SHARDING_TYPE})
+        sharded["optimizer"] = optimizer_state.model_space_state_dict(optimizer, sharded)
     return sharded
 
 
@@ -205,7 +209,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     engine = get_engine(args)
     install_lazy_wait(optimizer, engine)
     with_optimizer = not getattr(args, "no_save_optim", False)
-    sharded, common = save_preprocess(_sharded_state(model, optimizer, False, with_optimizer),
+    sharded, common = save_preprocess(_sharded_state(model, optimizer, with_optimizer),
                                       validate_access_integrity=False)
     shards = list(sharding.sharded_leaves(sharded))
     plan = _ownership(shards)
@@ -360,12 +364,13 @@ def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_par
     rank = torch.distributed.get_rank()
     zero_name = next(name for name, f in ckpt.manifest["files"].items() if f["rank"] == 0)
     meta = ckpt.reader(zero_name).part("meta")
-    _check_layout(meta["layout"], _layout())
+    layout = _layout()
+    saved_shards = _reshard_source(ckpt, meta["layout"], layout)  # None: same layout, exact shard ids
 
     with_optimizer = optimizer is not None and not getattr(args, "no_load_optim", False) and not getattr(args, "finetune", False)
     if with_optimizer:
         optimizer_state.ensure_state(optimizer)
-    sharded, nonpersistent, factories = load_preprocess(_sharded_state(model, optimizer, True, with_optimizer))
+    sharded, nonpersistent, factories = load_preprocess(_sharded_state(model, optimizer, with_optimizer))
     sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"
     missing: list[str] = []
 
@@ -378,6 +383,8 @@ def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_par
                 missing.append(sid)
                 return None
             return ckpt.reader(object_index[sid]).part("shards", "objects", sid)
+        if saved_shards is not None:
+            return _assemble(saved_shards, leaf)
         if sid not in tensor_index:
             missing.append(sid)
             return None
@@ -404,14 +411,16 @@ def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_par
         for key, chunk in zip(_model_keys(model), model):
             chunk.load_state_dict(state[key], strict=strict)
         if with_optimizer:
-            optimizer.load_state_dict(state["optimizer"])
-            optimizer_state.restore_adam_steps(optimizer)
+            optimizer_state.check_param_groups(optimizer, state["optimizer"])
+            optimizer_state.load_model_space_state_dict(optimizer, state["optimizer"])
     if opt_param_scheduler is not None and meta.get("scheduler") is not None and not getattr(args, "finetune", False):
         opt_param_scheduler.load_state_dict(meta["scheduler"])
     own = next((n for n, f in ckpt.manifest["files"].items() if f["rank"] == rank), None)
-    if own is not None and not getattr(args, "no_load_rng", False) and not getattr(args, "finetune", False):
-        rng = ckpt.reader(own).part("rng")
-        set_rng_state(rng)
+    if not getattr(args, "no_load_rng", False) and not getattr(args, "finetune", False):
+        if saved_shards is not None:
+            reseed_rngs(getattr(args, "seed", 1234), iteration, layout)
+        elif own is not None:
+            set_rng_state(ckpt.reader(own).part("rng"))
     saved_args = meta.get("args")
     for field in ("consumed_train_samples", "consumed_valid_samples", "skipped_train_samples"):
         if saved_args is not None and hasattr(saved_args, field) and not getattr(args, "finetune", False):
@@ -436,9 +445,42 @@ def _index(manifest: dict) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
     return tensors, objects
 
 
-def _check_layout(saved: dict, current: dict) -> None:
-    keys = ("tp", "pp", "dp")
-    differ = [f"{k} {saved.get(k)} -> {current.get(k)}" for k in keys if saved.get(k) != current.get(k)]
-    if differ:
-        raise CheckpointError("checkpoint parallel layout differs from this run's (" + ", ".join(differ) +
-                              "); loading onto another layout is not supported yet")
+def _reshard_source(ckpt: Any, saved: dict, current: dict) -> SavedShards | None:
+    """The saved shards to assemble from when the parallel layout changed; None when it did not."""
+    differ = [f"{k.upper()} {saved.get(k)} -> {current.get(k)}" for k in ("tp", "pp", "dp") if saved.get(k) != current.get(k)]
+    if not differ:
+        return None
+    if torch.distributed.get_rank() == 0:
+        log.warning("[datastates] resharding %s: parallel layout %s; every shard is assembled from the saved "
+                    "ones that overlap it", ckpt.checkpoint, ", ".join(differ))
+    return SavedShards(ckpt)
+
+
+def _assemble(saved_shards: SavedShards, leaf: Any) -> torch.Tensor:
+    """A ShardedTensor's data in this run's layout, from the saved shards of its key that overlap it."""
+    if saved_shards.global_shape(leaf.key) != tuple(leaf.global_shape):
+        raise CheckpointError(f"{leaf.key}: checkpoint has global shape {saved_shards.global_shape(leaf.key)}, "
+                              f"the model {tuple(leaf.global_shape)}")
+    return saved_shards.read_shard(leaf.key, leaf.global_offset, leaf.local_shape, leaf.prepend_axis_num,
+                                   leaf.flattened_range)
+
+
+def reseed_rngs(seed: int, iteration: int, layout: dict) -> None:
+    """RNGs after a resharded load: a fresh, deterministic start for this rank and iteration.
+
+    The saved per-rank RNG streams belong to ranks of the old layout (a tensor-parallel rank's
+    dropout stream, a pipeline stage's), so none of them continues meaningfully on another layout.
+    Every RNG is seeded as Megatron seeds a new run (``seed + 100 * pipeline rank``, the
+    model-parallel tracker from that), shifted by the iteration so the streams differ from the
+    first iterations'. The same checkpoint and layout always give the same streams.
+    """
+    from megatron.core import tensor_parallel
+
+    mixed = (seed + 100 * layout["pp_rank"] + 1_000_003 * iteration) % (2**31)
+    random.seed(mixed)
+    np.random.seed(mixed)
+    torch.manual_seed(mixed)
+    tensor_parallel.model_parallel_cuda_manual_seed(mixed)
+    if torch.distributed.get_rank() == 0:
+        log.warning("[datastates] RNG states are not carried across layouts: reseeded every rank from seed %d and "
+                    "iteration %d", seed, iteration)

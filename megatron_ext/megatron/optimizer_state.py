@@ -1,10 +1,18 @@
-"""The distributed optimizer's state as the lazy snapshot sees it, and two load-time repairs.
+"""The distributed optimizer's state in model space, as the lazy snapshot sees it, and two load-time repairs.
 
-Saving: megatron-core's ``dp_reshardable`` sharded state dict of a ``DistributedOptimizer`` is
-built from ``get_parameter_state_dp_reshardable``, which returns this data-parallel rank's fp32
-main params and Adam moments *as views* of the optimizer's own tensors. The snapshot therefore
-copies straight from the optimizer's memory: no gather, no staging copy. ``owned_state_views``
-exposes those views (tests check they alias the optimizer's storage).
+Saving: each data-parallel rank of a ``DistributedOptimizer`` holds, for every parameter that
+reaches into its slice of the grad buffers, a contiguous slice of that parameter's fp32 main copy
+and Adam moments. ``model_space_state_dict`` describes these as ``sharding.FlatShardedTensor``
+leaves ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>``: the parameter's global
+box (key, offset, shape, from the model's sharded state dict) plus the slice of its flattened box
+(``flattened_range``). The data are the optimizer's own tensors, so the snapshot copies straight
+from the optimizer's memory: no gather, no staging copy. Unlike the bucket-space
+``dp_reshardable`` format, nothing depends on how parameters are packed into buckets, so a
+checkpoint loads into another TP/PP/DP layout; the remaining, non-parameter state (param
+groups, grad scaler) is the same on every rank. This is megatron-core's
+``fully_sharded_model_space`` format, which its 0.16.1 release can neither build (its
+``ShardedTensor`` rejects ``flattened_range``) nor read back with torch Adam (see
+``load_model_space_state_dict``).
 
 Loading, on the torch-Adam path (no Transformer Engine or Apex, as on CPUs):
 
@@ -20,6 +28,11 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from megatron_ext.megatron import sharding
+
+MODEL_SPACE = "fully_sharded_model_space"
 
 
 def _distributed(optimizer: Any) -> Iterator[Any]:
@@ -27,21 +40,81 @@ def _distributed(optimizer: Any) -> Iterator[Any]:
         yield opt
 
 
-def owned_state_views(optimizer: Any) -> list[torch.Tensor]:
-    """This rank's fp32 main params and Adam moments, as zero-copy views."""
-    views = []
-    for opt in _distributed(optimizer):
-        if not hasattr(opt, "get_parameter_state_dp_reshardable"):
-            continue
-        state = opt.get_parameter_state_dp_reshardable()
-        for key, per_dtype in state.items():
-            if not isinstance(key, int):
-                continue
-            for buckets in per_dtype.values():
-                for bucket in buckets:
-                    for entry in bucket:
-                        views += [v for v in entry.values() if isinstance(v, torch.Tensor)]
-    return views
+def _is_distributed(opt: Any) -> bool:
+    return hasattr(opt, "gbuf_ranges") and hasattr(opt, "_get_main_param_and_optimizer_states")
+
+
+def model_space_state_dict(optimizer: Any, model_sharded: dict) -> Any:
+    """The optimizer's sharded state dict, in model space for distributed optimizers.
+
+    ``model_sharded`` is the model's sharded state dict (before any preprocessing), whose
+    ShardedTensors hold the parameters themselves. Other optimizers already describe their
+    state per parameter; their own ``sharded_state_dict`` is used.
+    """
+    optimizers = list(_distributed(optimizer))
+    if not all(_is_distributed(opt) for opt in optimizers):
+        return optimizer.sharded_state_dict(model_sharded)
+    by_param = {shard.data: shard for shard in sharding.sharded_leaves(model_sharded)
+                if isinstance(shard, ShardedTensor)}
+    states = [_model_space(opt, by_param) for opt in optimizers]
+    return states[0] if len(states) == 1 else dict(enumerate(states))
+
+
+def _param_slices(opt: Any) -> Iterator[tuple[Any, slice]]:
+    """Each parameter reaching into this data-parallel rank's grad-buffer slice, with its part of it."""
+    for gbuf_range_maps in opt.gbuf_ranges:
+        for per_bucket in gbuf_range_maps.values():
+            for bucket in per_bucket:
+                for model_param, ranges in bucket["param_map"].items():
+                    yield model_param, slice(ranges["param"].start, ranges["param"].end)
+
+
+def _param_tensors(opt: Any, model_param: Any) -> dict[str, torch.Tensor]:
+    """The optimizer's own fp32 main param and Adam moments of this rank's slice of ``model_param``."""
+    tensors = opt._get_main_param_and_optimizer_states(model_param)
+    tensors["fp32_param"] = tensors.pop("param")
+    tensors.pop("step", None)  # kept in param_groups (one count for all params)
+    return tensors
+
+
+def _model_space(opt: Any, by_param: dict) -> dict:
+    state = opt.state_dict()  # param groups and grad scaler: the same on every rank
+    param_state = {}
+    for model_param, flat in _param_slices(opt):
+        model_shard = by_param.get(model_param)
+        if model_shard is None or len(model_shard.replica_id) != 3:
+            raise ValueError(f"parameter of shape {tuple(model_param.shape)} has no (PP, TP, DP) ShardedTensor "
+                             "in the model's sharded state dict")
+        replica_id = (*model_shard.replica_id[:2], opt.distributed_optimizer_instance_id)
+        param_state[len(param_state)] = {
+            name: sharding.flat_shard(model_shard, f"optimizer.state.{name}.{model_shard.key}", tensor, flat,
+                                      replica_id)
+            for name, tensor in _param_tensors(opt, model_param).items()}
+    state["param_state"] = param_state
+    state["param_state_sharding_type"] = MODEL_SPACE
+    return state
+
+
+def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
+    """Inverse of ``model_space_state_dict``, its ShardedTensors replaced by the loaded tensors.
+
+    megatron-core's own reader of this format (``load_parameter_state_from_fs_model_space``)
+    fails on torch Adam, whose per-param state also holds ``step``; the values are copied into
+    the optimizer's tensors here instead, and ``step`` comes from the param groups.
+    """
+    optimizers = list(_distributed(optimizer))
+    if not all(_is_distributed(opt) for opt in optimizers):
+        optimizer.load_state_dict(state)
+        restore_adam_steps(optimizer)
+        return
+    states = [state] if len(optimizers) == 1 else [state[i] for i in sorted(state)]
+    for opt, opt_state in zip(optimizers, states):
+        param_state = opt_state.get("param_state", {})
+        opt.load_state_dict({k: v for k, v in opt_state.items() if k not in ("param_state", "param_state_sharding_type")})
+        for index, (model_param, _) in enumerate(_param_slices(opt)):
+            for name, tensor in _param_tensors(opt, model_param).items():
+                tensor.copy_(param_state[index][name])
+    restore_adam_steps(optimizer)
 
 
 def ensure_state(optimizer: Any) -> None:
@@ -63,3 +136,30 @@ def restore_adam_steps(optimizer: Any) -> None:
                 state = inner.state.get(param)
                 if state and "step" in state:
                     state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def check_param_groups(optimizer: Any, saved: Any) -> None:
+    """Every param group of this rank must be among the saved ones (rank 0's, in ``common``).
+
+    The non-parameter state is saved once, by global rank 0, and loaded on every rank, whatever
+    its pipeline stage and layout; megatron-core matches groups by their identity keys
+    (``wd_mult``, ``lr_mult``, ...), so a stage with a kind of group rank 0's stage lacks cannot load.
+    """
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    from megatron_ext.engine import CheckpointError
+
+    optimizers = list(_distributed(optimizer))
+    saved_states = [saved] if len(optimizers) == 1 else [saved[i] for i in sorted(saved)]
+    for opt, state in zip(optimizers, saved_states):
+        if not _is_distributed(opt):
+            continue
+
+        def identity(group: dict) -> tuple:
+            return tuple(group.get(k) for k in param_group_identifier_keys)
+
+        have = {identity(g) for g in state["optimizer"]["param_groups"]}
+        need = {identity(g) for g in opt.optimizer.param_groups}
+        if not need <= have:
+            raise CheckpointError(f"optimizer param groups {sorted(need - have)} (by {param_group_identifier_keys}) "
+                                  "are not in the checkpoint's, which global rank 0 saved")

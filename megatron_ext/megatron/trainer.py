@@ -12,9 +12,10 @@ Checkpointing goes through exactly two functions chosen at start-up by ``select_
 uses megatron-core ``dist_checkpointing`` with the ``torch_dist`` format in Megatron's layout
 (``<save>/iter_0000005/`` plus ``<save>/latest_checkpointed_iteration.txt``).
 
-Resuming is bit-exact: the batch of iteration ``i`` is a pure function of ``(seed, i, dp_rank)``
-and every RNG the step consumes (torch, python, numpy, megatron's model-parallel tracker) is saved
-and restored.
+Resuming is bit-exact: as with Megatron's sampler, the global batch is a pure function of the
+seed and the number of samples consumed so far (``args.consumed_train_samples``, which the
+checkpoint carries), split over the data-parallel ranks; every RNG the step consumes (torch,
+python, numpy, megatron's model-parallel tracker) is saved and restored.
 """
 
 from __future__ import annotations
@@ -88,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint is committed, exit 0 (as Megatron-LM's flag)")
     g.add_argument("--crash-at-iteration", type=int, default=None,
                    help="test aid: SIGKILL this process right after iteration N's save call returns")
+    g.add_argument("--resave-on-load", action="store_true",
+                   help="test aid: right after loading iteration N, save the loaded state as iteration N into "
+                        "--save (another directory), e.g. to compare a resharded load with its source")
+    g.add_argument("--eval-fixed-batch", default=None, metavar="JSONL",
+                   help="test aid: after loading and after every save, run one fixed, layout-independent batch "
+                        "forward-only without dropout and append its per-token losses to this file")
     add_datastates_args(p)
     return p
 
@@ -118,6 +125,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         raise ValueError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
                          f"micro-batch-size x DP = {per_step}")
     args.num_microbatches = args.global_batch_size // per_step
+    args.consumed_train_samples = 0  # a checkpoint load restores it
 
     random.seed(args.seed)
     np.random.seed(args.seed)
@@ -211,21 +219,24 @@ def build_optimizer(args: argparse.Namespace, model, config):
 # Data
 # --------------------------------------------------------------------------------------------
 
-def synthetic_batch(seed: int, iteration: int, dp_rank: int, num_microbatches: int,
+def synthetic_batch(seed: int, first_sample: int, dp_rank: int, num_microbatches: int,
                     micro_batch_size: int, seq_length: int, vocab_size: int) -> torch.Tensor:
-    """Token ids ``[num_microbatches, micro_batch_size, seq_length + 1]`` for one iteration.
+    """This data-parallel rank's token ids ``[num_microbatches, micro_batch_size, seq_length + 1]``.
 
-    A pure function of ``(seed, iteration, dp_rank)``: a private generator, never the global RNG,
-    so the data does not depend on where a run started. Each row is an arithmetic progression
-    modulo the vocabulary, which a small model learns quickly (the loss visibly falls).
+    The global batch is samples ``first_sample, first_sample + 1, ...``; rank ``r`` takes the
+    ``r``-th contiguous run of ``num_microbatches * micro_batch_size`` of them. Sample ``k`` is a
+    pure function of ``(seed, k)`` (a private generator, never the global RNG), so the data depend
+    neither on where a run started nor on its parallel layout. Each row is an arithmetic
+    progression modulo the vocabulary, which a small model learns quickly (the loss visibly falls).
     """
-    gen = torch.Generator().manual_seed(
-        (seed * 1_000_003 + iteration * 7_919 + dp_rank * 104_729) % (2**63 - 1))
-    shape = (num_microbatches, micro_batch_size, 1)
-    start = torch.randint(0, vocab_size, shape, generator=gen)
-    stride = torch.randint(1, 3, shape, generator=gen)
-    positions = torch.arange(seq_length + 1).view(1, 1, -1)
-    return (start + stride * positions) % vocab_size
+    per_rank = num_microbatches * micro_batch_size
+    rows = []
+    for sample in range(first_sample + dp_rank * per_rank, first_sample + (dp_rank + 1) * per_rank):
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + sample * 7_919) % (2**63 - 1))
+        start = torch.randint(0, vocab_size, (1,), generator=gen)
+        stride = torch.randint(1, 3, (1,), generator=gen)
+        rows.append((start + stride * torch.arange(seq_length + 1)) % vocab_size)
+    return torch.stack(rows).view(num_microbatches, micro_batch_size, seq_length + 1)
 
 
 def microbatch_iterator(tokens: torch.Tensor) -> Iterator[dict]:
@@ -247,13 +258,19 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, {"lm loss": loss.detach().clone()}
 
 
-def _forward_step(data_iterator, model):
+def _token_losses_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Evaluation: the mean loss and every token's loss of one micro-batch."""
+    loss, _ = _loss_func(loss_mask, output_tensor)
+    return loss, {"token losses": output_tensor.float().detach().clone()}
+
+
+def _forward_step(data_iterator, model, loss_func=_loss_func):
     """One micro-batch through this stage; the last stage also returns the loss function."""
     batch = next(data_iterator)
     tokens = batch["tokens"]
     position_ids = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
     output = model(tokens, position_ids, None, labels=batch["labels"])
-    return output, partial(_loss_func, batch["loss_mask"])
+    return output, partial(loss_func, batch["loss_mask"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,6 +416,7 @@ def load_checkpoint_torch_dist(model, optimizer, scheduler, args: argparse.Names
     optimizer_state.restore_adam_steps(optimizer)
     scheduler.load_state_dict(state["opt_param_scheduler"])
     restore_rng_state(state["rng_state"])
+    args.consumed_train_samples = int(state["args"]["consumed_train_samples"])
     return int(state["iteration"])
 
 
@@ -511,7 +529,7 @@ def train_step(args, iteration: int, model, optimizer, scheduler) -> Optional[fl
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    tokens = synthetic_batch(args.seed, iteration, parallel_state.get_data_parallel_rank(),
+    tokens = synthetic_batch(args.seed, args.consumed_train_samples, parallel_state.get_data_parallel_rank(),
                              args.num_microbatches, args.micro_batch_size, args.seq_length,
                              args.vocab_size)
     model.zero_grad_buffer()
@@ -532,12 +550,45 @@ def train_step(args, iteration: int, model, optimizer, scheduler) -> Optional[fl
     if not success:
         raise RuntimeError(f"optimizer step skipped at iteration {iteration}")
     scheduler.step(increment=args.global_batch_size)
+    args.consumed_train_samples += args.global_batch_size
 
     if not parallel_state.is_pipeline_last_stage():
         return None
     loss = torch.stack([x["lm loss"] for x in losses]).mean()
     dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
     return (loss / args.data_parallel_size).item()
+
+
+def evaluate_fixed_batch(args, iteration: int, model) -> None:
+    """Per-token losses of one fixed global batch (seed ``seed + 1``, samples ``0..global batch``).
+
+    Forward only, dropout off: the outputs depend on the model's state alone, so runs of other
+    parallel layouts can compare them. The logging rank appends ``{"iteration", "token_losses"}``
+    (samples in order, as floats) to ``--eval-fixed-batch``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    tokens = synthetic_batch(args.seed + 1, 0, parallel_state.get_data_parallel_rank(), args.num_microbatches,
+                             args.micro_batch_size, args.seq_length, args.vocab_size)
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = get_forward_backward_func()(
+                forward_step_func=partial(_forward_step, loss_func=_token_losses_func),
+                data_iterator=microbatch_iterator(tokens), model=[model], num_microbatches=args.num_microbatches,
+                seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=True)
+    finally:
+        model.train()
+    if not parallel_state.is_pipeline_last_stage():
+        return
+    mine = torch.cat([out["token losses"] for out in outputs])
+    group = parallel_state.get_data_parallel_group()
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    if _is_logging_rank():
+        with open(args.eval_fixed_batch, "a") as f:
+            f.write(json.dumps({"iteration": iteration, "token_losses": torch.cat(everyone).tolist()}) + "\n")
 
 
 def install_exit_signal_handler() -> list[int | None]:
@@ -573,6 +624,8 @@ def train(args: argparse.Namespace) -> List[float]:
     Iterations are numbered from 1 like Megatron; a checkpoint taken after iteration ``k`` is
     ``iter_000000k`` and resuming from it runs iteration ``k + 1`` next.
     """
+    if args.resave_on_load and not (args.load and args.save and os.path.abspath(args.load) != os.path.abspath(args.save)):
+        raise ValueError("--resave-on-load needs --load and a different --save directory")
     initialize_distributed(args)
     save_checkpoint_fn, load_checkpoint_fn = select_checkpointing(args)
     model, config = build_model(args)
@@ -581,6 +634,10 @@ def train(args: argparse.Namespace) -> List[float]:
     iteration = 0
     if args.load:
         iteration = load_checkpoint_fn(model, optimizer, scheduler, args)
+        if args.resave_on_load and iteration > 0:
+            save_checkpoint_fn(iteration, model, optimizer, scheduler, args)
+        if args.eval_fixed_batch and iteration > 0:
+            evaluate_fixed_batch(args, iteration, model)
 
     log = open(args.log_json, "a") if args.log_json and _is_logging_rank() else None
     losses = []
@@ -594,6 +651,8 @@ def train(args: argparse.Namespace) -> List[float]:
             iteration += 1
             if checkpointing_on and iteration % args.save_interval == 0:
                 timed_checkpoint_call(save_checkpoint_fn, iteration, model, optimizer, scheduler, args)
+                if args.eval_fixed_batch:
+                    evaluate_fixed_batch(args, iteration, model)
             timed_checkpoint_call(finalize_checkpoints, args, blocking=False)
             elapsed = time.perf_counter() - start
             blocked = torch.tensor([checkpoint_blocked_seconds(args) - blocked_before])
@@ -607,6 +666,7 @@ def train(args: argparse.Namespace) -> List[float]:
                       flush=True)
                 if log is not None:
                     log.write(json.dumps({"iteration": iteration, "loss": float(loss).hex(),
+                                          "consumed_samples": args.consumed_train_samples,
                                           "lr": scheduler.get_lr(optimizer.param_groups[0]).hex(),
                                           "loss_float": loss, "iter_time_s": elapsed,
                                           "ckpt_blocked_s": blocked.item()}) + "\n")
