@@ -5,8 +5,8 @@ Both directions run in one process (a gloo world of 1) and keep Megatron's layou
 
 To ``torch_dist``: every saved shard becomes a ``ShardedTensor`` / ``ShardedObject`` with the
 metadata recorded at save time and is written by megatron-core's ``dist_checkpointing.save``.
-Optimizer state saved in model space (``optimizer.state.fp32_param.<key>``, flat per-data-parallel
-slices) is joined into whole parameter boxes and written in megatron-core's ``fully_reshardable``
+Optimizer state saved in model space (``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>``, flat
+per-data-parallel slices) is joined into whole parameter boxes and written in megatron-core's ``fully_reshardable``
 format (``optimizer.state.param.<key>``), which megatron-core loads onto any layout; bucket-space
 ``dp_reshardable`` state is written as it is. The checkpoint's ``content_metadata`` names the
 format, as Megatron-LM's checkpoints do, so a loader builds the matching state dict.
@@ -39,8 +39,7 @@ from megatron_ext.megatron import checkpointing
 from megatron_ext.megatron.export import open_iteration, saved_meta
 from megatron_ext.megatron.shard_assembly import SavedShards
 
-MODEL_SPACE_PREFIX = "optimizer.state.fp32_param."
-RESHARDABLE_PREFIX = "optimizer.state.param."
+MODEL_SPACE_STATE = "optimizer.state."  # + {fp32_param, exp_avg, exp_avg_sq}.<model key>
 MODEL_SPACE = "fully_sharded_model_space"
 FULLY_RESHARDABLE = "fully_reshardable"
 RNG_KEY = "rng_state"
@@ -119,14 +118,16 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
                                          tuple(piece["global_shape"]), tuple(piece["global_offset"]), replica_id=0))
         elif piece.get("flattened_range") is None:
             tensors.append(_sharded_tensor(piece["key"], reader.part("shards", "tensors", sid), piece))
-        elif piece["key"].startswith(MODEL_SPACE_PREFIX):
+        elif piece["key"].startswith(MODEL_SPACE_STATE):
             boxes.setdefault((piece["key"], tuple(piece["global_offset"]), tuple(piece["local_shape"])), piece)
         else:
             raise CheckpointError(f"shard {sid}: a flattened slice of {piece['key']}, which no torch_dist "
                                   "format of megatron-core 0.16.1 stores")
     for (key, offset, local_shape), piece in sorted(boxes.items()):
         data = shards.read_shard(key, offset, local_shape, piece.get("prepend_axis_num", 0))
-        tensors.append(_sharded_tensor(RESHARDABLE_PREFIX + key[len(MODEL_SPACE_PREFIX):], data, piece))
+        # fully_reshardable names the fp32 main copy "param" where the model-space format says "fp32_param".
+        tensors.append(_sharded_tensor(key.replace(MODEL_SPACE_STATE + "fp32_param.", MODEL_SPACE_STATE + "param.", 1),
+                                       data, piece))
 
     optimizer = dict(common.get("optimizer") or {})
     sharding_type = optimizer.get("param_state_sharding_type")

@@ -412,8 +412,11 @@ def load_checkpoint_torch_dist(model, optimizer, scheduler, args: argparse.Names
                                         is_loading=True, content_metadata=content_metadata)
     state = dist_checkpointing.load(template, ckpt)
     unwrap_model(model).load_state_dict(state["model"], strict=True)
-    optimizer.load_state_dict(state["optimizer"])
-    optimizer_state.restore_adam_steps(optimizer)
+    if (content_metadata or {}).get("distrib_optim_sharding_type") == "fully_reshardable":
+        optimizer_state.load_fully_reshardable_state_dict(optimizer, state["optimizer"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+        optimizer_state.restore_adam_steps(optimizer)
     scheduler.load_state_dict(state["opt_param_scheduler"])
     restore_rng_state(state["rng_state"])
     args.consumed_train_samples = int(state["args"]["consumed_train_samples"])
