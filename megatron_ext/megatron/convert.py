@@ -146,8 +146,8 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
     args = meta.get("args")
     state = {
         **{k: v for k, v in common.items() if k != "optimizer"},
-        "model": {f"{i}": t for i, t in enumerate(tensors)},
-        "objects": objects,
+        # Sharded leaves are stored by their own keys; this container name never reaches the files.
+        "datastates_shards": {"tensors": tensors, "objects": objects},
         "optimizer": optimizer,
         RNG_KEY: rng_objects,
         "opt_param_scheduler": meta.get("scheduler"),

@@ -47,8 +47,8 @@ def _losses(records: list[dict]) -> dict[int, str]:
 # ------------------------------------------------------------------------------ export
 @pytest.mark.multiproc
 def test_export_hf_gpt2_matches_megatron_logits_and_megatron_names_are_consolidated(tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers  # a test dependency (requirements/cpu.txt)
     from safetensors.torch import load_file
 
     ckpt = tmp_path / "ckpt"
@@ -143,7 +143,8 @@ def test_convert_to_torch_dist_and_back_resumes_bit_exact(tmp_path):
     assert summary["ranks"] == 2
     rows = json.loads(cli("inspect", str(back), "--json").stdout)
     assert [(r["checkpoint"], r["committed"], r["version"], r["ranks"]) for r in rows] == [("iter_0000003", True, 3, 2)]
-    assert rows[0]["layout"] == {"world_size": 2, "tp": 1, "pp": 1, "dp": 2}
+    assert {k: v for k, v in rows[0]["layout"].items() if not k.endswith("_rank")} == {
+        "world_size": 2, "tp": 1, "pp": 1, "dp": 2}
     assert cli("verify", str(back)).returncode == 0
 
     resumed = _losses(run_trainer(2, [*common_args, "--load", str(back), "--save", str(back), "--use-datastates",
@@ -152,10 +153,11 @@ def test_convert_to_torch_dist_and_back_resumes_bit_exact(tmp_path):
 
 
 def test_inspect_reports_layout_sizes_and_uncommitted(tmp_path):
+    import torch
+
     from megatron_ext.engine import CheckpointEngine
     from megatron_ext.engine.inspect import describe, format_rows
 
-    torch = pytest.importorskip("torch")
     with CheckpointEngine({"save_dir": str(tmp_path), "host_cache_size": 0.001}, rank=0, world_size=1) as engine:
         engine.save({"w": torch.ones(1000)}, "iter_0000005", version=5,
                     extra={"layout": {"tp": 1, "pp": 1, "dp": 1, "tp_rank": 0}})
@@ -166,7 +168,7 @@ def test_inspect_reports_layout_sizes_and_uncommitted(tmp_path):
     assert rows[0]["layout"] == {"tp": 1, "pp": 1, "dp": 1, "tp_rank": 0}
     assert rows[0]["bytes_by_rank"]["0"] == rows[0]["bytes"] > 4000
     text = format_rows(rows)
-    assert "tp=1 pp=1 dp=1" in text and "uncommitted" in text and "newest committed: iter_0000005" in text
+    assert "dp=1 pp=1 tp=1" in text and "uncommitted" in text and "newest committed: iter_0000005" in text
 
 
 def test_gpt2_mapping_refuses_layouts_it_cannot_express():
