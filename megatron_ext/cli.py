@@ -128,6 +128,53 @@ def _inspect(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _export(sub) -> None:
+    p = sub.add_parser("export", help="a committed checkpoint's model weights as consolidated safetensors files + index")
+    p.add_argument("dir", help="checkpoint root (Megatron's --save directory)")
+    p.add_argument("--iteration", type=int, required=True)
+    p.add_argument("--to", choices=["safetensors"], required=True, help="output format")
+    p.add_argument("out", help="new (or empty) output directory")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB; 500MB, 2GiB, ...)")
+    p.add_argument("--dtype", choices=["keep", "fp32", "bf16"], default="keep")
+    p.add_argument("--names", choices=["megatron", "hf"], default="megatron",
+                   help="megatron-core's keys, or Hugging Face GPT-2 names + config.json (standard GPT only)")
+
+    def run(args) -> int:
+        import json
+
+        from megatron_ext.megatron.export import export_safetensors
+
+        summary = export_safetensors(args.dir, args.iteration, args.out, args.max_shard_size, args.dtype, args.names)
+        print(json.dumps(summary))
+        return 0
+
+    p.set_defaults(func=run)
+
+
+def _convert(sub) -> None:
+    p = sub.add_parser("convert", help="datastates checkpoint <-> megatron-core torch_dist (Megatron's layout both ways)")
+    p.add_argument("dir", help="checkpoint root: a datastates save directory, or a torch_dist one with --to datastates")
+    p.add_argument("--iteration", type=int, help="iteration to convert (to torch_dist; from torch_dist: the tracker's)")
+    p.add_argument("--to", choices=["torch_dist", "datastates"], required=True)
+    p.add_argument("out", help="output save directory (gets iter_NNNNNNN/ and the tracker file)")
+
+    def run(args) -> int:
+        import json
+
+        from megatron_ext.megatron import convert
+
+        if args.to == "torch_dist":
+            if args.iteration is None:
+                raise SystemExit("convert --to torch_dist needs --iteration N")
+            summary = convert.to_torch_dist(args.dir, args.iteration, args.out)
+        else:
+            summary = convert.from_torch_dist(args.dir, args.out, args.iteration)
+        print(json.dumps(summary))
+        return 0
+
+    p.set_defaults(func=run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron-ext", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log every checkpoint")
@@ -135,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     _main_job(sub)
     _verify(sub)
     _inspect(sub)
+    _export(sub)
+    _convert(sub)
     _demo(sub)
     bench = sub.add_parser("bench", help="benchmarks (figures are ratios against peers measured in the same run)")
     benches = bench.add_subparsers(dest="bench", required=True)
@@ -148,4 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    return args.func(args)
+    from megatron_ext.engine import CheckpointError
+
+    try:
+        return args.func(args)
+    except (CheckpointError, FileExistsError) as exc:  # bad input: a message, not a traceback
+        print(f"megatron-ext {args.command}: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,4 +1,9 @@
-"""What a checkpoint directory holds: checkpoints, commit state, levels, ranks and sizes."""
+"""What a checkpoint directory holds: checkpoints, commit state, levels, ranks, sizes and layout.
+
+The layout is whatever the adapter recorded in each file's manifest ``extra["layout"]``; only the
+entries every file agrees on are shown (for Megatron: world size, TP, PP, DP), so the engine
+needs no knowledge of what they mean.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +24,18 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
+def common_layout(files: list[dict]) -> dict:
+    """The ``extra["layout"]`` entries that every file of a checkpoint records with the same value."""
+    layouts = [(f.get("extra") or {}).get("layout") for f in files]
+    if not layouts or any(not isinstance(layout, dict) for layout in layouts):
+        return {}
+    return {k: v for k, v in layouts[0].items() if all(layout.get(k) == v for layout in layouts[1:])}
+
+
 def describe(root: str, local_dir: str | None = None) -> list[dict]:
     """One record per checkpoint directory under ``root`` (ours: with a manifest or reports)."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{root} is not a directory")
     rows = []
     for name in sorted(os.listdir(root)):
         path = os.path.join(root, name)
@@ -36,13 +51,18 @@ def describe(root: str, local_dir: str | None = None) -> list[dict]:
             row["error"] = str(exc)
             manifest = None
         if manifest is not None:
-            files = manifest["files"].values()
+            files = list(manifest["files"].values())
+            by_rank: dict[int, int] = {}
+            for f in files:
+                by_rank[f["rank"]] = by_rank.get(f["rank"], 0) + f["size"] + f["state_size"]
             row.update(committed=True, version=manifest.get("version"), run_id=manifest["run_id"],
                        world_size=manifest["world_size"], files=len(manifest["files"]),
                        ranks=len({f["rank"] for f in files}),
                        bytes=sum(f["size"] + f["state_size"] for f in files),
                        tensors=sum(len(f["tensors"]) for f in files),
-                       committed_at=manifest.get("committed_at"))
+                       committed_at=manifest.get("committed_at"),
+                       bytes_by_rank={str(r): by_rank[r] for r in sorted(by_rank)},
+                       layout=common_layout(files))
             levels = ["shared"]
             if local_dir and os.path.isdir(os.path.join(local_dir, name, REPORTS)):
                 levels.append("local")
@@ -55,12 +75,23 @@ def describe(root: str, local_dir: str | None = None) -> list[dict]:
     return rows
 
 
+def _layout_text(layout: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items() if not k.endswith("_rank")) or "-"
+
+
+def _rank_spread(by_rank: dict) -> str:
+    sizes = list(by_rank.values())
+    return f"{min(sizes) / 1e6:.1f}-{max(sizes) / 1e6:.1f}" if sizes else "-"
+
+
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'checkpoint':<20} {'state':<12} {'version':>8} {'ranks':>5} {'files':>5} {'MB':>10}  levels"]
+    lines = [f"{'checkpoint':<20} {'state':<12} {'version':>8} {'ranks':>5} {'files':>5} {'MB':>10} "
+             f"{'MB/rank':>13}  {'levels':<12} layout"]
     for r in rows:
         if r["committed"]:
             lines.append(f"{r['checkpoint']:<20} {'committed':<12} {str(r['version']):>8} {r['ranks']:>5} "
-                         f"{r['files']:>5} {r['bytes'] / 1e6:>10.1f}  {'+'.join(r['levels'])}")
+                         f"{r['files']:>5} {r['bytes'] / 1e6:>10.1f} {_rank_spread(r['bytes_by_rank']):>13}  "
+                         f"{'+'.join(r['levels']):<12} {_layout_text(r['layout'])}")
         else:
             state = "unreadable" if "error" in r else "uncommitted"
             lines.append(f"{r['checkpoint']:<20} {state:<12} {'-':>8} {r.get('rank_reports', 0):>5} "

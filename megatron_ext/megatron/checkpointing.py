@@ -45,6 +45,7 @@ log = logging.getLogger("megatron_ext.megatron")
 
 TRACKER = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0  # the Megatron-LM checkpoint version this layout answers to
+DP_RESHARDABLE = "dp_reshardable"
 
 _engine: CheckpointEngine | None = None
 _engine_key: tuple | None = None
@@ -142,10 +143,19 @@ def _model_keys(model: list) -> list[str]:
     return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
 
 
-def _sharded_state(model: list, optimizer: Any, with_optimizer: bool) -> dict:
+def _sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_format: str | None = None) -> dict:
+    """The sharded state dict saved (model-space optimizer) or to load into (the checkpoint's optimizer format).
+
+    ``dp_reshardable`` (megatron-core's bucket-space format, which checkpoints converted from
+    torch_dist and those saved before the model-space format carry) is built by megatron-core.
+    """
     sharded = {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(model), model)}
     if with_optimizer and optimizer is not None:
-        sharded["optimizer"] = optimizer_state.model_space_state_dict(optimizer, sharded)
+        if optimizer_format == DP_RESHARDABLE:
+            sharded["optimizer"] = optimizer.sharded_state_dict(
+                sharded, is_loading=True, metadata={"distrib_optim_sharding_type": DP_RESHARDABLE})
+        else:
+            sharded["optimizer"] = optimizer_state.model_space_state_dict(optimizer, sharded)
     return sharded
 
 
@@ -367,10 +377,16 @@ def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_par
     layout = _layout()
     saved_shards = _reshard_source(ckpt, meta["layout"], layout)  # None: same layout, exact shard ids
 
+    common = ckpt.reader(zero_name).part("common")
+    optimizer_format = (common.get("optimizer") or {}).get("param_state_sharding_type")
     with_optimizer = optimizer is not None and not getattr(args, "no_load_optim", False) and not getattr(args, "finetune", False)
+    if with_optimizer and optimizer_format == DP_RESHARDABLE and saved_shards is not None:
+        raise CheckpointError(f"{ckpt.checkpoint} holds the optimizer in bucket space (dp_reshardable), which loads "
+                              "on the saved TP/PP/DP layout only")
     if with_optimizer:
         optimizer_state.ensure_state(optimizer)
-    sharded, nonpersistent, factories = load_preprocess(_sharded_state(model, optimizer, with_optimizer))
+    sharded, nonpersistent, factories = load_preprocess(_sharded_state(model, optimizer, with_optimizer,
+                                                                       optimizer_format))
     sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"
     missing: list[str] = []
 
@@ -392,14 +408,16 @@ def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_par
         tensor = ckpt.reader(file_name).tensor(tensor_name)
         expected = tuple(leaf.data.shape) if leaf.data is not None else tuple(leaf.local_shape)
         if tuple(tensor.shape) != expected:
-            raise CheckpointError(f"shard {sid}: checkpoint has shape {tuple(tensor.shape)}, the model {expected}")
+            # A shard converted from torch_dist keeps megatron-core's prepended axes of size 1.
+            if [n for n in tensor.shape if n != 1] != [n for n in expected if n != 1]:
+                raise CheckpointError(f"shard {sid}: checkpoint has shape {tuple(tensor.shape)}, the model {expected}")
+            tensor = tensor.view(expected)
         return tensor
 
     dict_list_map_inplace(fill, sharded)
     if missing:
         raise CheckpointError(f"{len(missing)} shard(s) needed by this rank are not in the checkpoint, e.g. "
                               f"{missing[:3]}; was it saved from a different model or parallel layout?")
-    common = ckpt.reader(zero_name).part("common")
     merge(common, nonpersistent)
     merge(common, sharded)
     state = apply_factory_merges(common, factories)
@@ -407,7 +425,10 @@ def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_par
     if not skip_load_to_model_and_opt:
         for key, chunk in zip(_model_keys(model), model):
             chunk.load_state_dict(state[key], strict=strict)
-        if with_optimizer:
+        if with_optimizer and optimizer_format == DP_RESHARDABLE:
+            optimizer.load_state_dict(state["optimizer"])
+            optimizer_state.restore_adam_steps(optimizer)
+        elif with_optimizer:
             optimizer_state.check_param_groups(optimizer, state["optimizer"])
             optimizer_state.load_model_space_state_dict(optimizer, state["optimizer"])
     if opt_param_scheduler is not None and meta.get("scheduler") is not None and not getattr(args, "finetune", False):

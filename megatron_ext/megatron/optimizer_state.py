@@ -164,3 +164,32 @@ def check_param_groups(optimizer: Any, saved: Any) -> None:
         if not need <= have:
             raise CheckpointError(f"optimizer param groups {sorted(need - have)} (by {param_group_identifier_keys}) "
                                   "are not in the checkpoint's, which global rank 0 saved")
+
+
+def load_fully_reshardable_state_dict(optimizer: Any, state: Any) -> None:
+    """megatron-core's ``fully_reshardable`` optimizer state (whole parameter boxes) into this rank's slices.
+
+    What ``DistributedOptimizer.load_parameter_state_from_fully_reshardable`` does, which fails on
+    torch Adam (its per-parameter state also holds ``step``, as on CPUs without Transformer Engine
+    or Apex): ``param_state[i]`` belongs to the ``i``-th parameter of the grad buffers'
+    ``param_index_map`` order, all ranks' parameters counted; each rank copies its slice.
+    """
+    optimizers = list(_distributed(optimizer))
+    states = [state] if len(optimizers) == 1 else [state[i] for i in sorted(state)]
+    for opt, opt_state in zip(optimizers, states):
+        if not _is_distributed(opt):
+            opt.load_state_dict(opt_state)
+            continue
+        param_state = opt_state["param_state"]
+        opt.load_state_dict({k: v for k, v in opt_state.items() if k not in ("param_state", "param_state_sharding_type")})
+        local = dict(_param_slices(opt))
+        index = 0
+        for buffer in opt.buffers:
+            for model_param in buffer.param_index_map:
+                flat = local.get(model_param)
+                if flat is not None:
+                    saved = param_state[index]
+                    for name, tensor in _param_tensors(opt, model_param).items():
+                        tensor.copy_(saved["param" if name == "fp32_param" else name].reshape(-1)[flat])
+                index += 1
+    restore_adam_steps(optimizer)

@@ -359,13 +359,17 @@ def restore_rng_state(state: dict) -> None:
 
 
 def build_sharded_state_dict(model, optimizer, scheduler, args, iteration: int,
-                             is_loading: bool) -> dict:
-    """Megatron's checkpoint content: model, optimizer, scheduler, RNG, iteration and args."""
+                             is_loading: bool, content_metadata: Optional[dict] = None) -> dict:
+    """Megatron's checkpoint content: model, optimizer, scheduler, RNG, iteration and args.
+
+    ``content_metadata`` says how the optimizer state is laid out (default: this trainer's
+    ``OPTIMIZER_SHARDING_METADATA``); loading passes the checkpoint's own, as Megatron-LM does.
+    """
     model_sd = unwrap_model(model).sharded_state_dict()
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=dict(OPTIMIZER_SHARDING_METADATA)),
+            model_sd, is_loading=is_loading, metadata=dict(content_metadata or OPTIMIZER_SHARDING_METADATA)),
         "opt_param_scheduler": scheduler.state_dict(),
         "rng_state": rng_state_object(args, None if is_loading else capture_rng_state()),
         "iteration": iteration,
@@ -385,7 +389,8 @@ def save_checkpoint_torch_dist(iteration: int, model, optimizer, scheduler,
     dist.barrier()
     state = build_sharded_state_dict(model, optimizer, scheduler, args, iteration,
                                      is_loading=False)
-    dist_checkpointing.save(state, ckpt, sharded_strategy=("torch_dist", 1))
+    dist_checkpointing.save(state, ckpt, sharded_strategy=("torch_dist", 1),
+                            content_metadata=dict(OPTIMIZER_SHARDING_METADATA))
     dist.barrier()
     if dist.get_rank() == 0:
         write_tracker(args.save, iteration)
@@ -401,12 +406,17 @@ def load_checkpoint_torch_dist(model, optimizer, scheduler, args: argparse.Names
         return 0
     ckpt = checkpoint_dir(args.load, iteration)
     optimizer_state.ensure_state(optimizer)
+    # The optimizer layout the checkpoint was written with (e.g. fully_reshardable after a convert).
+    content_metadata = dist_checkpointing.load_content_metadata(ckpt)
     template = build_sharded_state_dict(model, optimizer, scheduler, args, iteration,
-                                        is_loading=True)
+                                        is_loading=True, content_metadata=content_metadata)
     state = dist_checkpointing.load(template, ckpt)
     unwrap_model(model).load_state_dict(state["model"], strict=True)
-    optimizer.load_state_dict(state["optimizer"])
-    optimizer_state.restore_adam_steps(optimizer)
+    if (content_metadata or {}).get("distrib_optim_sharding_type") == "fully_reshardable":
+        optimizer_state.load_fully_reshardable_state_dict(optimizer, state["optimizer"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
+        optimizer_state.restore_adam_steps(optimizer)
     scheduler.load_state_dict(state["opt_param_scheduler"])
     restore_rng_state(state["rng_state"])
     args.consumed_train_samples = int(state["args"]["consumed_train_samples"])
@@ -450,7 +460,8 @@ def save_checkpoint_megatron_async(iteration: int, model, optimizer, scheduler, 
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
     state = build_sharded_state_dict(model, optimizer, scheduler, args, iteration, is_loading=False)
-    request = dist_checkpointing.save(state, ckpt, sharded_strategy=("torch_dist", 1), async_sharded_save=True)
+    request = dist_checkpointing.save(state, ckpt, sharded_strategy=("torch_dist", 1), async_sharded_save=True,
+                                      content_metadata=dict(OPTIMIZER_SHARDING_METADATA))
     rank = dist.get_rank()
     request.add_finalize_fn(lambda: write_tracker(args.save, iteration) if rank == 0 else None)
     _async_queue.schedule_async_request(request)

@@ -19,12 +19,14 @@ COMMON = ["--bf16", "--use-distributed-optimizer", "--global-batch-size", "8",
           "--micro-batch-size", "2", "--seed", "1234"]
 
 
-def run_trainer(nproc: int, args: list[str], log_json: Path, expect_crash: bool = False) -> list[dict]:
+def run_trainer(nproc: int, args: list[str], log_json: Path, expect_crash: bool = False,
+                common: list[str] = COMMON) -> list[dict]:
     """Run the trainer on ``nproc`` CPU processes; return the JSON lines it logged.
 
-    With ``expect_crash`` the run must end in failure (the trainer SIGKILLs itself).
+    With ``expect_crash`` the run must end in failure (the trainer SIGKILLs itself). ``common``
+    replaces the shared defaults (e.g. to train in fp32).
     """
-    cmd = torchrun_command(nproc, "-m", "megatron_ext.megatron.trainer", *COMMON, *args, "--log-json", str(log_json))
+    cmd = torchrun_command(nproc, "-m", "megatron_ext.megatron.trainer", *common, *args, "--log-json", str(log_json))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if (proc.returncode != 0) != expect_crash:

@@ -1,0 +1,306 @@
+"""``megatron-ext convert``: this project's checkpoints to megatron-core ``torch_dist`` and back.
+
+Both directions run in one process (a gloo world of 1) and keep Megatron's layout:
+``<out>/iter_NNNNNNN/`` plus ``<out>/latest_checkpointed_iteration.txt``.
+
+To ``torch_dist``: every saved shard becomes a ``ShardedTensor`` / ``ShardedObject`` with the
+metadata recorded at save time and is written by megatron-core's ``dist_checkpointing.save``.
+Optimizer state saved in model space (``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>``, flat
+per-data-parallel slices) is joined into whole parameter boxes and written in megatron-core's ``fully_reshardable``
+format (``optimizer.state.param.<key>``), which megatron-core loads onto any layout; bucket-space
+``dp_reshardable`` state is written as it is. The checkpoint's ``content_metadata`` names the
+format, as Megatron-LM's checkpoints do, so a loader builds the matching state dict.
+
+From ``torch_dist``: megatron-core's metadata (``load_sharded_metadata``) lists every tensor and
+object; the tensors are cut into the chunks the original ranks wrote (the DCP metadata's chunks),
+which are the shards of that layout, spread over as many rank files as the run had ranks and
+written by the engine itself (one engine per rank, one run id), so the result is a committed
+checkpoint with manifest and tracker that ``--use-datastates`` resumes from on the same layout.
+
+The non-sharded state is mapped between the two containers: this adapter's ``meta`` (iteration,
+scheduler, args, layout) and per-rank ``rng`` vs the reference trainer's ``iteration``,
+``opt_param_scheduler``, ``args`` and ``rng_state`` object per (pp, tp, dp) coordinate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import uuid
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.engine import CheckpointEngine, CheckpointError
+from megatron_ext.engine.files import atomic_write
+from megatron_ext.megatron import checkpointing
+from megatron_ext.megatron.export import open_iteration, saved_meta
+from megatron_ext.megatron.shard_assembly import SavedShards
+
+MODEL_SPACE_STATE = "optimizer.state."  # + {fp32_param, exp_avg, exp_avg_sq}.<model key>
+MODEL_SPACE = "fully_sharded_model_space"
+FULLY_RESHARDABLE = "fully_reshardable"
+RNG_KEY = "rng_state"
+_MEGATRON_LM_RNG = {"random_rng_state": "random", "np_rng_state": "numpy", "torch_rng_state": "torch",
+                    "cuda_rng_state": "cuda", "rng_tracker_states": "tracker"}
+
+
+@contextlib.contextmanager
+def single_process_group() -> Iterator[None]:
+    """A gloo world of one process for megatron-core's dist_checkpointing (unless one exists)."""
+    from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation
+    from megatron_ext.procs import free_port
+
+    enable_cpu_emulation()  # a no-op where CUDA is available
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _new_checkpoint_dir(out: str, iteration: int) -> str:
+    path = os.path.join(out, checkpointing.checkpoint_name(iteration))
+    if os.path.exists(path):
+        raise FileExistsError(f"{path} exists; convert into a directory without that iteration")
+    os.makedirs(out, exist_ok=True)
+    return path
+
+
+# ------------------------------------------------------------------------------ to torch_dist
+def _saved_pieces(committed: Any) -> Iterator[tuple[str, str, dict]]:
+    """(file, shard id, metadata) of every shard in the checkpoint."""
+    for name in sorted(committed.manifest["files"]):
+        skeleton = committed.reader(name).skeleton()
+        if isinstance(skeleton, dict) and skeleton.get("shards"):
+            for sid, meta in committed.reader(name).part("shards", "meta").items():
+                yield name, sid, meta
+
+
+def _sharded_tensor(key: str, data: torch.Tensor, meta: dict) -> Any:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return ShardedTensor(key, data, data.dtype, tuple(meta["local_shape"]), tuple(meta["global_shape"]),
+                         tuple(meta["global_offset"]), tuple(meta.get("axis_fragmentations") or ()) or None,
+                         replica_id=0, prepend_axis_num=meta.get("prepend_axis_num", 0))
+
+
+def _rng_to_trainer(rng: dict) -> dict:
+    return {"random": rng["random"], "numpy": rng["numpy"], "torch": rng["torch"], "cuda": rng.get("cuda"),
+            "tracker": rng["tracker"]}
+
+
+def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
+    """Write iteration ``iteration`` of the datastates checkpoints under ``root`` as ``torch_dist`` in ``out``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    committed = open_iteration(root, iteration)
+    meta = saved_meta(committed)
+    zero = next(n for n, f in committed.manifest["files"].items() if f["rank"] == 0)
+    common = committed.reader(zero).part("common")
+    layout = meta["layout"]
+    target = _new_checkpoint_dir(out, iteration)
+    shards = SavedShards(committed)
+
+    tensors: list[Any] = []
+    objects: list[Any] = []
+    boxes: dict[tuple, dict] = {}  # model-space optimizer state: one whole box per parameter shard
+    for name, sid, piece in _saved_pieces(committed):
+        reader = committed.reader(name)
+        if "local_shape" not in piece:
+            objects.append(ShardedObject(piece["key"], reader.part("shards", "objects", sid),
+                                         tuple(piece["global_shape"]), tuple(piece["global_offset"]), replica_id=0))
+        elif piece.get("flattened_range") is None:
+            tensors.append(_sharded_tensor(piece["key"], reader.part("shards", "tensors", sid), piece))
+        elif piece["key"].startswith(MODEL_SPACE_STATE):
+            boxes.setdefault((piece["key"], tuple(piece["global_offset"]), tuple(piece["local_shape"])), piece)
+        else:
+            raise CheckpointError(f"shard {sid}: a flattened slice of {piece['key']}, which no torch_dist "
+                                  "format of megatron-core 0.16.1 stores")
+    for (key, offset, local_shape), piece in sorted(boxes.items()):
+        data = shards.read_shard(key, offset, local_shape, piece.get("prepend_axis_num", 0))
+        # fully_reshardable names the fp32 main copy "param" where the model-space format says "fp32_param".
+        tensors.append(_sharded_tensor(key.replace(MODEL_SPACE_STATE + "fp32_param.", MODEL_SPACE_STATE + "param.", 1),
+                                       data, piece))
+
+    optimizer = dict(common.get("optimizer") or {})
+    sharding_type = optimizer.get("param_state_sharding_type")
+    if sharding_type == MODEL_SPACE:
+        sharding_type = optimizer["param_state_sharding_type"] = FULLY_RESHARDABLE
+    rng_objects = []
+    for name, entry in sorted(committed.manifest["files"].items()):
+        rank_layout = (entry.get("extra") or {}).get("layout")
+        skeleton = committed.reader(name).skeleton()
+        if rank_layout is None or not (isinstance(skeleton, dict) and "rng" in skeleton):
+            continue
+        rng_objects.append(ShardedObject(
+            RNG_KEY, _rng_to_trainer(committed.reader(name).part("rng")),
+            (layout["pp"], layout["tp"], layout["dp"]),
+            (rank_layout["pp_rank"], rank_layout["tp_rank"], rank_layout["dp_rank"]), replica_id=0))
+    args = meta.get("args")
+    state = {
+        **{k: v for k, v in common.items() if k != "optimizer"},
+        # Sharded leaves are stored by their own keys; this container name never reaches the files.
+        "datastates_shards": {"tensors": tensors, "objects": objects},
+        "optimizer": optimizer,
+        RNG_KEY: rng_objects,
+        "opt_param_scheduler": meta.get("scheduler"),
+        "iteration": iteration,
+        "args": dict(vars(args)) if isinstance(args, argparse.Namespace) else args,
+        "checkpoint_version": meta.get("checkpoint_version", checkpointing.CHECKPOINT_VERSION),
+        "num_floating_point_operations_so_far": meta.get("num_floating_point_operations_so_far", 0),
+    }
+    content = {"distrib_optim_sharding_type": sharding_type} if sharding_type else None
+    with single_process_group():
+        os.makedirs(target)
+        dist_checkpointing.save(state, target, sharded_strategy=("torch_dist", 1), content_metadata=content)
+    _write_tracker(out, iteration)
+    return {"out": target, "iteration": iteration, "tensors": len(tensors), "objects": len(objects),
+            "rng_states": len(rng_objects), "optimizer_format": sharding_type}
+
+
+def _write_tracker(out: str, iteration: int) -> None:
+    atomic_write(os.path.join(out, checkpointing.TRACKER), str(iteration).encode())
+
+
+# ------------------------------------------------------------------------------ from torch_dist
+def _source_checkpoint(source: str, iteration: int | None) -> tuple[str, int]:
+    """(checkpoint directory, iteration): the one asked for, else the one the Megatron tracker names."""
+    if iteration is None:
+        iteration = checkpointing.read_tracker(source)
+        if iteration is None:
+            raise CheckpointError(f"{source} has no {checkpointing.TRACKER}; pass --iteration N or the save "
+                                  "directory of a torch_dist run")
+    path = os.path.join(source, checkpointing.checkpoint_name(iteration))
+    if not os.path.exists(os.path.join(path, "metadata.json")):
+        raise CheckpointError(f"{path} is not a megatron-core distributed checkpoint (no metadata.json)")
+    return path, iteration
+
+
+def _rank_of(tp_rank: int, pp_rank: int, dp_rank: int, layout: dict) -> int:
+    """Megatron's default rank order (tp fastest, then dp, then pp; no context/expert parallelism)."""
+    return tp_rank + layout["tp"] * (dp_rank + layout["dp"] * pp_rank)
+
+
+def _rng_from_saved(data: Any) -> dict:
+    """This adapter's per-rank RNG dict from the reference trainer's or Megatron-LM's rng_state."""
+    if isinstance(data, list) and len(data) == 1:
+        data = data[0]
+    if isinstance(data, dict) and set(_MEGATRON_LM_RNG) <= set(data):
+        data = {ours: data[theirs] for theirs, ours in _MEGATRON_LM_RNG.items()}
+    if not isinstance(data, dict) or not {"random", "numpy", "torch", "tracker"} <= set(data):
+        raise CheckpointError(f"rng_state of an unknown structure ({type(data).__name__})")
+    rng = {k: data[k] for k in ("random", "numpy", "torch", "tracker")}
+    if data.get("cuda") is not None:
+        rng["cuda"] = data["cuda"]
+    return rng
+
+
+def from_torch_dist(source: str, out: str, iteration: int | None = None,
+                    host_cache_gib: float = 0.25) -> dict[str, Any]:
+    """Write a torch_dist checkpoint under ``source`` (default: the tracker's) as a committed datastates one in ``out``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ckpt, iteration = _source_checkpoint(source, iteration)
+    with single_process_group():
+        common = dist_checkpointing.load_common_state_dict(ckpt)
+        template = load_sharded_metadata(ckpt)
+        # load() replaces the template's entries; keep what they describe.
+        described = {k: (v.key, tuple(v.global_offset), tuple(v.global_shape), isinstance(v, ShardedObject))
+                     for k, v in template.items()}
+        loaded = dist_checkpointing.load(template, ckpt, validate_access_integrity=False)
+    chunks = {k: v.chunks for k, v in FileSystemReader(ckpt).read_metadata().state_dict_metadata.items()
+              if isinstance(v, TensorStorageMetadata)}
+
+    args = common.get("args")
+    args = argparse.Namespace(**args) if isinstance(args, dict) else args
+    if args is None:
+        raise CheckpointError(f"{ckpt} has no args in its common state: its parallel layout is unknown")
+    layout = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
+              "dp": getattr(args, "data_parallel_size", None)}
+    if layout["dp"] is None:
+        layout["dp"] = args.world_size // (layout["tp"] * layout["pp"])
+    world = layout["tp"] * layout["pp"] * layout["dp"]
+    content = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
+    optimizer_common = dict(common.get("optimizer") or {})
+    sharding_type = optimizer_common.get("param_state_sharding_type", content.get("distrib_optim_sharding_type"))
+    if sharding_type not in (None, "dp_reshardable"):
+        raise CheckpointError(f"{ckpt}: optimizer format {sharding_type!r}; only dp_reshardable (Megatron-LM's "
+                              "default) converts to this project's format on the same layout")
+
+    per_rank = [{"tensors": {}, "objects": {}, "meta": {}} for _ in range(world)]
+    load = [0] * world
+    rngs: dict[int, dict] = {}
+    for key, (object_key, object_offset, object_shape, is_object) in sorted(described.items()):
+        value = loaded[key]
+        if is_object:
+            if object_key == RNG_KEY:
+                coords = object_offset + (0,) * (3 - len(object_offset))
+                rngs[_rank_of(coords[1], coords[0], coords[2], layout)] = _rng_from_saved(value)
+                continue
+            sid = f"{object_key}@{','.join(str(o) for o in object_offset)}"
+            owner = min(range(world), key=lambda r: (load[r], r))
+            per_rank[owner]["objects"][sid] = value
+            per_rank[owner]["meta"][sid] = {"key": object_key, "global_shape": list(object_shape),
+                                           "global_offset": list(object_offset)}
+            load[owner] += 64
+            continue
+        for chunk in chunks[key]:
+            offset, size = tuple(chunk.offsets), tuple(chunk.sizes)
+            data = value[tuple(slice(o, o + s) for o, s in zip(offset, size))].clone()
+            sid = f"{key}@{','.join(str(o) for o in offset)}"
+            owner = min(range(world), key=lambda r: (load[r], r))
+            per_rank[owner]["tensors"][sid] = data
+            per_rank[owner]["meta"][sid] = {"key": key, "global_shape": list(value.shape), "global_offset": list(offset),
+                                           "local_shape": list(size), "dtype": str(data.dtype).removeprefix("torch."),
+                                           "axis_fragmentations": [], "prepend_axis_num": 0}
+            load[owner] += data.numel() * data.element_size()
+    missing = sorted(set(range(world)) - set(rngs))
+    if missing:
+        raise CheckpointError(f"{ckpt}: no rng_state for rank(s) {missing[:8]} of the {world}-rank layout {layout}")
+
+    model_common = {k: v for k, v in common.items()
+                    if k not in ("optimizer", "args", "iteration", "opt_param_scheduler", "checkpoint_version",
+                                 "num_floating_point_operations_so_far", "content_metadata", RNG_KEY)}
+    saved_common = {**model_common, "optimizer": optimizer_common} if optimizer_common else model_common
+    name = checkpointing.checkpoint_name(iteration)
+    _new_checkpoint_dir(out, iteration)
+    run_id = uuid.uuid4().hex[:12]
+    config = {"save_dir": out, "host_cache_size": host_cache_gib, "remove_partial_on_start": False}
+    engines = [CheckpointEngine(config, rank=r, world_size=world, run_id=run_id) for r in range(world)]
+    try:
+        for rank, engine in enumerate(engines):
+            coords = {"tp_rank": rank % layout["tp"], "dp_rank": (rank // layout["tp"]) % layout["dp"],
+                      "pp_rank": rank // (layout["tp"] * layout["dp"])}
+            rank_layout = {"world_size": world, **{k: layout[k] for k in ("tp", "pp", "dp")}, **coords}
+            state: dict[str, Any] = {"shards": per_rank[rank], "rng": rngs[rank]}
+            if rank == 0:
+                state["common"] = saved_common
+                state["meta"] = {
+                    "iteration": iteration,
+                    "checkpoint_version": common.get("checkpoint_version", checkpointing.CHECKPOINT_VERSION),
+                    "num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far", 0),
+                    "scheduler": common.get("opt_param_scheduler"),
+                    "args": checkpointing._storable_args(args),
+                    "layout": rank_layout,
+                }
+            engine.save(state, name, f"rank{rank:05d}", version=iteration,
+                        extra={"objects": sorted(per_rank[rank]["objects"]), "layout": rank_layout})
+            engine.commit(name, on_committed=checkpointing._tracker_writer(out, iteration, rank))
+        for engine in engines:
+            engine.wait_persisted()
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    return {"out": os.path.join(out, name), "iteration": iteration, "ranks": world,
+            "shards": sum(len(p["meta"]) for p in per_rank), "layout": layout}

@@ -1,0 +1,228 @@
+"""Export and conversion of real checkpoints of the reference trainer's megatron-core GPT.
+
+* ``export --names hf``: a TP=2 checkpoint, exported as Hugging Face GPT-2, loaded by
+  ``transformers.GPT2LMHeadModel`` offline, gives the megatron-core model's logits on one batch
+  (fp32; max abs difference <= 1e-5, the logits are O(1)).
+* ``convert``: a ``--use-datastates`` run's checkpoint converted to torch_dist is resumed by the
+  trainer's torch_dist path, whose checkpoint converted back is resumed by ``--use-datastates``;
+  every resumed loss equals the uninterrupted run's bit for bit.
+* ``inspect``: layout, per-rank sizes and commit state of what these runs wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from launch import REPO, RUN_TIMEOUT_S, run_trainer, torchrun_command  # noqa: E402
+
+FP32 = ["--use-distributed-optimizer", "--global-batch-size", "4", "--micro-batch-size", "2", "--seed", "7",
+        "--hidden-dropout", "0", "--attention-dropout", "0"]
+LOGITS_ATOL = 1e-5
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
+
+
+def cli(*args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext", *args], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT_S)
+    if expect_ok:
+        assert proc.returncode == 0, f"megatron-ext {' '.join(args)}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def _losses(records: list[dict]) -> dict[int, str]:
+    return {r["iteration"]: r["loss"] for r in records}
+
+
+# ------------------------------------------------------------------------------ export
+@pytest.mark.multiproc
+def test_export_hf_gpt2_matches_megatron_logits_and_megatron_names_are_consolidated(tmp_path):
+    import torch
+    import transformers  # a test dependency (requirements/cpu.txt)
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "ckpt"
+    parallel = [*FP32, "--tensor-model-parallel-size", "2"]
+    run_trainer(2, [*parallel, "--train-iters", "2", "--save", str(ckpt), "--save-interval", "2",
+                    "--use-datastates", "--datastates-host-cache-size", "0.05"], tmp_path / "train.jsonl", common=[])
+
+    # The megatron-core model's logits: loaded by the trainer's own loader on the saved layout.
+    logits_file = tmp_path / "logits.pt"
+    cmd = torchrun_command(2, str(Path(__file__).parent / "logits_worker.py"), str(logits_file), *parallel,
+                           "--load", str(ckpt), "--save", str(tmp_path / "unused"), "--use-datastates",
+                           "--datastates-host-cache-size", "0.05")
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    reference = torch.load(logits_file)
+
+    hf_dir = tmp_path / "hf"
+    summary = json.loads(cli("export", str(ckpt), "--iteration", "2", "--to", "safetensors", str(hf_dir),
+                             "--names", "hf", "--max-shard-size", "100KB").stdout)
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
+    assert summary["files"] == len(files) > 1 and set(index["weight_map"].values()) == set(files)
+    total = 0
+    for name in files:
+        tensors = load_file(hf_dir / name)
+        assert all(index["weight_map"][k] == name for k in tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert nbytes <= 100_000 or len(tensors) == 1, (name, nbytes)
+        total += nbytes
+    assert index["metadata"]["total_size"] == total
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, local_files_only=True).eval()
+    with torch.no_grad():
+        logits = model(reference["tokens"]).logits
+    assert logits.shape == reference["logits"].shape
+    assert (logits - reference["logits"]).abs().max().item() <= LOGITS_ATOL
+
+    # The QKV regrouping matters: Megatron's per-head [q k v] order in c_attn gives other logits.
+    with torch.no_grad():
+        for block in model.transformer.h:
+            hidden = block.attn.c_attn.weight.shape[0]
+            heads = model.config.n_head
+            w = block.attn.c_attn.weight.t().reshape(3, heads, hidden // heads, hidden)
+            block.attn.c_attn.weight.copy_(w.transpose(0, 1).reshape(3 * hidden, hidden).t())
+        wrong = model(reference["tokens"]).logits
+    assert (wrong - reference["logits"]).abs().max().item() > 100 * LOGITS_ATOL
+
+    # Megatron names: one global tensor per key, equal to the GPT-2 export's (same assembly).
+    mg_dir = tmp_path / "megatron"
+    cli("export", str(ckpt), "--iteration", "2", "--to", "safetensors", str(mg_dir), "--dtype", "bf16")
+    mg = {}
+    for name in json.loads((mg_dir / "model.safetensors.index.json").read_text())["weight_map"].values():
+        mg.update(load_file(mg_dir / name))
+    assert mg["embedding.word_embeddings.weight"].shape == (256, 64)  # both TP halves of the vocabulary
+    assert mg["decoder.layers.mlp.linear_fc1.weight"].shape == (2, 256, 64)  # layers x (TP-joined) rows
+    assert all(t.dtype == torch.bfloat16 for t in mg.values())
+    hf = model.state_dict()
+    assert torch.equal(mg["embedding.word_embeddings.weight"], hf["transformer.wte.weight"].bfloat16())
+    assert torch.equal(mg["decoder.layers.mlp.linear_fc2.weight"][1], hf["transformer.h.1.mlp.c_proj.weight"].t().bfloat16())
+    assert not any(k.startswith("optimizer.") for k in mg)
+
+    # Clear refusals: an existing output, a missing iteration.
+    again = cli("export", str(ckpt), "--iteration", "2", "--to", "safetensors", str(mg_dir), expect_ok=False)
+    assert again.returncode == 2 and "not an empty directory" in again.stderr
+    missing = cli("export", str(ckpt), "--iteration", "9", "--to", "safetensors", str(tmp_path / "x"), expect_ok=False)
+    assert missing.returncode == 2 and "not a committed datastates checkpoint" in missing.stderr
+
+
+# ------------------------------------------------------------------------------ convert
+@pytest.mark.multiproc
+def test_convert_to_torch_dist_and_back_resumes_bit_exact(tmp_path):
+    common_args = ["--train-iters", "4"]
+    ds = tmp_path / "datastates"
+    # Uninterrupted reference (checkpoints do not change training): saves iterations 2 and 4.
+    reference = _losses(run_trainer(2, [*common_args, "--save", str(ds), "--save-interval", "2", "--use-datastates",
+                                        "--datastates-host-cache-size", "0.05"], tmp_path / "reference.jsonl"))
+    assert sorted(reference) == [1, 2, 3, 4]
+
+    td = tmp_path / "torch_dist"
+    summary = json.loads(cli("convert", str(ds), "--iteration", "2", "--to", "torch_dist", str(td)).stdout.splitlines()[-1])
+    assert summary["rng_states"] == 2
+    assert (td / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert (td / "iter_0000002" / "metadata.json").exists()
+
+    # megatron-core's torch_dist loader resumes the converted checkpoint (and saves iteration 3 itself).
+    resumed = _losses(run_trainer(2, [*common_args, "--load", str(td), "--save", str(td), "--save-interval", "3"],
+                                  tmp_path / "torch_dist.jsonl"))
+    assert resumed == {3: reference[3], 4: reference[4]}
+
+    back = tmp_path / "back"
+    summary = json.loads(cli("convert", str(td), "--iteration", "3", "--to", "datastates", str(back)).stdout.splitlines()[-1])
+    assert summary["ranks"] == 2
+    rows = json.loads(cli("inspect", str(back), "--json").stdout)
+    assert [(r["checkpoint"], r["committed"], r["version"], r["ranks"]) for r in rows] == [("iter_0000003", True, 3, 2)]
+    assert {k: v for k, v in rows[0]["layout"].items() if not k.endswith("_rank")} == {
+        "world_size": 2, "tp": 1, "pp": 1, "dp": 2}
+    assert cli("verify", str(back)).returncode == 0
+
+    resumed = _losses(run_trainer(2, [*common_args, "--load", str(back), "--save", str(back), "--use-datastates",
+                                      "--datastates-host-cache-size", "0.05"], tmp_path / "back.jsonl"))
+    assert resumed == {4: reference[4]}
+
+
+def test_inspect_reports_layout_sizes_and_uncommitted(tmp_path):
+    import torch
+
+    from megatron_ext.engine import CheckpointEngine
+    from megatron_ext.engine.inspect import describe, format_rows
+
+    with CheckpointEngine({"save_dir": str(tmp_path), "host_cache_size": 0.001}, rank=0, world_size=1) as engine:
+        engine.save({"w": torch.ones(1000)}, "iter_0000005", version=5,
+                    extra={"layout": {"tp": 1, "pp": 1, "dp": 1, "tp_rank": 0}})
+        engine.commit("iter_0000005")
+    (tmp_path / "iter_0000006" / ".reports").mkdir(parents=True)
+    rows = describe(str(tmp_path))
+    assert [(r["checkpoint"], r["committed"]) for r in rows] == [("iter_0000005", True), ("iter_0000006", False)]
+    assert rows[0]["layout"] == {"tp": 1, "pp": 1, "dp": 1, "tp_rank": 0}
+    assert rows[0]["bytes_by_rank"]["0"] == rows[0]["bytes"] > 4000
+    text = format_rows(rows)
+    assert "dp=1 pp=1 tp=1" in text and "uncommitted" in text and "newest committed: iter_0000005" in text
+
+
+def test_gpt2_mapping_refuses_layouts_it_cannot_express():
+    import argparse
+
+    import torch
+
+    from megatron_ext.megatron.hf_gpt2 import UnsupportedLayout, plan_gpt2
+
+    h, layers = 8, 2
+    shapes = {
+        "embedding.word_embeddings.weight": (16, h), "embedding.position_embeddings.weight": (4, h),
+        "decoder.final_layernorm.weight": (h,), "decoder.final_layernorm.bias": (h,),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": (layers, h),
+        "decoder.layers.self_attention.linear_qkv.layer_norm_bias": (layers, h),
+        "decoder.layers.self_attention.linear_qkv.weight": (layers, 3 * h, h),
+        "decoder.layers.self_attention.linear_qkv.bias": (layers, 3 * h),
+        "decoder.layers.self_attention.linear_proj.weight": (layers, h, h),
+        "decoder.layers.self_attention.linear_proj.bias": (layers, h),
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": (layers, h),
+        "decoder.layers.mlp.linear_fc1.layer_norm_bias": (layers, h),
+        "decoder.layers.mlp.linear_fc1.weight": (layers, 4 * h, h), "decoder.layers.mlp.linear_fc1.bias": (layers, 4 * h),
+        "decoder.layers.mlp.linear_fc2.weight": (layers, h, 4 * h), "decoder.layers.mlp.linear_fc2.bias": (layers, h),
+    }
+    dtypes = dict.fromkeys(shapes, torch.float32)
+    args = argparse.Namespace(num_attention_heads=2)
+    plan, config = plan_gpt2(shapes, dtypes, args, lambda key, layer: None, None)
+    assert config["tie_word_embeddings"] is True and config["activation_function"] == "gelu"
+    assert len(plan) == 4 + 12 * layers
+    assert {p.name: p.shape for p in plan}["transformer.h.1.attn.c_attn.weight"] == (h, 3 * h)
+
+    rope = {k: v for k, v in shapes.items() if k != "embedding.position_embeddings.weight"}
+    with pytest.raises(UnsupportedLayout, match="missing"):
+        plan_gpt2(rope, dtypes, args, lambda key, layer: None, None)
+    gqa = dict(shapes, **{"decoder.layers.self_attention.linear_qkv.weight": (layers, 2 * h, h)})
+    with pytest.raises(UnsupportedLayout, match="grouped-query"):
+        plan_gpt2(gqa, dtypes, args, lambda key, layer: None, None)
+    for flag in ({"swiglu": True}, {"normalization": "RMSNorm"}, {"position_embedding_type": "rope"}):
+        with pytest.raises(UnsupportedLayout):
+            plan_gpt2(shapes, dtypes, argparse.Namespace(num_attention_heads=2, **flag), lambda key, layer: None, None)
+    assert plan_gpt2(shapes, dtypes, argparse.Namespace(num_attention_heads=2, openai_gelu=True),
+                     lambda key, layer: None, None)[1]["activation_function"] == "gelu_new"
+
+
+def test_max_shard_size_parsing_and_packing():
+    import torch
+
+    from megatron_ext.megatron.export import group_into_files, parse_size
+    from megatron_ext.megatron.hf_gpt2 import OutputTensor
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("100KB") == 100_000
+    for bad in ("five", "5XB", "0MB"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+    plan = [OutputTensor(f"t{i}", (n,), torch.float32, lambda: None) for i, n in enumerate([10, 10, 30, 5, 5])]
+    files = group_into_files(plan, 80)  # bytes: 40, 40, 120 (alone), 20, 20
+    assert [[t.name for t in f] for f in files] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
