@@ -262,13 +262,22 @@ class CheckpointEngine:
         self.last_load_level = reader.level
         return reader.state(map_location, allow_pickle, self.config.object_modules)
 
+    def load_into(self, checkpoint: str, template: Any, name: str | None = None, *, root: str | None = None,
+                  allow_pickle: bool = False, verify: bool = True, level: str = "auto") -> Any:
+        """Like ``load``, but the tensors are read into those of ``template`` (a state of the same structure,
+        e.g. the live model's), through the host cache: no new tensor memory to fault in."""
+        committed = self.open_checkpoint(checkpoint, root=root, verify=verify)
+        reader = committed.reader(f"rank{self.rank:05d}" if name is None else name, level)
+        self.last_load_level = reader.level
+        return reader.state_into(template, allow_pickle, self.config.object_modules)
+
     def open_checkpoint(self, checkpoint: str, *, root: str | None = None, verify: bool = True) -> "CommittedCheckpoint":
         """A committed checkpoint's manifest plus per-file readers, for adapters that read selectively."""
         root = self._root(root)
         manifest = read_manifest(os.path.join(root, checkpoint))
         if manifest is None:
             raise CheckpointError(f"{os.path.join(root, checkpoint)} is not a committed checkpoint (no manifest)")
-        return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify, self.config)
+        return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify, self.config, self.cache)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float | None = None) -> None:
@@ -389,11 +398,11 @@ class CommittedCheckpoint:
     """
 
     def __init__(self, root: str, local_dir: str | None, checkpoint: str, manifest: dict, verify: bool,
-                 config: EngineConfig | None = None):
+                 config: EngineConfig | None = None, staging: HostCache | None = None):
         self.root, self.local_dir, self.checkpoint, self.manifest, self.verify = root, local_dir, checkpoint, manifest, verify
         config = config or EngineConfig()
         self._read_options = {"threads": config.restore_threads, "o_direct": config.o_direct,
-                              "timeout_s": config.persist_timeout_s}
+                              "timeout_s": config.persist_timeout_s, "staging": staging}
         self._readers: dict[str, restore.FileReader] = {}
         self.levels_used: set[str] = set()
         self.default_level = "auto"

@@ -21,11 +21,12 @@ import mmap
 import os
 import threading
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Protocol
 
 import torch
 import xxhash
 
+from .host_cache import CacheError, HostCache
 from .jobs import CheckpointError
 from .layout import ALIGN, round_up, torch_dtype
 
@@ -131,10 +132,7 @@ class _Pieces:
             future.result(timeout=max(0.0, deadline - time.monotonic()))
 
     def abandon(self, timeout: float) -> None:
-        """After a failure: cancel what has not started, wait for what has (it writes into our buffer)."""
-        for future in self.futures:
-            future.cancel()
-        cf.wait(self.futures, timeout=timeout)
+        _cancel(self.futures, timeout)
 
 
 def read_tensors(path: str, entry: dict, names: Iterable[str], *, verify: bool = True, whole_file: bool = False,
@@ -219,6 +217,135 @@ def read_tensors(path: str, entry: dict, names: Iterable[str], *, verify: bool =
         if fd >= 0:
             os.close(fd)
     return out
+
+
+class Staging(Protocol):
+    """Aligned, resident chunk slots (the engine's ``HostCache``): reads land here, then go to tensors."""
+
+    chunk_bytes: int
+
+    def acquire(self, timeout: float) -> int: ...
+    def release(self, slot: int) -> None: ...
+    def view(self, slot: int) -> torch.Tensor: ...
+    def memory(self, slot: int, nbytes: int) -> memoryview: ...
+
+
+def read_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging: Staging, *, verify: bool = True,
+              o_direct: bool | str = "auto", threads: int = 4, timeout_s: float = 1800.0) -> None:
+    """Fill existing tensors (e.g. a model's) with their saved bytes, through ``staging``'s slots.
+
+    The memory of freshly allocated tensors must be faulted in page by page, which on some
+    machines costs more than the disk read itself; resident staging slots plus one copy into
+    tensors that already exist avoid it. Checksums are computed from the filled tensors.
+    """
+    metas = {}
+    for name, target in targets.items():
+        meta = entry["tensors"].get(name)
+        if meta is None:
+            raise CheckpointError(f"{entry['tensor_file']} lacks tensor {name!r}")
+        if torch_dtype(meta["dtype"]) != target.dtype or list(meta["shape"]) != list(target.shape):
+            raise CheckpointError(f"{path}: tensor {name!r} is {meta['dtype']}{meta['shape']} in the checkpoint, "
+                                  f"the target is {target.dtype}{list(target.shape)}")
+        metas[name] = meta
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in targets.values()):
+        # Devices and strided targets: one pinned host buffer, then async copies (CUDA path, thin).
+        fresh = read_tensors(path, entry, list(targets), verify=verify, o_direct=o_direct, threads=threads,
+                             pin=torch.cuda.is_available(), timeout_s=timeout_s)
+        for name, target in targets.items():
+            target.copy_(fresh[name], non_blocking=fresh[name].is_pinned())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return
+    order = sorted((n for n in metas if metas[n]["offsets"][1] > metas[n]["offsets"][0]),
+                   key=lambda n: metas[n]["offsets"][0])
+    flat = {n: targets[n].reshape(-1).view(torch.uint8) for n in order}
+    spans = _spans([tuple(metas[n]["offsets"]) for n in order], entry["size"])
+    if not spans:
+        return
+    deadline = time.monotonic() + timeout_s
+    size = entry["size"]
+    fd = open_for_read(path, o_direct)[0]
+
+    def piece(off: int, length: int, segments: list[tuple[str, int, int]]) -> None:
+        slot = staging.acquire(max(0.0, deadline - time.monotonic()))
+        try:
+            want = min(length, size - off)
+            memory = staging.memory(slot, length)
+            got = 0
+            while got < want:
+                n = os.preadv(fd, [memory[got:]], off + got)
+                if n == 0:
+                    raise CheckpointError(f"{path} is truncated (ends before byte {off + want})")
+                got += n
+            chunk = staging.view(slot)
+            for name, lo, hi in segments:
+                begin = metas[name]["offsets"][0]
+                flat[name][lo - begin: hi - begin].copy_(chunk[lo - off: hi - off])
+        finally:
+            staging.release(slot)
+
+    step = min(READ_PIECE, staging.chunk_bytes)
+    futures: list[tuple[int, cf.Future]] = []  # (file offset of the piece, its future)
+    hashes: list[tuple[str, str, cf.Future]] = []
+    try:
+        reads, hasher = _pool("read", threads), _pool("hash", max(1, os.cpu_count() or 1))
+        i = 0
+        for lo_span, hi_span in spans:
+            for off in range(lo_span, hi_span, step):
+                end = min(off + step, hi_span)
+                while i < len(order) and metas[order[i]]["offsets"][1] <= off:
+                    i += 1
+                segments = []
+                j = i
+                while j < len(order) and metas[order[j]]["offsets"][0] < end:
+                    b, e = metas[order[j]]["offsets"]
+                    if e > off:
+                        segments.append((order[j], max(b, off), min(e, end)))
+                    j += 1
+                futures.append((off, reads.submit(piece, off, end - off, segments)))
+        done = 0
+        for name in order:
+            tensor_end = metas[name]["offsets"][1]
+            while done < len(futures) and futures[done][0] < tensor_end:
+                futures[done][1].result(timeout=max(0.0, deadline - time.monotonic()))
+                done += 1
+            expected = metas[name].get("xxh3_64")
+            if verify and expected is not None:
+                hashes.append((name, expected, hasher.submit(_digest, flat[name])))
+        for _, future in futures[done:]:
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
+        for name, expected, future in hashes:
+            if future.result(timeout=max(0.0, deadline - time.monotonic())) != expected:
+                raise CheckpointError(f"{path}: tensor {name!r} fails its checksum")
+    except cf.TimeoutError:
+        _cancel([f for _, f in futures], timeout_s)
+        raise CheckpointError(f"reading {path} did not finish within {timeout_s:.0f}s (timeout)") from None
+    except CheckpointError:
+        _cancel([f for _, f in futures], timeout_s)
+        raise
+    except (OSError, CacheError) as exc:
+        _cancel([f for _, f in futures], timeout_s)
+        raise CheckpointError(f"reading {path} failed: {exc}") from exc
+    finally:
+        os.close(fd)
+
+
+_default_staging: dict[int, HostCache] = {}
+
+
+def default_staging(threads: int) -> HostCache:
+    """Staging slots for readers without an engine's host cache: two per thread, kept for reuse."""
+    with _pools_lock:
+        if threads not in _default_staging:
+            _default_staging[threads] = HostCache(2 * threads * READ_PIECE, READ_PIECE, pin=torch.cuda.is_available())
+        return _default_staging[threads]
+
+
+def _cancel(futures: list[cf.Future], timeout: float) -> None:
+    """After a failure: cancel what has not started, wait for what has (it uses the file and buffers)."""
+    for future in futures:
+        future.cancel()
+    cf.wait(futures, timeout=timeout)
 
 
 def _digest(view: torch.Tensor) -> str:

@@ -17,7 +17,7 @@ import xxhash
 
 from . import codec
 from .commit import REPORTS, report_name
-from .fast_read import read_tensors, to_device
+from .fast_read import Staging, default_staging, read_into, read_tensors, to_device
 from .jobs import CheckpointError
 
 
@@ -54,11 +54,13 @@ class FileReader:
     """
 
     def __init__(self, base: str, entry: dict, verify: bool = True, level: str = "shared", *,
-                 threads: int = 4, o_direct: bool | str = "auto", timeout_s: float = 1800.0):
+                 threads: int = 4, o_direct: bool | str = "auto", timeout_s: float = 1800.0,
+                 staging: Staging | None = None):
         self.level = level  # the storage level it reads from
         self.entry = entry
         self.verify = verify
         self.threads, self.o_direct, self.timeout_s = threads, o_direct, timeout_s
+        self.staging = staging  # resident slots for ``read_into``; a process-wide default if None
         self.tensor_path = os.path.join(base, entry["tensor_file"])
         self.state_path = os.path.join(base, entry["state_file"])
         self._skeleton: Any = None
@@ -75,6 +77,25 @@ class FileReader:
         self._check_size()
         return read_tensors(self.tensor_path, self.entry, names, verify=self.verify, whole_file=whole_file,
                             o_direct=self.o_direct, threads=self.threads, pin=pin, timeout_s=self.timeout_s)
+
+    def read_into(self, targets: dict[str, torch.Tensor]) -> None:
+        """Fill existing tensors (name -> tensor of the saved dtype and shape) in place, in parallel."""
+        self._check_size()
+        read_into(self.tensor_path, self.entry, targets, self.staging or default_staging(self.threads),
+                  verify=self.verify, o_direct=self.o_direct, threads=self.threads, timeout_s=self.timeout_s)
+
+    def state_into(self, template: Any, allow_pickle: bool = False, object_modules: tuple[str, ...] = ()) -> Any:
+        """The saved state, its tensors read into the matching tensors of ``template`` (same structure)."""
+        encoder = codec.Encoder(pickle_fallback=True, object_modules=object_modules)
+        encoder.encode(template)
+        targets = dict(encoder.tensors)
+        self.read_into({n: t for n, t in targets.items() if n in self.entry["tensors"]})
+        skeleton = self.skeleton()
+        missing = [n for n in codec.tensor_refs(skeleton) if n not in targets]
+        tensors = dict(targets)
+        if missing:  # tensors the template lacks are read fresh
+            tensors.update(self.tensors(missing))
+        return self._decode(skeleton, tensors, allow_pickle, object_modules)
 
     def tensor(self, name: str) -> torch.Tensor:
         return self.tensors([name])[name]
