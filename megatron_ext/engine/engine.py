@@ -279,6 +279,25 @@ class CheckpointEngine:
             raise CheckpointError(f"{os.path.join(root, checkpoint)} is not a committed checkpoint (no manifest)")
         return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify, self.config, self.cache)
 
+    def agree_load_level(self, committed: "CommittedCheckpoint") -> str:
+        """Collective over all ranks: read node-local only if every rank's own files are complete there.
+
+        One all_reduce (MIN) of "my files are on my node-local level"; returns the level chosen
+        ("local" or "shared") and makes ``committed``'s readers use it.
+        """
+        local = int(committed.local_copy_complete(self.rank))
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            flag = torch.tensor([local], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            local = int(flag.item())
+        committed.use_level("auto" if local else LEVEL_SHARED)
+        level = LEVEL_LOCAL if local else LEVEL_SHARED
+        log.info("[datastates] rank %d reads %s from the %s level", self.rank, committed.checkpoint, level)
+        return level
+
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float | None = None) -> None:
         """Commit whatever was saved, wait until it is durable and committed, stop the threads."""
