@@ -33,6 +33,8 @@ from .layout import ALIGN, round_up, torch_dtype
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: Bytes one thread reads per request: large enough to stream, small enough to spread over threads.
 READ_PIECE = 8 << 20
+#: Smaller staging slots than this cost more in requests than they save; a default pool is used instead.
+MIN_STAGING_CHUNK = 1 << 20
 #: Ranges closer than this are read as one (reading a small gap is cheaper than another request).
 MERGE_GAP = 256 << 10
 

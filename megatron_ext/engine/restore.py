@@ -17,7 +17,7 @@ import xxhash
 
 from . import codec
 from .commit import REPORTS, report_name
-from .fast_read import Staging, default_staging, read_into, read_tensors, to_device
+from .fast_read import MIN_STAGING_CHUNK, Staging, default_staging, read_into, read_tensors, to_device
 from .jobs import CheckpointError
 
 
@@ -81,7 +81,10 @@ class FileReader:
     def read_into(self, targets: dict[str, torch.Tensor]) -> None:
         """Fill existing tensors (name -> tensor of the saved dtype and shape) in place, in parallel."""
         self._check_size()
-        read_into(self.tensor_path, self.entry, targets, self.staging or default_staging(self.threads),
+        staging = self.staging
+        if staging is None or staging.chunk_bytes < MIN_STAGING_CHUNK:  # tiny slots: too many requests
+            staging = default_staging(self.threads)
+        read_into(self.tensor_path, self.entry, targets, staging,
                   verify=self.verify, o_direct=self.o_direct, threads=self.threads, timeout_s=self.timeout_s)
 
     def state_into(self, template: Any, allow_pickle: bool = False, object_modules: tuple[str, ...] = ()) -> Any:

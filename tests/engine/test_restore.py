@@ -14,6 +14,7 @@ import torch
 from megatron_ext.engine import CheckpointEngine, CheckpointError, ConfigError, EngineConfig, read_manifest
 from megatron_ext.engine import fast_read
 from megatron_ext.engine.files import supports_o_direct
+from megatron_ext.engine.host_cache import HostCache
 
 from engine_testlib import FAST, HERE, REPO, TINY, assert_same, child_env, clone_state, free_port
 
@@ -93,17 +94,26 @@ def test_load_into_fills_existing_tensors(make_engine, o_direct):
     assert_same(template["big"], expected["big"])
 
 
-def test_load_into_through_tiny_staging_slots(make_engine, tmp_path):
-    """4 KiB staging slots: every tensor spans many pieces, read by several threads."""
+def test_read_into_through_tiny_staging_slots(make_engine, tmp_path):
+    """4 KiB staging slots, fewer than the threads: every tensor spans many pieces."""
     engine = make_engine(**TINY, restore_threads=4)
-    state = {"a": _random((50_001,), torch.float32, 1), "b": _random((3, 333), torch.bfloat16, 2)}
+    state = {"a": _random((50_001,), torch.float32, 1), "b": _random((3, 333), torch.bfloat16, 2),
+             "c": _random((7,), torch.int64, 3)}
     expected = clone_state(state)
     engine.save_and_commit(state, "c1", version=1)
     engine.wait_persisted()
-    target = {"a": torch.zeros(50_001), "b": torch.zeros(3, 333, dtype=torch.bfloat16)}
-    assert_same(engine.load_into("c1", target), expected)
+    reader = engine.open_checkpoint("c1").reader("rank00000")
+    staging = HostCache(3 * 4096, 4096, pin=False)
+    try:
+        target = {"a": torch.zeros(50_001), "b": torch.zeros(3, 333, dtype=torch.bfloat16)}
+        fast_read.read_into(reader.tensor_path, reader.entry, target, staging, threads=4, timeout_s=60)
+        assert_same(target, {"a": expected["a"], "b": expected["b"]})
+    finally:
+        staging.close()
+    strided = {"a": torch.zeros(50_001), "b": torch.zeros(333, 3, dtype=torch.bfloat16).t(), "c": torch.zeros(7, dtype=torch.int64)}
+    assert_same(engine.load_into("c1", strided), expected)  # a non-contiguous target is filled too
     with pytest.raises(CheckpointError, match="the target is"):
-        engine.load_into("c1", {"a": torch.zeros(5), "b": target["b"]})
+        engine.load_into("c1", {"a": torch.zeros(5), "b": strided["b"]})
 
 
 def _damage(path: str, how: str) -> None:
