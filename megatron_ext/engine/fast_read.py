@@ -109,6 +109,7 @@ class _Pieces:
         self.memory = memoryview(buf.numpy())
         self.starts: list[int] = []  # file offset of each piece, ascending
         self.futures: list[cf.Future] = []
+        self.waited = 0  # pieces known to be complete
 
     def read(self, file_off: int, buf_off: int, length: int) -> None:
         """Read until ``length`` bytes or the end of the file, which must be at ``self.size``."""
@@ -127,11 +128,10 @@ class _Pieces:
             self.futures.append(pool.submit(self.read, off, buf_off + off - span[0], length))
 
     def wait_until(self, file_end: int, deadline: float) -> None:
-        """Block until every piece starting before ``file_end`` is in the buffer."""
-        for start, future in zip(self.starts, self.futures):
-            if start >= file_end:
-                break
-            future.result(timeout=max(0.0, deadline - time.monotonic()))
+        """Block until every piece starting before ``file_end`` is in the buffer (calls ascend)."""
+        while self.waited < len(self.futures) and self.starts[self.waited] < file_end:
+            self.futures[self.waited].result(timeout=max(0.0, deadline - time.monotonic()))
+            self.waited += 1
 
     def abandon(self, timeout: float) -> None:
         _cancel(self.futures, timeout)

@@ -16,7 +16,7 @@ from megatron_ext.engine import fast_read
 from megatron_ext.engine.files import supports_o_direct
 from megatron_ext.engine.host_cache import HostCache
 
-from engine_testlib import FAST, HERE, REPO, TINY, assert_same, child_env, clone_state, free_port
+from engine_testlib import HERE, REPO, TINY, assert_same, child_env, clone_state, free_port
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
