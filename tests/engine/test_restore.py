@@ -193,3 +193,4 @@ def test_bench_restore_json(tmp_path):
                 "direct_read_gbps", "datastates_vs_direct"):
         assert result[key] > 0, key
     assert result["datastates_bit_exact"] is True
+
