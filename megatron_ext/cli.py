@@ -24,6 +24,21 @@ def _bench_engine(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _bench_restore(sub) -> None:
+    p = sub.add_parser("restore", help="engine restore vs torch.load, DCP load and an O_DIRECT read (cold)")
+    p.add_argument("--size-gb", type=float, default=2.0, help="state size in GB (default 2)")
+    p.add_argument("--threads", type=int, default=4, help="restore_threads of the engine (default 4)")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    def run(args) -> int:
+        from megatron_ext.bench import restore_bench
+
+        return restore_bench.main(args)
+
+    p.set_defaults(func=run)
+
+
 def _bench_train(sub) -> None:
     p = sub.add_parser("train", help="reference trainer: no checkpoints vs datastates vs megatron-core async save")
     p.add_argument("--iters", type=int, default=12)
@@ -188,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (figures are ratios against peers measured in the same run)")
     benches = bench.add_subparsers(dest="bench", required=True)
     _bench_engine(benches)
+    _bench_restore(benches)
     _bench_train(benches)
     _bench_deepspeed(benches)
     return parser

@@ -152,6 +152,22 @@ def decode(obj: Any, tensor_for: Callable[[str], torch.Tensor], allow_pickle: bo
     return {k: decode(v, tensor_for, allow_pickle, object_modules) for k, v in obj.items()}
 
 
+def tensor_refs(obj: Any) -> list[str]:
+    """Names of the tensors a skeleton refers to, so a reader can fetch them all in one batch."""
+    found: list[str] = []
+    stack = [obj]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            if len(node) == 1 and TAG + "t" in node and isinstance(node[TAG + "t"], str):
+                found.append(node[TAG + "t"])
+            else:
+                stack.extend(node.values())
+    return found
+
+
 def _decode_tagged(tag: str, val: Any, tensor_for, allow_pickle: bool, object_modules: tuple[str, ...]) -> Any:
     rec = lambda v: decode(v, tensor_for, allow_pickle, object_modules)  # noqa: E731
     if tag == "t":

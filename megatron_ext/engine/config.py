@@ -57,6 +57,8 @@ class EngineConfig:
     remove_partial_on_start: bool = True
     #: Module prefixes whose plain objects and named tuples are stored field by field (codec.py).
     object_modules: tuple[str, ...] = ()
+    #: Threads reading a checkpoint file in parallel at restore (O_DIRECT per ``o_direct``).
+    restore_threads: int = 4
     #: Ignored, accepted for DeepSpeed compatibility.
     parser_threads: int | None = None
 
@@ -112,6 +114,9 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+        if isinstance(self.restore_threads, bool) or not isinstance(self.restore_threads, int) \
+                or not 1 <= self.restore_threads <= 64:
+            raise ConfigError(f"restore_threads must be a whole number in [1, 64], got {self.restore_threads!r}")
         if self.o_direct not in (True, False, "auto"):
             raise ConfigError(f"o_direct must be true, false or \"auto\", got {self.o_direct!r}")
         for name in ("snapshot_timeout_s", "persist_timeout_s"):

@@ -262,13 +262,41 @@ class CheckpointEngine:
         self.last_load_level = reader.level
         return reader.state(map_location, allow_pickle, self.config.object_modules)
 
+    def load_into(self, checkpoint: str, template: Any, name: str | None = None, *, root: str | None = None,
+                  allow_pickle: bool = False, verify: bool = True, level: str = "auto") -> Any:
+        """Like ``load``, but the tensors are read into those of ``template`` (a state of the same structure,
+        e.g. the live model's), through the host cache: no new tensor memory to fault in."""
+        committed = self.open_checkpoint(checkpoint, root=root, verify=verify)
+        reader = committed.reader(f"rank{self.rank:05d}" if name is None else name, level)
+        self.last_load_level = reader.level
+        return reader.state_into(template, allow_pickle, self.config.object_modules)
+
     def open_checkpoint(self, checkpoint: str, *, root: str | None = None, verify: bool = True) -> "CommittedCheckpoint":
         """A committed checkpoint's manifest plus per-file readers, for adapters that read selectively."""
         root = self._root(root)
         manifest = read_manifest(os.path.join(root, checkpoint))
         if manifest is None:
             raise CheckpointError(f"{os.path.join(root, checkpoint)} is not a committed checkpoint (no manifest)")
-        return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify)
+        return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify, self.config, self.cache)
+
+    def agree_load_level(self, committed: "CommittedCheckpoint") -> str:
+        """Collective over all ranks: read node-local only if every rank's own files are complete there.
+
+        One all_reduce (MIN) of "my files are on my node-local level"; returns the level chosen
+        ("local" or "shared") and makes ``committed``'s readers use it.
+        """
+        local = int(committed.local_copy_complete(self.rank))
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            flag = torch.tensor([local], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            local = int(flag.item())
+        committed.use_level("auto" if local else LEVEL_SHARED)
+        level = LEVEL_LOCAL if local else LEVEL_SHARED
+        log.info("[datastates] rank %d reads %s from the %s level", self.rank, committed.checkpoint, level)
+        return level
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float | None = None) -> None:
@@ -381,12 +409,33 @@ class CheckpointEngine:
 
 
 class CommittedCheckpoint:
-    """Read side of one committed checkpoint: each file from the node-local level when complete there."""
+    """Read side of one committed checkpoint: each file from the node-local level when complete there.
 
-    def __init__(self, root: str, local_dir: str | None, checkpoint: str, manifest: dict, verify: bool):
+    A multi-rank job should agree on one level for all ranks (``local_copy_complete`` on every
+    rank, reduced with MIN, then ``use_level``): a mix would read some ranks' files from a
+    node-local copy that another rank may never have finished.
+    """
+
+    def __init__(self, root: str, local_dir: str | None, checkpoint: str, manifest: dict, verify: bool,
+                 config: EngineConfig | None = None, staging: HostCache | None = None):
         self.root, self.local_dir, self.checkpoint, self.manifest, self.verify = root, local_dir, checkpoint, manifest, verify
+        config = config or EngineConfig()
+        self._read_options = {"threads": config.restore_threads, "o_direct": config.o_direct,
+                              "timeout_s": config.persist_timeout_s, "staging": staging}
         self._readers: dict[str, restore.FileReader] = {}
         self.levels_used: set[str] = set()
+        self.default_level = "auto"
+
+    def local_copy_complete(self, rank: int) -> bool:
+        """Whether ``rank``'s files of this checkpoint are all on this node's local level."""
+        return bool(self.local_dir) and restore.local_copy_complete(self.local_dir, self.checkpoint,
+                                                                    self.manifest, rank)
+
+    def use_level(self, level: str) -> None:
+        """Level for readers created from now on: "shared" always, "auto" node-local where complete."""
+        if level not in ("auto", LEVEL_SHARED):
+            raise ValueError(f"level must be \"auto\" or \"shared\", got {level!r}")
+        self.default_level = level
 
     def reader(self, name: str, level: str = "auto") -> restore.FileReader:
         """The reader of file ``name``: node-local when complete there (``level="local"`` requires it)."""
@@ -395,14 +444,15 @@ class CommittedCheckpoint:
             if entry is None:
                 raise CheckpointError(f"checkpoint {self.checkpoint} has no file {name!r}; "
                                       f"it has {sorted(self.manifest['files'])[:8]}")
+            if level == "auto":
+                level = self.default_level
             base, chosen = self.root, LEVEL_SHARED
-            if self.local_dir and level in ("auto", LEVEL_LOCAL) and restore.local_copy_complete(
-                    self.local_dir, self.checkpoint, self.manifest, entry["rank"]):
+            if level in ("auto", LEVEL_LOCAL) and self.local_copy_complete(entry["rank"]):
                 base, chosen = self.local_dir, LEVEL_LOCAL
             elif level == LEVEL_LOCAL:
                 raise CheckpointError(f"checkpoint {self.checkpoint} is not complete on the node-local level")
             self.levels_used.add(chosen)
-            self._readers[name] = restore.FileReader(base, entry, self.verify, level=chosen)
+            self._readers[name] = restore.FileReader(base, entry, self.verify, level=chosen, **self._read_options)
         return self._readers[name]
 
 

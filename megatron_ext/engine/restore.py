@@ -1,66 +1,24 @@
-"""Reading a committed checkpoint back: straight into fresh tensors, checksums verified.
+"""Reading a committed checkpoint back: parallel aligned reads, checksums verified, no unpickling.
 
-Only the manifest of a committed checkpoint is trusted to say which files exist. Each tensor is
-read with ``readinto`` directly into the memory of a newly allocated tensor (no intermediate
-buffer, no unpickling) and its xxh3-64 checksum compared with the manifest's.
+Only the manifest of a committed checkpoint is trusted to say which files exist and where each
+tensor lies in them. The bytes are read by ``fast_read`` (several threads, ``O_DIRECT`` where the
+file system allows) into one aligned host buffer of which the tensors are views, and each
+tensor's xxh3-64 checksum (and, for whole-file reads, the file's) is compared with the manifest's.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import xxhash
 
 from . import codec
 from .commit import REPORTS, report_name
+from .fast_read import MIN_STAGING_CHUNK, Staging, default_staging, read_into, read_tensors, to_device
 from .jobs import CheckpointError
-from .layout import read_header, torch_dtype
-
-
-def _read_exact(f, view: memoryview, path: str) -> None:
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            raise CheckpointError(f"{path} is truncated")
-        got += n
-
-
-def read_tensor_file(path: str, entry: dict | None, verify: bool = True) -> dict[str, torch.Tensor]:
-    """All tensors of one safetensors file, checked against the manifest entry when given."""
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
-    if entry is not None and size != entry["size"]:
-        raise CheckpointError(f"{path} has {size} bytes, the manifest says {entry['size']}")
-    header, data_start = read_header(path)
-    header.pop("__metadata__", None)
-    tensors: dict[str, torch.Tensor] = {}
-    whole = xxhash.xxh3_64() if verify and entry is not None else None
-    with open(path, "rb", buffering=0) as f:
-        if whole is not None:
-            whole.update(f.read(data_start))
-        f.seek(data_start)
-        for name, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            begin, end = meta["data_offsets"]
-            tensor = torch.empty(meta["shape"], dtype=torch_dtype(meta["dtype"]))
-            if end > begin:
-                f.seek(data_start + begin)
-                view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-                _read_exact(f, view, path)
-                if whole is not None:
-                    whole.update(view)
-                    expected = entry["tensors"].get(name, {}).get("xxh3_64")
-                    if expected is not None and xxhash.xxh3_64_hexdigest(view) != expected:
-                        raise CheckpointError(f"{path}: tensor {name!r} fails its checksum")
-            tensors[name] = tensor
-    if whole is not None and whole.hexdigest() != entry["xxh3_64"]:
-        raise CheckpointError(f"{path} fails its checksum")
-    return tensors
 
 
 def read_state_file(path: str, entry: dict | None, verify: bool = True) -> Any:
@@ -90,16 +48,23 @@ def local_copy_complete(local_root: str, checkpoint: str, manifest: dict, rank: 
 
 
 class FileReader:
-    """One committed file, read as a whole or tensor by tensor (each verified against the manifest)."""
+    """One committed file, read as a whole or tensor by tensor (each verified against the manifest).
 
-    def __init__(self, base: str, entry: dict, verify: bool = True, level: str = "shared"):
+    ``threads`` readers per call and ``o_direct`` ("auto", True, False) as in the engine config.
+    """
+
+    def __init__(self, base: str, entry: dict, verify: bool = True, level: str = "shared", *,
+                 threads: int = 4, o_direct: bool | str = "auto", timeout_s: float = 1800.0,
+                 staging: Staging | None = None):
         self.level = level  # the storage level it reads from
         self.entry = entry
         self.verify = verify
+        self.threads, self.o_direct, self.timeout_s = threads, o_direct, timeout_s
+        self.staging = staging  # resident slots for ``read_into``; a process-wide default if None
         self.tensor_path = os.path.join(base, entry["tensor_file"])
         self.state_path = os.path.join(base, entry["state_file"])
         self._skeleton: Any = None
-        self._header: tuple[dict, int] | None = None
+        self._size_checked = False
 
     def skeleton(self) -> Any:
         if self._skeleton is None:
@@ -107,56 +72,77 @@ class FileReader:
             self._skeleton = doc["state"] if isinstance(doc, dict) and doc.get("format") == "megatron_ext.state" else doc
         return self._skeleton
 
+    def tensors(self, names: Iterable[str], whole_file: bool = False, pin: bool = False) -> dict[str, torch.Tensor]:
+        """Several tensors in one parallel read (neighbouring ones share requests)."""
+        self._check_size()
+        return read_tensors(self.tensor_path, self.entry, names, verify=self.verify, whole_file=whole_file,
+                            o_direct=self.o_direct, threads=self.threads, pin=pin, timeout_s=self.timeout_s)
+
+    def read_into(self, targets: dict[str, torch.Tensor]) -> None:
+        """Fill existing tensors (name -> tensor of the saved dtype and shape) in place, in parallel."""
+        self._check_size()
+        staging = self.staging
+        if staging is None or staging.chunk_bytes < MIN_STAGING_CHUNK:  # tiny slots: too many requests
+            staging = default_staging(self.threads)
+        read_into(self.tensor_path, self.entry, targets, staging,
+                  verify=self.verify, o_direct=self.o_direct, threads=self.threads, timeout_s=self.timeout_s)
+
+    def state_into(self, template: Any, allow_pickle: bool = False, object_modules: tuple[str, ...] = ()) -> Any:
+        """The saved state, its tensors read into the matching tensors of ``template`` (same structure)."""
+        encoder = codec.Encoder(pickle_fallback=True, object_modules=object_modules)
+        encoder.encode(template)
+        targets = dict(encoder.tensors)
+        self.read_into({n: t for n, t in targets.items() if n in self.entry["tensors"]})
+        skeleton = self.skeleton()
+        missing = [n for n in codec.tensor_refs(skeleton) if n not in targets]
+        tensors = dict(targets)
+        if missing:  # tensors the template lacks are read fresh
+            tensors.update(self.tensors(missing))
+        return self._decode(skeleton, tensors, allow_pickle, object_modules)
+
     def tensor(self, name: str) -> torch.Tensor:
-        if self._header is None:
-            if not os.path.exists(self.tensor_path):
-                raise CheckpointError(f"checkpoint file {self.tensor_path} is missing")
-            if os.path.getsize(self.tensor_path) != self.entry["size"]:
-                raise CheckpointError(f"{self.tensor_path} has {os.path.getsize(self.tensor_path)} bytes, "
-                                      f"the manifest says {self.entry['size']}")
-            self._header = read_header(self.tensor_path)
-        header, data_start = self._header
-        meta = header.get(name)
-        if meta is None or name == "__metadata__":
-            raise CheckpointError(f"{self.entry['tensor_file']} lacks tensor {name!r}")
-        begin, end = meta["data_offsets"]
-        tensor = torch.empty(meta["shape"], dtype=torch_dtype(meta["dtype"]))
-        if end > begin:
-            view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-            with open(self.tensor_path, "rb", buffering=0) as f:
-                f.seek(data_start + begin)
-                _read_exact(f, view, self.tensor_path)
-            expected = self.entry["tensors"].get(name, {}).get("xxh3_64")
-            if self.verify and expected is not None and xxhash.xxh3_64_hexdigest(view) != expected:
-                raise CheckpointError(f"{self.tensor_path}: tensor {name!r} fails its checksum")
-        return tensor
+        return self.tensors([name])[name]
 
     def state(self, map_location: Any = None, allow_pickle: bool = False,
               object_modules: tuple[str, ...] = ()) -> Any:
         """The whole saved state; all tensors read in one pass with the whole-file checksum."""
-        tensors = read_tensor_file(self.tensor_path, self.entry, self.verify)
+        tensors = self.tensors(self.entry["tensors"], whole_file=True, pin=_wants_cuda(map_location))
         if map_location is not None:
-            tensors = {k: _map(v, map_location) for k, v in tensors.items()}
-
-        def tensor_for(name: str) -> torch.Tensor:
-            try:
-                return tensors[name]
-            except KeyError:
-                raise CheckpointError(f"{self.entry['tensor_file']} lacks tensor {name!r}") from None
-
-        return codec.decode(self.skeleton(), tensor_for, allow_pickle=allow_pickle, object_modules=object_modules)
+            tensors = to_device(tensors, map_location)
+        return self._decode(self.skeleton(), tensors, allow_pickle, object_modules)
 
     def part(self, *keys: str, allow_pickle: bool = False, object_modules: tuple[str, ...] = ()) -> Any:
         """One sub-tree of the saved state (top-level str keys), reading only the tensors it refers to."""
         node = self.skeleton()
         for key in keys:
             node = node[key]
-        return codec.decode(node, self.tensor, allow_pickle=allow_pickle, object_modules=object_modules)
+        return self._decode(node, self.tensors(codec.tensor_refs(node)), allow_pickle, object_modules)
+
+    def _decode(self, node: Any, tensors: dict[str, torch.Tensor], allow_pickle: bool,
+                object_modules: tuple[str, ...]) -> Any:
+        def tensor_for(name: str) -> torch.Tensor:
+            try:
+                return tensors[name]
+            except KeyError:
+                raise CheckpointError(f"{self.entry['tensor_file']} lacks tensor {name!r}") from None
+
+        return codec.decode(node, tensor_for, allow_pickle=allow_pickle, object_modules=object_modules)
+
+    def _check_size(self) -> None:
+        if self._size_checked:
+            return
+        try:
+            size = os.path.getsize(self.tensor_path)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {self.tensor_path} is missing") from None
+        if size != self.entry["size"]:
+            raise CheckpointError(f"{self.tensor_path} has {size} bytes, the manifest says {self.entry['size']}")
+        self._size_checked = True
 
 
-def _map(tensor: torch.Tensor, map_location: Any) -> torch.Tensor:
-    if callable(map_location):
-        return map_location(tensor, "cpu")
-    if isinstance(map_location, dict):
-        return tensor.to(map_location.get("cpu", "cpu"))
-    return tensor.to(map_location)
+def _wants_cuda(map_location: Any) -> bool:
+    """Whether tensors will be copied to a GPU (then the host buffer is pinned for async copies)."""
+    if not torch.cuda.is_available() or map_location is None or callable(map_location):
+        return False
+    target = map_location.get("cpu", "cpu") if isinstance(map_location, dict) else map_location
+    return torch.device(target).type == "cuda"

@@ -370,6 +370,7 @@ def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_par
     model = _unwrap(ddp_model)
     engine = get_engine(args) if args.save else CheckpointEngine({"save_dir": load_dir, "host_cache_size": 0.01})
     ckpt = engine.open_checkpoint(checkpoint_name(iteration), root=load_dir)
+    engine.agree_load_level(ckpt)  # every rank node-local, or every rank shared
     tensor_index, object_index = _index(ckpt.manifest)
     rank = torch.distributed.get_rank()
     zero_name = next(name for name, f in ckpt.manifest["files"].items() if f["rank"] == 0)
