@@ -1,0 +1,107 @@
+"""Overload policy (issue 10): two gloo ranks checkpoint every iteration through a throttled writer.
+
+With "supersede" no ``wait_snapshot`` waits for the flush (the engine's own count), skipped
+checkpoints are in the telemetry with their reason, no skipped checkpoint is committed on any
+rank, and every committed one verifies and loads bit-exact with the state saved under its id.
+The durable-age bound turns supersede back into waits; "wait" keeps today's behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_ext.engine import CheckpointEngine, ConfigError, EngineConfig
+from megatron_ext.engine.verify import verify_root
+
+from engine_testlib import FAST, HERE, REPO, TINY, assert_same, child_env, committed_names, free_port
+
+sys.path.insert(0, str(HERE))
+from _overload_worker import step_state  # noqa: E402
+
+WORLD = 2
+
+
+def _run(tmp_path, policy: str, iters: int, *extra: str) -> tuple[list[dict], list[str]]:
+    root, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(HERE / "_overload_worker.py"), str(root), str(out), policy, str(iters), *extra]
+    proc = subprocess.run(cmd, env=child_env(), cwd=str(REPO), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    outcomes = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORLD)]
+    return outcomes, committed_names(root)
+
+
+def _check_committed(root, committed: list[str]) -> None:
+    checked, problems = verify_root(str(root))
+    assert checked == committed and not problems, problems
+    with CheckpointEngine({"save_dir": str(root), **TINY, **FAST}) as reader:
+        for name in committed:
+            for r in range(WORLD):
+                assert_same(reader.load(name, f"rank{r:05d}"), step_state(r, int(name.split("_")[1])))
+
+
+@pytest.mark.multiproc
+def test_supersede_never_waits_for_the_flush_and_commits_only_complete_checkpoints(tmp_path):
+    iters = 24
+    outcomes, committed = _run(tmp_path, "supersede", iters)
+    root = tmp_path / "ckpt"
+    for o in outcomes:
+        assert o["backpressure_waits"] == 0, o  # no wait_snapshot waited for cache space
+    skipped = {s["checkpoint"] for o in outcomes for s in o["skipped"]}
+    assert skipped, "the throttled writer should force skips"
+    assert not skipped & set(committed)  # a skip on any rank abandons it on all
+    assert committed and f"it_{iters:04d}" in committed  # the last save is kept (shutdown waits for it)
+    for o in outcomes:
+        for s in o["skipped"]:
+            assert s["reason"] in ("superseded", "no_cache_space") or s["reason"].startswith("skipped by rank")
+            if s["reason"] == "superseded":
+                assert s["superseded_by_version"] > s["version"]
+    # Every rank that skipped one on its own left a skip report; the others followed it.
+    for name in skipped:
+        reports = [p.name for p in (root / name / ".reports").iterdir()]
+        assert any(n.endswith(".skipped.json") for n in reports), (name, reports)
+        data = [p.name for p in (root / name).iterdir() if p.name != ".reports"]
+        assert data == [], (name, data)  # partly written files were removed
+    _check_committed(root, committed)
+
+
+@pytest.mark.multiproc
+def test_durable_age_bound_forces_waits(tmp_path):
+    age = 3
+    outcomes, committed = _run(tmp_path, "supersede", 20, str(age))
+    assert all(o["age_bound_waits"] > 0 and o["backpressure_waits"] > 0 for o in outcomes), outcomes
+    versions = [0] + [int(n.split("_")[1]) for n in committed]
+    gaps = [b - a for a, b in zip(versions, versions[1:])]
+    assert max(gaps) <= age + 1, (committed, gaps)
+    _check_committed(tmp_path / "ckpt", committed)
+
+
+@pytest.mark.multiproc
+def test_wait_policy_commits_every_checkpoint(tmp_path):
+    iters = 8
+    outcomes, committed = _run(tmp_path, "wait", iters)
+    assert committed == [f"it_{i:04d}" for i in range(1, iters + 1)]
+    assert all(o["skipped"] == [] and o["backpressure_waits"] > 0 for o in outcomes), outcomes
+    _check_committed(tmp_path / "ckpt", committed)
+
+
+def test_overload_configuration_errors():
+    with pytest.raises(ConfigError, match="overload_policy must be one of"):
+        EngineConfig.from_dict({"overload_policy": "drop"})
+    with pytest.raises(ConfigError, match="max_durable_age must be a whole number >= 0"):
+        EngineConfig.from_dict({"max_durable_age": -1})
+    with pytest.raises(ConfigError, match="max_durable_age"):
+        EngineConfig.from_dict({"max_durable_age": 2.5})
+    assert EngineConfig.from_dict({"overload_policy": "supersede", "max_durable_age": 0}).max_durable_age == 0
+
+
+def test_age_bound_needs_versions(make_engine):
+    engine = make_engine(**TINY, overload_policy="supersede", max_durable_age=2)
+    with pytest.raises(Exception, match="max_durable_age needs a version"):
+        engine.save({"w": __import__("torch").zeros(4)}, "A")
