@@ -79,7 +79,7 @@ class CheckpointEngine:
             # Before the run id is agreed (a collective): no rank can have written anything yet.
             removed = retention.remove_partial(self.config.save_dir)
             if removed:
-                log.warning("[datastates] removed %d uncommitted checkpoint(s) left by a crash: %s",
+                log.warning("[datastates] removed %d uncommitted checkpoint(s) left by a crash or skipped: %s",
                             len(removed), ", ".join(sorted(removed)))
         self.run_id = run_id or _agree_run_id(self.world_size)
         self.use_cuda = torch.cuda.is_available()
@@ -359,6 +359,11 @@ class CheckpointEngine:
                 traceback.print_exc()
 
     # ------------------------------------------------------------------ internals
+    @property
+    def newest_durable_version(self) -> int | None:
+        """Version of the newest checkpoint committed in this run (what ``max_durable_age`` measures from)."""
+        return self._newest_durable
+
     def _root(self, root: str | None) -> str:
         root = root or self.config.save_dir
         if root is None:

@@ -11,8 +11,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
+import torch
 
 from megatron_ext.engine import CheckpointEngine, ConfigError, EngineConfig
 from megatron_ext.engine.verify import verify_root
@@ -57,6 +60,8 @@ def test_supersede_never_waits_for_the_flush_and_commits_only_complete_checkpoin
     assert skipped, "the throttled writer should force skips"
     assert not skipped & set(committed)  # a skip on any rank abandons it on all
     assert committed and f"it_{iters:04d}" in committed  # the last save is kept (shutdown waits for it)
+    # Rank 1 writes slower: rank 0 follows skips it did not decide itself.
+    assert any(s["reason"].startswith("skipped by rank 1") for s in outcomes[0]["skipped"]), outcomes[0]
     for o in outcomes:
         for s in o["skipped"]:
             assert s["reason"] in ("superseded", "no_cache_space") or s["reason"].startswith("skipped by rank")
@@ -91,6 +96,30 @@ def test_wait_policy_commits_every_checkpoint(tmp_path):
     _check_committed(tmp_path / "ckpt", committed)
 
 
+def test_a_new_save_supersedes_snapshots_queued_behind_a_full_cache(make_engine, fault, tmp_path):
+    gate = threading.Event()
+    fault(lambda level, path, offset, nbytes: gate.wait(30) if path.endswith(".safetensors") else None)
+    engine = make_engine(**TINY, overload_policy="supersede")
+    big = {"w": torch.arange(60_000, dtype=torch.float32)}  # ~240 KB through a ~100 KB cache: it starves
+    engine.save(big, "A", version=1)
+    engine.commit("A")
+    deadline = time.monotonic() + 30
+    while engine.scheduler.starved is None:  # the copy of A now waits for the stuck writer
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    small = {"w": torch.ones(100)}
+    engine.save(small, "B", version=2)  # no wait_snapshot in between: A is replaced, not waited for
+    engine.commit("B")
+    gate.set()
+    engine.wait_snapshot()
+    engine.wait_persisted()
+    assert committed_names(tmp_path / "ckpt") == ["B"]
+    skipped = [r for r in engine.telemetry.records if r["event"] == "skipped"]
+    assert [(r["checkpoint"], r["reason"], r["superseded_by"]) for r in skipped] == [("A", "superseded", "B")]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "A").iterdir()) == [".reports"]
+    assert_same(engine.load("B"), small)
+
+
 def test_overload_configuration_errors():
     with pytest.raises(ConfigError, match="overload_policy must be one of"):
         EngineConfig.from_dict({"overload_policy": "drop"})
@@ -104,4 +133,4 @@ def test_overload_configuration_errors():
 def test_age_bound_needs_versions(make_engine):
     engine = make_engine(**TINY, overload_policy="supersede", max_durable_age=2)
     with pytest.raises(Exception, match="max_durable_age needs a version"):
-        engine.save({"w": __import__("torch").zeros(4)}, "A")
+        engine.save({"w": torch.zeros(4)}, "A")
