@@ -32,17 +32,6 @@ RUNS = {"wait": (2.0, "wait", False), "supersede": (2.0, "supersede", False),
         "supersede_small_cache": (0.5, "supersede", False), "supersede_small_cache_bounded": (0.5, "supersede", True)}
 
 
-def _throttle(directory: str, bytes_per_s: float):
-    """A write hook: writes under ``directory`` take at least nbytes / rate (a slow file system)."""
-    prefix = os.path.abspath(directory)
-
-    def hook(level: str, path: str, offset: int, nbytes: int) -> None:
-        if os.path.abspath(path).startswith(prefix):
-            time.sleep(nbytes / bytes_per_s)
-
-    return hook
-
-
 def _loop(state: dict[str, torch.Tensor], iters: int, compute_s: float, engine: CheckpointEngine | None) -> dict:
     """The training loop; returns the mean iteration time and the worst durable age."""
     ages = []
@@ -90,7 +79,7 @@ def run(size_mb: float = 64, iters: int = 20, compute_s: float = 0.2, flush_fact
     baseline = [_loop(state, iters, compute_s, None)["iter_s"]]
     max_age = int(2 * flush_factor)
     result["max_durable_age_bound"] = max_age
-    faults.arm(_throttle(base, rate))
+    faults.arm(faults.throttle(rate, base))
     try:
         for key, (cache_factor, policy, bound) in RUNS.items():
             cache_bytes = int(cache_factor * nbytes) + (8 << 20)

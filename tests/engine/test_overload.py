@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from megatron_ext.engine import CheckpointEngine, ConfigError, EngineConfig
+from megatron_ext.engine.inspect import describe
 from megatron_ext.engine.verify import verify_root
 
 from engine_testlib import FAST, HERE, REPO, TINY, assert_same, child_env, committed_names, free_port
@@ -73,6 +74,8 @@ def test_supersede_never_waits_for_the_flush_and_commits_only_complete_checkpoin
         assert any(n.endswith(".skipped.json") for n in reports), (name, reports)
         data = [p.name for p in (root / name).iterdir() if p.name != ".reports"]
         assert data == [], (name, data)  # partly written files were removed
+    rows = {r["checkpoint"]: r for r in describe(str(root))}
+    assert all(rows[name]["skip_reports"] >= 1 and not rows[name]["committed"] for name in skipped)
     _check_committed(root, committed)
 
 
