@@ -117,10 +117,8 @@ def read_skip_report(reports_dir: str, run_id: str) -> dict | None:
 def _raise_peer_skip(reports_dir: str, run_id: str, checkpoint: str) -> None:
     detail = read_skip_report(reports_dir, run_id)
     if detail is not None:
-        exc = CheckpointSkipped(f"checkpoint {checkpoint} skipped by rank {detail.get('rank')}: "
-                                f"{detail.get('reason')}")
-        exc.detail = detail
-        raise exc
+        raise CheckpointSkipped(f"checkpoint {checkpoint} skipped by rank {detail.get('rank')}: "
+                                f"{detail.get('reason')}", detail)
 
 
 class Committer:

@@ -405,30 +405,46 @@ class CheckpointEngine:
             self._newest_durable = version
 
     def _skip(self, job: CheckpointJob, reason: str, superseded_by: CheckpointJob | None = None,
-              unstarted_only: bool = False, peer: dict | None = None) -> bool:
-        """Abandon ``job`` on this rank (never committed, files removed); False if too late for that.
+              unstarted_only: bool = False) -> bool:
+        """Decide here to abandon ``job`` (never committed, files removed); False if too late for that.
 
-        A skip decided here is allowed only before this rank reported the checkpoint; it leaves a
-        skip report that makes every other rank abandon it too. ``peer`` is another rank's skip
-        report: then the checkpoint is dropped here whatever its state, short of committed.
+        Allowed only before this rank reported the checkpoint (and, with ``unstarted_only``,
+        before its flush started); the skip report then makes every other rank abandon it too.
         """
         with self._state_lock:
-            if job.abandoned or job.committed.is_set() or (peer is None and job.reported):
+            if job.reported or (unstarted_only and any(f.flush_started for f in job.files)):
                 return False
-            if unstarted_only and any(f.flush_started for f in job.files):
+            info = {"reason": reason, "by_rank": self.rank,
+                    "superseded_by": superseded_by.checkpoint if superseded_by else None,
+                    "superseded_by_version": superseded_by.version if superseded_by else None}
+            if not self._mark_skipped(job, info):
                 return False
-            if peer is None:
-                job.skipped = {"reason": reason, "by_rank": self.rank,
-                               "superseded_by": superseded_by.checkpoint if superseded_by else None,
-                               "superseded_by_version": superseded_by.version if superseded_by else None}
-            else:
-                job.skipped = {"reason": f"skipped by rank {peer.get('rank')}: {peer.get('reason')}",
-                               "by_rank": peer.get("rank"), "superseded_by": peer.get("superseded_by"),
-                               "superseded_by_version": peer.get("superseded_by_version")}
+        self._after_skip(job)
+        return True
+
+    def _skip_for_peer(self, job: CheckpointJob, report: dict) -> None:
+        """Another rank's skip report names ``job``: abandon it here too, whatever its state short of committed."""
+        info = {"reason": f"skipped by rank {report.get('rank')}: {report.get('reason')}",
+                "by_rank": report.get("rank"), "superseded_by": report.get("superseded_by"),
+                "superseded_by_version": report.get("superseded_by_version")}
+        with self._state_lock:
+            if not self._mark_skipped(job, info):
+                return
+        self._after_skip(job)
+
+    @staticmethod
+    def _mark_skipped(job: CheckpointJob, info: dict) -> bool:
+        """Under the state lock: record the skip unless the checkpoint is already settled."""
+        if job.abandoned or job.committed.is_set():
+            return False
+        job.skipped = info
+        return True
+
+    def _after_skip(self, job: CheckpointJob) -> None:
+        """Telemetry, then the skip report and file removal once no copy of it is left in progress."""
         self.telemetry.emit("skipped", job.checkpoint, "all", job.nbytes, version=job.version, **job.skipped)
         self._settle_skipped(job)
         self.committer.poke()
-        return True
 
     def _settle_skipped(self, job: CheckpointJob) -> None:
         """Once the scheduler is done with every file of a skipped checkpoint: tell the peers, drop its files.
@@ -474,7 +490,7 @@ class CheckpointEngine:
 
     def _abandon_for_peer(self, job: CheckpointJob, exc: CheckpointSkipped) -> None:
         """Committer thread: another rank skipped ``job``; drop it here as well."""
-        self._skip(job, "", peer=getattr(exc, "detail", {}))
+        self._skip_for_peer(job, exc.report)
 
     def _before_superseding_save(self) -> None:
         """Drop in-flight checkpoints another rank skipped, so their flush does not delay newer ones."""
@@ -482,7 +498,7 @@ class CheckpointEngine:
             if not job.abandoned and not job.committed.is_set():
                 detail = read_skip_report(os.path.join(job.root, job.checkpoint, REPORTS), self.run_id)
                 if detail is not None:
-                    self._skip(job, "", peer=detail)
+                    self._skip_for_peer(job, detail)
 
     def _emit_chunk(self, chunk: Chunk) -> None:
         self.writer.submit(chunk)

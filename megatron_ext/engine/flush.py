@@ -46,7 +46,7 @@ class RankWriter:
     def __init__(self, cache: HostCache, level: str, level_root: Callable[[FileJob], str], o_direct,
                  on_durable: Callable[[FileJob, str], None], fail: Callable[..., bool],
                  state_lock: threading.Lock | None = None,
-                 on_discarded: Callable[[CheckpointJob], None] = lambda job: None):
+                 on_discarded: Callable[[Discard], None] = lambda item: None):
         self.cache = cache
         # Shared with whoever skips checkpoints: a flush starts, or its checkpoint is skipped, never both.
         self.state_lock = state_lock or threading.Lock()
@@ -142,7 +142,7 @@ class RankWriter:
                 if partial is not None:
                     partial.abort()
                 remove_files(self.level_root(f), f)
-            self.on_discarded(job)
+            self.on_discarded(item)  # the next level removes its copies after its own in-flight ones
         except BaseException as exc:
             if self.fail(exc, job):
                 self._failed.set()

@@ -23,6 +23,10 @@ class CheckpointError(RuntimeError):
 class CheckpointSkipped(CheckpointError):
     """A rank skipped this checkpoint under ``overload_policy="supersede"``: abandon it, not an error."""
 
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report  # the skip report that rank wrote
+
 
 @dataclasses.dataclass(eq=False)
 class FileJob:
