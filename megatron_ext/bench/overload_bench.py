@@ -1,12 +1,12 @@
 """``megatron-ext bench overload``: checkpointing every iteration onto storage too slow to keep up.
 
 One process runs the same training-like loop (compute, ``wait_snapshot``, in-place optimizer
-step, save + commit) four times against a throttled writer (a fault-hook that limits the write
-rate so one checkpoint's flush takes ``flush_factor`` iterations): without checkpoints (the
-baseline, run first and last since the machine's speed drifts), with ``overload_policy="wait"``,
-with "supersede", and twice through a host cache smaller than one checkpoint: "supersede" alone and
-with ``max_durable_age``. It reports the mean iteration time and the largest age, in iterations,
-of the newest committed checkpoint seen at the end of any iteration.
+step, save + commit) without checkpoints (the baseline, first and last since the machine's speed
+drifts) and with a checkpoint every iteration through a throttled writer (a fault hook that limits
+the write rate so one checkpoint's flush takes ``flush_factor`` iterations): with
+``overload_policy="wait"``, with "supersede", and twice through a host cache smaller than one
+checkpoint: "supersede" alone and with ``max_durable_age``. It reports the mean iteration time and
+the largest age, in iterations, of the newest committed checkpoint seen at the end of any iteration.
 """
 
 from __future__ import annotations

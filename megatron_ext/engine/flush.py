@@ -75,7 +75,7 @@ class RankWriter:
     def submit(self, item: Chunk | Discard) -> None:
         self._hash_queue.put(item)
 
-    def take_back(self, job: CheckpointJob) -> int:
+    def take_back(self, job: CheckpointJob) -> None:
         """Pull a skipped checkpoint's queued chunks out of the pipeline and free their slots now."""
         slots = []
         for q in (self._hash_queue, self._write_queue):
@@ -88,7 +88,6 @@ class RankWriter:
             slots += [c.slot for c in mine]
         for slot in slots:
             self.cache.release(slot)
-        return len(slots)
 
     def stop(self, timeout: float) -> None:
         self._hash_queue.put(None)

@@ -5,6 +5,10 @@ then tensors) into chunks of the cache's slot size, waits for a free slot (backp
 and hands the filled slot to the flusher at once, so writing starts with the first chunk rather
 than after the whole snapshot. When a file's last chunk is copied its tensors are released and
 ``snapshot_done`` is set; ``wait_snapshot`` waits on those events.
+
+Under ``overload_policy="supersede"`` a copy that finds the cache full first lets the engine drop
+older checkpoints whose flush has not started, and a copy whose checkpoint was skipped meanwhile
+stops at its next slot, releases the tensors, and the engine sends a ``Discard`` behind its chunks.
 """
 
 from __future__ import annotations

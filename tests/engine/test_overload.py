@@ -82,7 +82,7 @@ def test_supersede_never_waits_for_the_flush_and_commits_only_complete_checkpoin
 @pytest.mark.multiproc
 def test_durable_age_bound_forces_waits(tmp_path):
     age = 3
-    outcomes, committed = _run(tmp_path, "supersede", 20, str(age))
+    outcomes, committed = _run(tmp_path, "supersede", 14, str(age))
     assert all(o["age_bound_waits"] > 0 and o["backpressure_waits"] > 0 for o in outcomes), outcomes
     versions = [0] + [int(n.split("_")[1]) for n in committed]
     gaps = [b - a for a, b in zip(versions, versions[1:])]
@@ -92,7 +92,7 @@ def test_durable_age_bound_forces_waits(tmp_path):
 
 @pytest.mark.multiproc
 def test_wait_policy_commits_every_checkpoint(tmp_path):
-    iters = 8
+    iters = 6
     outcomes, committed = _run(tmp_path, "wait", iters)
     assert committed == [f"it_{i:04d}" for i in range(1, iters + 1)]
     assert all(o["skipped"] == [] and o["backpressure_waits"] > 0 for o in outcomes), outcomes
@@ -142,3 +142,15 @@ def test_age_bound_needs_versions(make_engine):
     engine = make_engine(**TINY, overload_policy="supersede", max_durable_age=2)
     with pytest.raises(Exception, match="max_durable_age needs a version"):
         engine.save({"w": torch.zeros(4)}, "A")
+
+
+def test_bench_overload_reports_wait_versus_supersede(tmp_path):
+    from megatron_ext.bench import overload_bench
+
+    r = overload_bench.run(size_mb=4, iters=6, compute_s=0.05, directory=str(tmp_path / "bench"))
+    for key in ("iter_s_wait", "iter_s_supersede", "iter_s_baseline", "max_durable_age_iters_supersede",
+                "max_durable_age_iters_wait"):
+        assert r[key] is not None and r[key] >= 0, key
+    assert r["committed_wait"] == 6 and r["skipped_wait"] == 0
+    assert r["backpressure_waits_supersede"] == 0 and r["committed_supersede"] + r["skipped_supersede"] == 6
+    json.dumps(r)  # what --json prints
