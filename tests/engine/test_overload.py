@@ -154,3 +154,41 @@ def test_bench_overload_reports_wait_versus_supersede(tmp_path):
     assert r["committed_wait"] == 6 and r["skipped_wait"] == 0
     assert r["backpressure_waits_supersede"] == 0 and r["committed_supersede"] + r["skipped_supersede"] == 6
     json.dumps(r)  # what --json prints
+
+
+def test_rank_zero_abandons_a_checkpoint_a_peer_skipped_after_reporting_its_own(tmp_path, fault):
+    """Rank 0 flushed and reported A, rank 1 skips A: rank 0 stops waiting, removes its files, commits B."""
+    gate = threading.Event()
+    fault(lambda level, path, offset, nbytes: gate.wait(30) if "rank00001" in path else None)
+    cfg = {"save_dir": str(tmp_path / "ckpt"), **TINY, **FAST, "overload_policy": "supersede"}
+    ranks = [CheckpointEngine(cfg, rank=r, world_size=2, run_id="0123456789ab") for r in (0, 1)]
+    try:
+        ranks[0].save({"w": torch.ones(100)}, "A", version=1)
+        ranks[0].commit("A")
+        report0 = tmp_path / "ckpt" / "A" / ".reports" / "rank-00000.0123456789ab.json"
+        deadline = time.monotonic() + 30
+        while not report0.exists():  # rank 0 is now waiting for rank 1's report
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        ranks[1].save({"w": torch.arange(60_000, dtype=torch.float32)}, "A", version=1)  # starves: stuck writer
+        ranks[1].commit("A")
+        while ranks[1].scheduler.starved is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        ranks[1].wait_snapshot()  # skips A instead of waiting for the writer
+        ranks[0].wait_persisted("A")  # returns: A is abandoned, not an error
+        gate.set()
+        for r, engine in enumerate(ranks):
+            engine.save({"w": torch.full((50,), float(r))}, "B", version=2)
+            engine.commit("B")
+        for engine in ranks:
+            engine.shutdown()
+    finally:
+        gate.set()
+        for engine in ranks:
+            engine.shutdown(timeout=10)
+    assert committed_names(tmp_path / "ckpt") == ["B"]
+    assert [p.name for p in (tmp_path / "ckpt" / "A").iterdir() if p.name != ".reports"] == []
+    mine = [r for r in ranks[0].telemetry.records if r["event"] == "skipped"]
+    assert [(r["checkpoint"], r["reason"]) for r in mine] == [("A", "skipped by rank 1: no_cache_space")]
+    assert ranks[0].backpressure_waits == ranks[1].backpressure_waits == 0
