@@ -69,6 +69,24 @@ def _bench_deepspeed(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _bench_overload(sub) -> None:
+    p = sub.add_parser("overload", help="a checkpoint every iteration on a throttled writer: wait vs supersede")
+    p.add_argument("--size-mb", type=float, default=64, help="checkpoint size in MB (default 64)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--compute-s", type=float, default=0.2, help="compute per iteration in seconds (default 0.2)")
+    p.add_argument("--flush-factor", type=float, default=3.0,
+                   help="the throttle makes one checkpoint's flush take this many iterations (default 3)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
+
+    def run(args) -> int:
+        from megatron_ext.bench import overload_bench
+
+        return overload_bench.main(args)
+
+    p.set_defaults(func=run)
+
+
 def _demo(sub) -> None:
     p = sub.add_parser("demo", help="save every step of a toy training loop, then resume and check it")
     p.add_argument("--out", default="runs/demo", help="checkpoint directory (default runs/demo)")
@@ -206,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_restore(benches)
     _bench_train(benches)
     _bench_deepspeed(benches)
+    _bench_overload(benches)
     return parser
 
 

@@ -11,7 +11,10 @@
 3. The other ranks learn of the commit by seeing the manifest of their run appear.
 
 A failure on any rank writes ``rank-RRRRR.<run>.error.json``; every waiter polls for those and
-fails with the first one's message instead of waiting out its timeout. Every wait is bounded.
+fails with the first one's message instead of waiting out its timeout. A rank that skips a
+checkpoint under ``overload_policy="supersede"`` writes ``rank-RRRRR.<run>.skipped.json`` instead
+of its report (never both): every waiter then abandons that checkpoint, which is never committed,
+and the run goes on. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import time
 from typing import Callable
 
 from .files import atomic_write_json
-from .jobs import CheckpointError, CheckpointJob, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
+from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
 from .telemetry import Telemetry
 
 MANIFEST = "manifest.json"
@@ -36,6 +39,10 @@ _POLL_S = 0.02
 
 def report_name(rank: int, run_id: str, error: bool = False) -> str:
     return f"rank-{rank:05d}.{run_id}{'.error' if error else ''}.json"
+
+
+def skip_report_name(rank: int, run_id: str) -> str:
+    return f"rank-{rank:05d}.{run_id}.skipped.json"
 
 
 def read_manifest(checkpoint_dir: str) -> dict | None:
@@ -92,12 +99,35 @@ def _raise_peer_error(reports_dir: str, run_id: str, checkpoint: str) -> None:
             f"checkpoint {checkpoint} failed on rank {detail.get('rank')}: {detail.get('error')}")
 
 
+def read_skip_report(reports_dir: str, run_id: str) -> dict | None:
+    """The first skip report of ``run_id`` in a checkpoint's reports directory, or None."""
+    try:
+        skips = sorted(n for n in os.listdir(reports_dir) if n.endswith(f".{run_id}.skipped.json"))
+    except FileNotFoundError:
+        return None
+    if not skips:
+        return None
+    try:
+        with open(os.path.join(reports_dir, skips[0]), encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {"rank": skips[0], "reason": "unreadable skip report"}
+
+
+def _raise_peer_skip(reports_dir: str, run_id: str, checkpoint: str) -> None:
+    detail = read_skip_report(reports_dir, run_id)
+    if detail is not None:
+        raise CheckpointSkipped(f"checkpoint {checkpoint} skipped by rank {detail.get('rank')}: "
+                                f"{detail.get('reason')}", detail)
+
+
 class Committer:
     """Background thread: rank reports, and on rank 0 the manifest; in the order checkpoints get ready."""
 
     def __init__(self, rank: int, world_size: int, run_id: str, local_root: Callable[[CheckpointJob], str | None],
                  telemetry: Telemetry, timeout_s: float, fail: Callable[..., bool],
-                 check: Callable[[], None]):
+                 check: Callable[[], None], state_lock: threading.Lock | None = None,
+                 abandon: Callable[[CheckpointJob, CheckpointSkipped], None] = lambda job, exc: None):
         self.rank = rank
         self.world_size = world_size
         self.run_id = run_id
@@ -106,6 +136,8 @@ class Committer:
         self.timeout_s = timeout_s
         self.fail = fail
         self.check = check
+        self.state_lock = state_lock or threading.Lock()  # shared with whoever skips checkpoints
+        self.abandon = abandon  # a peer skipped the checkpoint: drop it here too
         self._cond = threading.Condition()
         self._pending: list[CheckpointJob] = []
         self._stopping = False
@@ -131,7 +163,7 @@ class Committer:
         with self._cond:
             while True:
                 for job in list(self._pending):
-                    if job.error is not None:  # abandoned after a failure the engine survives
+                    if job.abandoned:  # failed (and the engine survives) or skipped under overload
                         self._pending.remove(job)
                         job.committed.set()
                         continue
@@ -156,6 +188,9 @@ class Committer:
                 return
             try:
                 self._commit(job)
+            except CheckpointSkipped as exc:
+                self.abandon(job, exc)
+                job.committed.set()
             except BaseException as exc:
                 fatal = self.fail(exc, job)
                 job.committed.set()  # waiters wake up and see the error
@@ -165,6 +200,11 @@ class Committer:
     def _commit(self, job: CheckpointJob) -> None:
         ckpt_dir = os.path.join(job.root, job.checkpoint)
         reports_dir = os.path.join(ckpt_dir, REPORTS)
+        with self.state_lock:
+            if job.abandoned:  # skipped while it waited here: it will not be committed
+                job.committed.set()
+                return
+            job.reported = True
         report = {
             "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": self.run_id,
             "rank": self.rank, "world_size": self.world_size, "checkpoint": job.checkpoint,
@@ -209,6 +249,7 @@ class Committer:
     def _wait(self, what: str, ready: Callable[[], bool], reports_dir: str, checkpoint: str) -> None:
         deadline = time.monotonic() + self.timeout_s
         while not ready():
+            _raise_peer_skip(reports_dir, self.run_id, checkpoint)
             _raise_peer_error(reports_dir, self.run_id, checkpoint)
             self.check()
             if time.monotonic() > deadline:

@@ -20,6 +20,11 @@ MIB = 1 << 20
 # meaning here, ignored.
 _DEEPSPEED_COMPAT_KEYS = {"parser_threads"}
 
+#: What a save does when the host cache is full of checkpoints still flushing (see ``overload_policy``).
+OVERLOAD_WAIT = "wait"
+OVERLOAD_SUPERSEDE = "supersede"
+OVERLOAD_POLICIES = (OVERLOAD_WAIT, OVERLOAD_SUPERSEDE)
+
 
 class ConfigError(ValueError):
     """A bad engine configuration, reported before any checkpoint is taken."""
@@ -49,6 +54,14 @@ class EngineConfig:
     #: After a failed flush or commit: "stop" (every later engine call raises it) or "continue"
     #: (that checkpoint is abandoned, reported in the log and telemetry; training goes on).
     on_failure: str = "stop"
+    #: When a snapshot finds the host cache full because earlier checkpoints are still flushing:
+    #: "wait" (backpressure: training waits for the flush) or "supersede" (pending checkpoints that
+    #: have not started flushing are dropped for the newer one, and a snapshot still waiting for
+    #: cache space when ``wait_snapshot`` is called is abandoned; training never waits for a flush).
+    overload_policy: str = "wait"
+    #: With "supersede": if the newest checkpoint committed in this run is more than this many
+    #: versions older than a new save, that save waits instead (None: no bound).
+    max_durable_age: int | None = None
     #: Retention: keep the newest ``keep_last`` committed checkpoints (None keeps all) ...
     keep_last: int | None = None
     #: ... plus those whose version is a multiple of ``keep_every``.
@@ -110,6 +123,11 @@ class EngineConfig:
             raise ConfigError(f"object_modules must be a list of module prefixes, got {self.object_modules!r}")
         if self.on_failure not in ("stop", "continue"):
             raise ConfigError(f"on_failure must be \"stop\" or \"continue\", got {self.on_failure!r}")
+        if self.overload_policy not in OVERLOAD_POLICIES:
+            raise ConfigError(f"overload_policy must be one of {list(OVERLOAD_POLICIES)}, got {self.overload_policy!r}")
+        age = self.max_durable_age
+        if age is not None and (isinstance(age, bool) or not isinstance(age, int) or age < 0):
+            raise ConfigError(f"max_durable_age must be a whole number >= 0 (versions), got {age!r}")
         for name in ("keep_last", "keep_every"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):

@@ -25,14 +25,15 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import codec, layout as file_layout, restore, retention
-from .commit import Committer, list_committed, read_manifest, report_name, REPORTS
-from .config import ConfigError, EngineConfig, check_writable_dir
+from .commit import (Committer, list_committed, read_manifest, read_skip_report, report_name, skip_report_name,
+                     REPORTS)
+from .config import ConfigError, EngineConfig, OVERLOAD_SUPERSEDE, OVERLOAD_WAIT, check_writable_dir
 from .copier import make_copier
 from .files import atomic_write_json
 from .flush import LevelStager, RankWriter
 from .host_cache import HostCache
-from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_SHARED
-from .snapshot import Chunk, SnapshotScheduler
+from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, FileJob, LEVEL_LOCAL, LEVEL_SHARED
+from .snapshot import Chunk, Discard, SnapshotScheduler
 from .telemetry import Telemetry
 
 _POLL_S = 0.05
@@ -78,7 +79,7 @@ class CheckpointEngine:
             # Before the run id is agreed (a collective): no rank can have written anything yet.
             removed = retention.remove_partial(self.config.save_dir)
             if removed:
-                log.warning("[datastates] removed %d uncommitted checkpoint(s) left by a crash: %s",
+                log.warning("[datastates] removed %d uncommitted checkpoint(s) left by a crash or skipped: %s",
                             len(removed), ", ".join(sorted(removed)))
         self.run_id = run_id or _agree_run_id(self.world_size)
         self.use_cuda = torch.cuda.is_available()
@@ -91,6 +92,15 @@ class CheckpointEngine:
         self.last_load_level: str | None = None
         self.blocked_total_s = 0.0  # all time the caller spent in save() and wait_snapshot()
         self.wait_total_s = 0.0  # the wait_snapshot() part of it
+        # Overload (see wait_snapshot): calls of wait_snapshot that waited for the flush to free
+        # cache space, and how long; saves the durable-age bound turned from supersede to wait.
+        self.backpressure_waits = 0
+        self.backpressure_wait_s = 0.0
+        self.age_bound_waits = 0
+        self._newest_durable: int | None = None  # newest version committed in this run
+        self._first_version: int | None = None
+        # Guards the moves of a checkpoint that exclude each other: flush started, reported, skipped.
+        self._state_lock = threading.Lock()
 
         tele_path = self.config.telemetry_path
         if tele_path is None and self.config.save_dir is not None:
@@ -101,17 +111,20 @@ class CheckpointEngine:
         local = self.config.local_dir
         self.committer = Committer(self.rank, self.world_size, self.run_id,
                                    (lambda job: local) if local else (lambda job: None),
-                                   self.telemetry, self.config.persist_timeout_s, self._fail, self._raise_if_failed)
+                                   self.telemetry, self.config.persist_timeout_s, self._fail, self._raise_if_failed,
+                                   self._state_lock, self._abandon_for_peer)
         self.stager = None
         if local:
             self.stager = LevelStager(lambda job: local, lambda job: job.checkpoint.root,
                                       self.cache.chunk_bytes, self.config.o_direct, self._on_durable, self._fail)
         self.writer = RankWriter(self.cache, LEVEL_LOCAL if local else LEVEL_SHARED,
                                  (lambda job: local) if local else (lambda job: job.checkpoint.root),
-                                 self.config.o_direct, self._on_durable, self._fail)
+                                 self.config.o_direct, self._on_durable, self._fail, self._state_lock,
+                                 self.stager.submit if self.stager is not None else (lambda job: None))
         self.deleter = retention.Deleter() if self.config.keep_last is not None else None
         self.scheduler = SnapshotScheduler(self.cache, make_copier(self.use_cuda), self._emit_chunk, self._fail,
-                                           self._raise_if_failed, self.config.persist_timeout_s)
+                                           self._raise_if_failed, self.config.persist_timeout_s,
+                                           self._supersede_older, self._settle_skipped)
         _live_engines.add(self)
 
     # ------------------------------------------------------------------ saving
@@ -143,6 +156,7 @@ class CheckpointEngine:
             raise CheckpointError(f"checkpoint {checkpoint} already has a file named {name!r}")
         if job is not None and job.version != version:
             raise CheckpointError(f"checkpoint {checkpoint}: version {version} differs from {job.version}")
+        policy = self._overload_policy_for(version) if job is None else job.policy
 
         # Everything that can refuse the state runs before the checkpoint is registered.
         encoder = codec.Encoder(pickle_fallback=self.config.pickle_fallback,
@@ -153,7 +167,15 @@ class CheckpointEngine:
         plan = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name,
                                                   "rank": str(self.rank), "run_id": self.run_id})
         if job is None:
-            job = CheckpointJob(checkpoint=checkpoint, root=root, version=version)
+            if policy == OVERLOAD_SUPERSEDE:
+                self._before_superseding_save()
+            if self._first_version is None:
+                self._first_version = version
+            job = CheckpointJob(checkpoint=checkpoint, root=root, version=version, policy=policy)
+            if policy == OVERLOAD_SUPERSEDE:
+                self._supersede_queued(job)
+            if policy == OVERLOAD_WAIT and self.config.overload_policy == OVERLOAD_SUPERSEDE:
+                self.age_bound_waits += 1
             self._checkpoints[(root, checkpoint)] = job
             self.committer.track(job)
         base = f"{checkpoint}/{name}.{self.run_id}"
@@ -184,6 +206,7 @@ class CheckpointEngine:
             job = CheckpointJob(checkpoint=checkpoint, root=root, version=None)
             self._checkpoints[(root, checkpoint)] = job
             self.committer.track(job)
+        job.on_committed.append(self._note_durable)
         if on_committed is not None:
             job.on_committed.append(on_committed)
         if self.deleter is not None:
@@ -200,12 +223,39 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------ waiting
     def wait_snapshot(self, timeout: float | None = None) -> float:
-        """Block until every pending save is in the host cache; returns the seconds blocked."""
+        """Block until every pending save is in the host cache (or skipped); returns the seconds blocked.
+
+        Under ``overload_policy="wait"`` this may wait for the flush to free cache space
+        (backpressure, counted in ``backpressure_waits``). Under "supersede" it waits only for
+        copies that have cache space (memory speed): a snapshot found waiting for space is
+        abandoned instead, its checkpoint skipped on every rank.
+        """
         started = time.monotonic()
         timeout = self.config.snapshot_timeout_s if timeout is None else timeout
         pending = [f for f in self._files if not f.snapshot_done.is_set()]
+        progress = self.scheduler.progress
+        waited_for_flush = False
         for fjob in pending:
-            self._wait_event(fjob.snapshot_done, started + timeout, f"snapshot of {fjob.checkpoint.checkpoint}")
+            what = f"snapshot of {fjob.checkpoint.checkpoint}"
+            while True:
+                progress.clear()
+                if fjob.snapshot_done.is_set():
+                    break
+                self._raise_if_failed()
+                if time.monotonic() > started + timeout:
+                    raise CheckpointError(f"{what} did not finish in time (timeout)")
+                starved = self.scheduler.starved is fjob
+                if starved and fjob.checkpoint.policy == OVERLOAD_SUPERSEDE:
+                    self._skip(fjob.checkpoint, "no_cache_space")
+                    self.cache.wake()  # the copy gives up at once and releases the tensors
+                    fjob.snapshot_done.wait(_POLL_S)
+                    continue
+                t0 = time.monotonic()
+                progress.wait(_POLL_S)
+                if starved:
+                    waited_for_flush = True
+                    self.backpressure_wait_s += time.monotonic() - t0
+        self.backpressure_waits += waited_for_flush
         self._raise_if_failed()
         blocked = time.monotonic() - started
         self.blocked_total_s += blocked
@@ -231,7 +281,7 @@ class CheckpointEngine:
             if job.commit_requested:
                 self._wait_event(job.committed, deadline, f"commit of {job.checkpoint}")
             else:
-                while not job.durable_on(LEVEL_SHARED) and job.error is None:
+                while not job.durable_on(LEVEL_SHARED) and not job.abandoned:
                     self._raise_if_failed()
                     if time.monotonic() > deadline:
                         raise CheckpointError(f"flush of {job.checkpoint} did not finish in time")
@@ -337,6 +387,11 @@ class CheckpointEngine:
                 traceback.print_exc()
 
     # ------------------------------------------------------------------ internals
+    @property
+    def newest_durable_version(self) -> int | None:
+        """Version of the newest checkpoint committed in this run (what ``max_durable_age`` measures from)."""
+        return self._newest_durable
+
     def _root(self, root: str | None) -> str:
         root = root or self.config.save_dir
         if root is None:
@@ -360,6 +415,118 @@ class CheckpointEngine:
                 self.deleter.submit(os.path.join(root, name))
             if self.config.local_dir:
                 self.deleter.submit(os.path.join(self.config.local_dir, name))
+
+    # ------------------------------------------------------------------ overload (supersede)
+    def _overload_policy_for(self, version: int | None) -> str:
+        """This new checkpoint's policy: the configured one, unless the durable-age bound forces a wait."""
+        if self.config.overload_policy != OVERLOAD_SUPERSEDE or self.config.max_durable_age is None:
+            return self.config.overload_policy
+        if version is None:
+            raise CheckpointError("max_durable_age needs a version on every save (pass version=)")
+        first = version if self._first_version is None else self._first_version
+        newest = self._newest_durable if self._newest_durable is not None else first - 1
+        return OVERLOAD_WAIT if version - newest > self.config.max_durable_age else OVERLOAD_SUPERSEDE
+
+    def _note_durable(self, manifest: dict) -> None:
+        version = manifest.get("version")
+        if version is not None and (self._newest_durable is None or version > self._newest_durable):
+            self._newest_durable = version
+
+    def _skip(self, job: CheckpointJob, reason: str, superseded_by: CheckpointJob | None = None,
+              unstarted_only: bool = False) -> bool:
+        """Decide here to abandon ``job`` (never committed, files removed); False if too late for that.
+
+        Allowed only before this rank reported the checkpoint (and, with ``unstarted_only``,
+        before its flush started); the skip report then makes every other rank abandon it too.
+        """
+        with self._state_lock:
+            if job.reported or (unstarted_only and any(f.flush_started for f in job.files)):
+                return False
+            info = {"reason": reason, "by_rank": self.rank,
+                    "superseded_by": superseded_by.checkpoint if superseded_by else None,
+                    "superseded_by_version": superseded_by.version if superseded_by else None}
+            if not self._mark_skipped(job, info):
+                return False
+        self._after_skip(job)
+        return True
+
+    def _skip_for_peer(self, job: CheckpointJob, report: dict) -> None:
+        """Another rank's skip report names ``job``: abandon it here too, whatever its state short of committed."""
+        info = {"reason": f"skipped by rank {report.get('rank')}: {report.get('reason')}",
+                "by_rank": report.get("rank"), "superseded_by": report.get("superseded_by"),
+                "superseded_by_version": report.get("superseded_by_version")}
+        with self._state_lock:
+            if not self._mark_skipped(job, info):
+                return
+        self._after_skip(job)
+
+    @staticmethod
+    def _mark_skipped(job: CheckpointJob, info: dict) -> bool:
+        """Under the state lock: record the skip unless the checkpoint is already settled."""
+        if job.abandoned or job.committed.is_set():
+            return False
+        job.skipped = info
+        return True
+
+    def _after_skip(self, job: CheckpointJob) -> None:
+        """Telemetry, then the skip report and file removal once no copy of it is left in progress."""
+        self.telemetry.emit("skipped", job.checkpoint, "all", job.nbytes, version=job.version, **job.skipped)
+        self._settle_skipped(job)
+        self.committer.poke()
+
+    def _settle_skipped(self, job: CheckpointJob) -> None:
+        """Once the scheduler is done with every file of a skipped checkpoint: tell the peers, drop its files.
+
+        Runs on the snapshot thread (or the thread that skipped it, when all its copies were
+        done), so the skip report never costs the training thread a file write.
+        """
+        if job.skipped is None or not all(f.snapshot_done.is_set() for f in job.files):
+            return
+        with self._state_lock:
+            if job.discard_sent:
+                return
+            job.discard_sent = True
+        if job.skipped["by_rank"] == self.rank:
+            reports = os.path.join(job.root, job.checkpoint, REPORTS)
+            os.makedirs(reports, exist_ok=True)
+            atomic_write_json(os.path.join(reports, skip_report_name(self.rank, self.run_id)),
+                              {"rank": self.rank, "run_id": self.run_id, "version": job.version, **job.skipped})
+        self.writer.submit(Discard(job))  # behind the checkpoint's last chunk: removes its files
+
+    def _supersede_older(self, newer: CheckpointJob) -> None:
+        """Snapshot thread, cache full: drop older checkpoints whose flush has not started."""
+        for job in list(self._checkpoints.values()):
+            if job is newer:
+                return
+            if job.committed.is_set() or not all(f.snapshot_done.is_set() for f in job.files):
+                continue
+            if self._skip(job, "superseded", superseded_by=newer, unstarted_only=True):
+                self.writer.take_back(job)
+
+    def _supersede_queued(self, newer: CheckpointJob) -> None:
+        """A new save while the snapshot thread waits for cache space: older snapshots not done are dropped.
+
+        They are queued behind the full cache (or are the copy waiting in it); the newer state
+        replaces them, so neither the copy thread nor a later ``wait_snapshot`` waits for them.
+        """
+        if self.scheduler.starved is None:
+            return
+        for job in list(self._checkpoints.values()):
+            if job is not newer and not all(f.snapshot_done.is_set() for f in job.files):
+                self._skip(job, "superseded", superseded_by=newer)
+        self.cache.wake()
+
+    def _abandon_for_peer(self, job: CheckpointJob, exc: CheckpointSkipped) -> None:
+        """Committer thread: another rank skipped ``job``; drop it here as well."""
+        self._skip_for_peer(job, exc.report)
+
+    def _before_superseding_save(self) -> None:
+        """Drop in-flight checkpoints another rank skipped, so their flush does not delay newer ones."""
+        for job in list(self._checkpoints.values()):
+            if not job.abandoned and not job.committed.is_set():
+                detail = read_skip_report(os.path.join(job.root, job.checkpoint, REPORTS), self.run_id)
+                if detail is not None:
+                    self._skip_for_peer(job, detail)
 
     def _emit_chunk(self, chunk: Chunk) -> None:
         self.writer.submit(chunk)

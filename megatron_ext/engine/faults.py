@@ -6,7 +6,9 @@ Production code pays one empty-list check per chunk. Tests arm a hook to raise `
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from typing import Callable
 
 WriteHook = Callable[[str, str, int, int], None]  # (level, path, offset, nbytes)
@@ -23,6 +25,17 @@ def arm(hook: WriteHook) -> None:
 def disarm_all() -> None:
     with _lock:
         _hooks.clear()
+
+
+def throttle(bytes_per_s: float, under: str | None = None) -> WriteHook:
+    """A hook for a slow file system: each write (under ``under``, if given) takes nbytes / rate longer."""
+    prefix = os.path.abspath(under) if under is not None else None
+
+    def hook(level: str, path: str, offset: int, nbytes: int) -> None:
+        if prefix is None or os.path.abspath(path).startswith(prefix):
+            time.sleep(nbytes / bytes_per_s)
+
+    return hook
 
 
 def before_write(level: str, path: str, offset: int, nbytes: int) -> None:

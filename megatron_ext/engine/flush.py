@@ -25,9 +25,9 @@ import xxhash
 from . import faults
 from .files import ChunkFile, fsync_dir, supports_o_direct, write_durable
 from .host_cache import HostCache
-from .jobs import CheckpointError, FileJob, LEVEL_LOCAL, LEVEL_SHARED
+from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_SHARED
 from .layout import round_up
-from .snapshot import Chunk
+from .snapshot import Chunk, Discard
 from .worker import QueueWorker
 
 
@@ -44,8 +44,13 @@ class RankWriter:
     """Two pipelined threads: one checksums chunk k+1 while the other writes chunk k."""
 
     def __init__(self, cache: HostCache, level: str, level_root: Callable[[FileJob], str], o_direct,
-                 on_durable: Callable[[FileJob, str], None], fail: Callable[..., bool]):
+                 on_durable: Callable[[FileJob, str], None], fail: Callable[..., bool],
+                 state_lock: threading.Lock | None = None,
+                 on_discarded: Callable[[Discard], None] = lambda item: None):
         self.cache = cache
+        # Shared with whoever skips checkpoints: a flush starts, or its checkpoint is skipped, never both.
+        self.state_lock = state_lock or threading.Lock()
+        self.on_discarded = on_discarded
         self.level = level
         self.level_root = level_root
         self.o_direct = o_direct
@@ -67,8 +72,22 @@ class RankWriter:
         for thread in self._threads:
             thread.start()
 
-    def submit(self, chunk: Chunk) -> None:
-        self._hash_queue.put(chunk)
+    def submit(self, item: Chunk | Discard) -> None:
+        self._hash_queue.put(item)
+
+    def take_back(self, job: CheckpointJob) -> None:
+        """Pull a skipped checkpoint's queued chunks out of the pipeline and free their slots now."""
+        slots = []
+        for q in (self._hash_queue, self._write_queue):
+            with q.mutex:
+                mine = [c for c in q.queue if isinstance(c, Chunk) and c.job.checkpoint is job]
+                if mine:
+                    keep = [c for c in q.queue if not (isinstance(c, Chunk) and c.job.checkpoint is job)]
+                    q.queue.clear()
+                    q.queue.extend(keep)
+            slots += [c.slot for c in mine]
+        for slot in slots:
+            self.cache.release(slot)
 
     def stop(self, timeout: float) -> None:
         self._hash_queue.put(None)
@@ -82,7 +101,14 @@ class RankWriter:
                 if forward is not None:
                     forward.put(None)
                 return
-            if self._failed.is_set() or id(chunk.job) in self._failed_jobs:
+            if isinstance(chunk, Discard):
+                self._discard(chunk, forward)
+                continue
+            with self.state_lock:
+                dropped = chunk.job.checkpoint.abandoned
+                if forward is None and not dropped:
+                    chunk.job.flush_started = True
+            if self._failed.is_set() or id(chunk.job) in self._failed_jobs or dropped:
                 self.cache.release(chunk.slot)  # keep freeing slots so nobody waits on a dead file
                 continue
             try:
@@ -100,6 +126,25 @@ class RankWriter:
                 continue
             if forward is not None:
                 forward.put(chunk)
+
+    def _discard(self, item: Discard, forward: "queue.Queue | None") -> None:
+        """Every earlier chunk of the skipped checkpoint has passed: drop its state, remove its files."""
+        job = item.checkpoint
+        if forward is not None:  # the checksum stage
+            for f in job.files:
+                self._hashing.pop(id(f), None)
+            forward.put(item)
+            return
+        try:
+            for f in job.files:
+                partial = self._files.pop(id(f), None)
+                if partial is not None:
+                    partial.abort()
+                remove_files(self.level_root(f), f)
+            self.on_discarded(item)  # the next level removes its copies after its own in-flight ones
+        except BaseException as exc:
+            if self.fail(exc, job):
+                self._failed.set()
 
     def _checksum(self, chunk: Chunk) -> None:
         job = chunk.job
@@ -170,8 +215,16 @@ class LevelStager(QueueWorker):
         self._failed = False
         self.start("datastates-stager")
 
-    def handle(self, job: FileJob) -> None:
-        if self._failed or job.checkpoint.error is not None:
+    def handle(self, job: FileJob | Discard) -> None:
+        if isinstance(job, Discard):
+            try:
+                for f in job.checkpoint.files:
+                    remove_files(self.local_root(f), f)
+                    remove_files(self.shared_root(f), f)
+            except BaseException as exc:
+                self._failed = self.fail(exc, job.checkpoint)
+            return
+        if self._failed or job.checkpoint.abandoned:
             return
         try:
             self._copy(job.tensor_rel, job, job.file_xxh3)
@@ -207,6 +260,15 @@ class LevelStager(QueueWorker):
         out.close(size)
         if expected is not None and digest.hexdigest() != expected:
             raise CheckpointError(f"checksum mismatch while staging {src_path} to the shared level")
+
+
+def remove_files(root: str, job: FileJob) -> None:
+    """Delete one saved file's tensor file and sidecar under a level's root, if present."""
+    for rel in (job.tensor_rel, job.sidecar_rel):
+        try:
+            os.unlink(os.path.join(root, rel))
+        except FileNotFoundError:
+            pass
 
 
 __all__ = ["RankWriter", "LevelStager", "LEVEL_LOCAL", "LEVEL_SHARED"]

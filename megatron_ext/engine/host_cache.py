@@ -80,10 +80,17 @@ class HostCache:
         self._buffer = None
         self._array = None
 
-    def acquire(self, timeout: float, check: Callable[[], None] = lambda: None) -> int:
-        """Take a free slot, waiting for flushes to release one (backpressure)."""
+    def acquire(self, timeout: float, check: Callable[[], None] = lambda: None,
+                on_wait: Callable[[], None] | None = None) -> int:
+        """Take a free slot, waiting for flushes to release one (backpressure).
+
+        ``on_wait`` runs once, under the cache's lock, when no slot is free and the wait begins;
+        ``check`` runs at every wake-up and may raise to give up.
+        """
         deadline = time.monotonic() + timeout
         with self._cond:
+            if not self._free and on_wait is not None:
+                on_wait()
             while not self._free:
                 if self._error is not None:
                     raise CacheError(f"host cache allocation failed: {self._error}") from self._error
@@ -95,6 +102,11 @@ class HostCache:
                     )
                 self._cond.wait(min(left, 0.5))
             return self._free.pop()
+
+    def wake(self) -> None:
+        """Make a waiting ``acquire`` run its ``check`` now (its caller's plans changed)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def release(self, slot: int) -> None:
         with self._cond:

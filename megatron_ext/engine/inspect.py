@@ -69,8 +69,9 @@ def describe(root: str, local_dir: str | None = None) -> list[dict]:
             row["levels"] = levels
         else:
             reports = os.listdir(os.path.join(path, REPORTS)) if os.path.isdir(os.path.join(path, REPORTS)) else []
-            row["rank_reports"] = len([r for r in reports if not r.endswith(".error.json")])
+            row["rank_reports"] = len([r for r in reports if not r.endswith((".error.json", ".skipped.json"))])
             row["error_reports"] = len([r for r in reports if r.endswith(".error.json")])
+            row["skip_reports"] = len([r for r in reports if r.endswith(".skipped.json")])
         rows.append(row)
     return rows
 
@@ -96,7 +97,8 @@ def format_rows(rows: list[dict]) -> str:
             state = "unreadable" if "error" in r else "uncommitted"
             lines.append(f"{r['checkpoint']:<20} {state:<12} {'-':>8} {r.get('rank_reports', 0):>5} "
                          f"{'-':>5} {r['bytes_on_disk'] / 1e6:>10.1f}  "
-                         f"{r.get('error_reports', 0)} error report(s)" if state == "uncommitted" else r["error"])
+                         f"{r.get('error_reports', 0)} error, {r.get('skip_reports', 0)} skip report(s)"
+                         if state == "uncommitted" else r["error"])
     committed = [r for r in rows if r["committed"]]
     lines.append(f"{len(committed)} committed, {len(rows) - len(committed)} not; newest committed: "
                  f"{max(committed, key=lambda r: (r['version'] or 0, r['committed_at'] or 0))['checkpoint'] if committed else 'none'}")

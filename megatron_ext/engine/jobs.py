@@ -20,6 +20,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be taken, persisted, committed or loaded."""
 
 
+class CheckpointSkipped(CheckpointError):
+    """A rank skipped this checkpoint under ``overload_policy="supersede"``: abandon it, not an error."""
+
+    def __init__(self, message: str, report: dict):
+        super().__init__(message)
+        self.report = report  # the skip report that rank wrote
+
+
 @dataclasses.dataclass(eq=False)
 class FileJob:
     """One ``save`` call: one safetensors file plus its sidecar, for one rank."""
@@ -39,6 +47,7 @@ class FileJob:
     sidecar_xxh3: str | None = None
     tensor_xxh3: dict[str, str] = dataclasses.field(default_factory=dict)
     snapshot_done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    flush_started: bool = False  # the writer took its first chunk; from then on it cannot be superseded
     # Temporaries that must outlive their asynchronous copies (CUDA .contiguous() results).
     keepalive: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
@@ -85,6 +94,17 @@ class CheckpointJob:
     blocked_s: float = 0.0  # time the training thread spent inside save/wait_snapshot for it
     error: BaseException | None = None  # set when abandoned under on_failure="continue"
     committed_at: float | None = None
+    #: "wait" or "supersede": what this checkpoint's snapshot does when the host cache is full.
+    policy: str = "wait"
+    #: Set when skipped under overload: {"reason", "superseded_by", "by_rank"}; never committed then.
+    skipped: dict | None = None
+    reported: bool = False  # this rank's report is written: a skip decided here is no longer allowed
+    discard_sent: bool = False  # the writer was told to remove this rank's files of it
+
+    @property
+    def abandoned(self) -> bool:
+        """Failed (``on_failure="continue"``) or skipped: it will not be committed."""
+        return self.error is not None or self.skipped is not None
 
     @property
     def nbytes(self) -> int:

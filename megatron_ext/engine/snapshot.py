@@ -5,17 +5,23 @@ then tensors) into chunks of the cache's slot size, waits for a free slot (backp
 and hands the filled slot to the flusher at once, so writing starts with the first chunk rather
 than after the whole snapshot. When a file's last chunk is copied its tensors are released and
 ``snapshot_done`` is set; ``wait_snapshot`` waits on those events.
+
+Under ``overload_policy="supersede"`` a copy that finds the cache full first lets the engine drop
+older checkpoints whose flush has not started, and a copy whose checkpoint was skipped meanwhile
+stops at its next slot, releases the tensors, and the engine sends a ``Discard`` behind its chunks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Callable
 
+from .config import OVERLOAD_SUPERSEDE
 from .copier import CpuCopier
 from .host_cache import HostCache
-from .jobs import FileJob
+from .jobs import CheckpointJob, FileJob
 from .worker import QueueWorker
 
 
@@ -32,15 +38,38 @@ class Chunk:
     ready: Callable[[], None]  # blocks until the slot's bytes are really there (CUDA event)
 
 
+@dataclasses.dataclass(eq=False)
+class Discard:
+    """Sent down the flush pipeline behind a skipped checkpoint's last chunk: remove its files."""
+
+    checkpoint: CheckpointJob
+
+
+class _Abandoned(Exception):
+    """The checkpoint of the file being copied was skipped: stop copying it."""
+
+
 class SnapshotScheduler(QueueWorker):
+    """Copies files into the cache in order; under "supersede" it never waits for the flush unasked.
+
+    ``starved`` is the file whose copy is waiting for a free slot right now (backpressure), or
+    None; ``progress`` is set whenever a snapshot finishes or starts waiting, for ``wait_snapshot``.
+    """
+
     def __init__(self, cache: HostCache, copier: CpuCopier, emit: Callable[[Chunk], None],
-                 fail: Callable[[BaseException], None], check: Callable[[], None], slot_timeout_s: float):
+                 fail: Callable[[BaseException], None], check: Callable[[], None], slot_timeout_s: float,
+                 supersede: Callable[[CheckpointJob], None] = lambda job: None,
+                 settled: Callable[[CheckpointJob], None] = lambda job: None):
         self.cache = cache
         self.copier = copier
         self.emit = emit
         self.fail = fail
         self.check = check
         self.slot_timeout_s = slot_timeout_s
+        self.supersede = supersede  # drop older pending checkpoints to make room for this one
+        self.settled = settled  # a skipped checkpoint's files are all handled here: discard it
+        self.starved: FileJob | None = None
+        self.progress = threading.Event()
         self._dead = False
         self.start("datastates-snapshot")
 
@@ -49,11 +78,49 @@ class SnapshotScheduler(QueueWorker):
             job.snapshot_done.set()
             return
         try:
+            if job.checkpoint.abandoned:
+                raise _Abandoned()
             self._copy_file(job)
+        except _Abandoned:
+            self.copier.finish()  # no copy may still read the caller's tensors after snapshot_done
+            self._release(job)
+            job.snapshot_done.set()
         except BaseException as exc:
             self._dead = True
             self.fail(exc, None)  # the copy path is shared by all checkpoints: always fatal
             job.snapshot_done.set()
+        self.progress.set()
+        if job.checkpoint.abandoned:
+            self.settled(job.checkpoint)
+
+    def _slot(self, job: FileJob) -> int:
+        """A free cache slot for ``job``'s next chunk; under "supersede", older pending checkpoints make room."""
+        ckpt = job.checkpoint
+        if ckpt.abandoned:
+            raise _Abandoned()
+        if ckpt.policy == OVERLOAD_SUPERSEDE and self.cache.free_slots == 0:
+            self.supersede(ckpt)
+
+        def check() -> None:
+            self.check()
+            if ckpt.abandoned:
+                raise _Abandoned()
+
+        def starving() -> None:
+            self.starved = job
+            self.progress.set()
+
+        try:
+            return self.cache.acquire(self.slot_timeout_s, check, starving)
+        finally:
+            self.starved = None
+
+    @staticmethod
+    def _release(job: FileJob) -> None:
+        """The checkpoint holds the values now, or never will: let the caller's tensors go."""
+        for s in job.layout.slots:
+            s.tensor = None
+        job.keepalive.clear()
 
     def _copy_file(self, job: FileJob) -> None:
         layout = job.layout
@@ -70,7 +137,7 @@ class SnapshotScheduler(QueueWorker):
         for index in range(count):
             start = index * chunk
             end = min(start + chunk, layout.size)
-            slot = self.cache.acquire(self.slot_timeout_s, self.check)
+            slot = self._slot(job)
             dst = self.cache.view(slot)
             if start < layout.data_start:
                 head = layout.header[start:min(end, layout.data_start)]
@@ -86,8 +153,6 @@ class SnapshotScheduler(QueueWorker):
                 k += 1
             self.emit(Chunk(job, index, index == count - 1, slot, start, end - start, self.copier.chunk_ready()))
         self.copier.finish()
-        for s in layout.slots:  # the checkpoint now holds the values; let the caller's tensors go
-            s.tensor = None
-        job.keepalive.clear()
+        self._release(job)
         job.snapshot_at = time.monotonic()
         job.snapshot_done.set()

@@ -40,6 +40,14 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--datastates-keep-every", type=int, default=None, metavar="M",
                        help="With --datastates-keep-last, also keep every checkpoint whose iteration is a "
                             "multiple of M.")
+    group.add_argument("--datastates-overload-policy", choices=["wait", "supersede"], default=None,
+                       help="When a checkpoint does not fit in the host cache because earlier ones are still "
+                            "flushing: 'wait' stalls training until the flush frees space (default), 'supersede' "
+                            "drops pending checkpoints that have not started flushing (and a snapshot still "
+                            "waiting for space when the optimizer step comes), so training never waits for storage.")
+    group.add_argument("--datastates-max-durable-age", type=int, default=None, metavar="ITERS",
+                       help="With 'supersede': when the newest committed checkpoint is more than ITERS iterations "
+                            "older than a new save, that save waits instead. Default: no bound.")
     group.add_argument("--datastates-load-fallback", action="store_true",
                        help="If the newest committed checkpoint fails its checks (a flipped byte, a truncated "
                             "or missing file), load the next older committed one instead of stopping.")
@@ -49,7 +57,8 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 # Flags whose value, when given, goes to the engine configuration key of the same meaning.
 _OPTIONAL_FLAGS = (("datastates_chunk_size_mb", "chunk_size_mb"), ("datastates_timeout", "persist_timeout_s"),
                    ("datastates_on_failure", "on_failure"), ("datastates_keep_last", "keep_last"),
-                   ("datastates_keep_every", "keep_every"))
+                   ("datastates_keep_every", "keep_every"), ("datastates_overload_policy", "overload_policy"),
+                   ("datastates_max_durable_age", "max_durable_age"))
 
 
 def engine_config_from_args(args: Any) -> dict:

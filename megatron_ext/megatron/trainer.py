@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_ext.engine import faults
 from megatron_ext.megatron.args import add_datastates_args, validate_datastates_args
 from megatron_ext.megatron import optimizer_state
 from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation
@@ -87,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM or SIGUSR1: finish the iteration, checkpoint it, wait until every "
                         "checkpoint is committed, exit 0 (as Megatron-LM's flag)")
+    g.add_argument("--throttle-writes-mbps", type=float, default=None, metavar="MB/S",
+                   help="test aid: every checkpoint write of this process takes nbytes / rate longer (a slow "
+                        "file system), through the engine's fault hook")
     g.add_argument("--crash-at-iteration", type=int, default=None,
                    help="test aid: SIGKILL this process right after iteration N's save call returns")
     g.add_argument("--resave-on-load", action="store_true",
@@ -631,6 +635,8 @@ def train(args: argparse.Namespace) -> List[float]:
                                     and os.path.abspath(args.load) != os.path.abspath(args.save)):
         raise ValueError("--resave-on-load needs --load and a different --save directory")
     initialize_distributed(args)
+    if args.throttle_writes_mbps:
+        faults.arm(faults.throttle(args.throttle_writes_mbps * 1e6))
     save_checkpoint_fn, load_checkpoint_fn = select_checkpointing(args)
     model, config = build_model(args)
     optimizer, scheduler = build_optimizer(args, model, config)

@@ -142,6 +142,8 @@ def _args(*argv: str) -> argparse.Namespace:
     (["--ckpt-format", "torch"], "needs the default --ckpt-format torch_dist, not torch"),
     (["--datastates-host-cache-size", "-1"], "host_cache_size must be > 0 GB"),
     (["--datastates-timeout", "0"], "persist_timeout_s must be > 0 seconds"),
+    (["--datastates-overload-policy", "supersede", "--datastates-max-durable-age", "-2"],
+     "max_durable_age must be a whole number >= 0"),
 ])
 def test_conflicting_flags_are_one_clear_error(tmp_path, extra, message):
     from megatron_ext.megatron.args import validate_datastates_args
@@ -160,6 +162,16 @@ def test_missing_save_and_unwritable_local_dir(tmp_path):
     with pytest.raises(ValueError, match="local_dir .* is not writable"):
         validate_datastates_args(_args("--use-datastates", "--save", str(tmp_path),
                                        "--datastates-local-dir", str(blocker / "sub")))
+
+
+def test_overload_flags_reach_the_engine_config(tmp_path):
+    from megatron_ext.megatron.args import engine_config_from_args
+
+    cfg = engine_config_from_args(_args("--use-datastates", "--save", str(tmp_path),
+                                        "--datastates-overload-policy", "supersede",
+                                        "--datastates-max-durable-age", "4"))
+    assert cfg["overload_policy"] == "supersede" and cfg["max_durable_age"] == 4
+    assert "overload_policy" not in engine_config_from_args(_args("--use-datastates", "--save", str(tmp_path)))
 
 
 def test_without_the_flag_nothing_is_checked():

@@ -1,0 +1,53 @@
+"""--datastates-overload-policy supersede on the reference trainer, writes throttled: resume bit-exact.
+
+Two CPU ranks checkpoint every iteration onto a file system throttled far below what that needs,
+so checkpoints are skipped; the run is SIGKILLed after iteration CRASH_AT's save. The restart loads
+the newest committed checkpoint and every iteration it repeats must reproduce the first run's loss
+and learning rate bit for bit. No skipped checkpoint may be committed, every committed one verifies.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from launch import run_trainer
+
+pytest.importorskip("megatron.core")
+
+ITERS = 8
+CRASH_AT = 6
+
+
+@pytest.mark.multiproc
+def test_supersede_under_throttled_writes_resumes_bit_exact(tmp_path: Path):
+    from megatron_ext.engine.verify import verify_root
+
+    ckpt = tmp_path / "ckpt"
+    common = ["--train-iters", str(ITERS)]
+    datastates = ["--save", str(ckpt), "--save-interval", "1", "--use-datastates",
+                  "--datastates-host-cache-size", "0.002", "--datastates-overload-policy", "supersede",
+                  "--throttle-writes-mbps", "2"]
+    first = {r["iteration"]: (r["loss"], r["lr"]) for r in run_trainer(
+        2, [*common, *datastates, "--crash-at-iteration", str(CRASH_AT)], tmp_path / "first.jsonl", expect_crash=True)}
+    assert sorted(first) == list(range(1, CRASH_AT + 1))
+
+    records = [json.loads(line) for r in range(2)
+               for line in (ckpt / "datastates_telemetry" / f"rank-{r:05d}.jsonl").read_text().splitlines()]
+    skipped = {r["checkpoint"] for r in records if r["event"] == "skipped"}
+    committed = sorted(p.name for p in ckpt.iterdir() if (p / "manifest.json").exists())
+    assert skipped, "the throttled writer should force skips"
+    assert committed and not skipped & set(committed)
+    checked, problems = verify_root(str(ckpt))
+    assert checked == committed and not problems, problems
+    newest = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert f"iter_{newest:07d}" == committed[-1] and newest < CRASH_AT
+
+    resumed = {r["iteration"]: (r["loss"], r["lr"]) for r in run_trainer(
+        2, [*common, *datastates, "--load", str(ckpt)], tmp_path / "resumed.jsonl")}
+    assert sorted(resumed) == list(range(newest + 1, ITERS + 1)), "iteration counter not restored"
+    for it in range(newest + 1, CRASH_AT + 1):
+        assert resumed[it] == first[it], f"iteration {it}: (loss, lr) {resumed[it]} != {first[it]}"
+    assert int((ckpt / "latest_checkpointed_iteration.txt").read_text()) == ITERS  # the last save is kept
