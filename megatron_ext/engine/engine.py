@@ -31,7 +31,8 @@ from .copier import make_copier
 from .files import atomic_write_json
 from .flush import LevelStager, RankWriter
 from .host_cache import HostCache
-from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_SHARED
+from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_PEER, LEVEL_SHARED
+from .replica import PeerReplicas, default_replica_dir
 from .snapshot import Chunk, SnapshotScheduler
 from .telemetry import Telemetry
 
@@ -112,6 +113,14 @@ class CheckpointEngine:
         self.deleter = retention.Deleter() if self.config.keep_last is not None else None
         self.scheduler = SnapshotScheduler(self.cache, make_copier(self.use_cuda), self._emit_chunk, self._fail,
                                            self._raise_if_failed, self.config.persist_timeout_s)
+        self.replicas: PeerReplicas | None = None
+        if self.config.peer_replica:  # creates a process group: collective, like the run id above
+            self.replicas = PeerReplicas(
+                self.rank, self.world_size, self.config.ranks_per_node,
+                self.config.replica_dir or default_replica_dir(self.config.save_dir), self.cache.chunk_bytes,
+                self.config.persist_timeout_s, LEVEL_LOCAL if local else LEVEL_SHARED,
+                (lambda job: local) if local else (lambda job: job.root), self.run_id, self.telemetry,
+                self._fail, self._raise_if_failed)
         _live_engines.add(self)
 
     # ------------------------------------------------------------------ saving
@@ -188,9 +197,14 @@ class CheckpointEngine:
             job.on_committed.append(on_committed)
         if self.deleter is not None:
             job.on_committed.append(lambda manifest, root=root: self._apply_retention(root))
-        job.commit_requested = True
+        self._request_commit(job)
         self.committer.poke()
         return job
+
+    def _request_commit(self, job: CheckpointJob) -> None:
+        if not job.commit_requested and self.replicas is not None:
+            self.replicas.submit(job)  # every rank commits the same checkpoints in the same order
+        job.commit_requested = True
 
     def save_and_commit(self, state: Any, checkpoint: str, name: str | None = None, **kwargs: Any) -> CheckpointJob:
         root = kwargs.pop("root", None)
@@ -217,7 +231,7 @@ class CheckpointEngine:
 
     def wait_persisted(self, checkpoint: str | None = None, *, root: str | None = None,
                        timeout: float | None = None) -> None:
-        """Block until saved files are durable on every level and requested commits are done."""
+        """Block until saved files are durable on every level (peer replicas included) and commits are done."""
         deadline = time.monotonic() + (self.config.persist_timeout_s if timeout is None else timeout)
         if checkpoint is not None:
             key = (self._root(root), checkpoint)
@@ -236,6 +250,8 @@ class CheckpointEngine:
                     if time.monotonic() > deadline:
                         raise CheckpointError(f"flush of {job.checkpoint} did not finish in time")
                     time.sleep(_POLL_S)
+        if self.replicas is not None:
+            self.replicas.wait(deadline)
         self._raise_if_failed()
         self._forget_finished()
 
@@ -263,28 +279,51 @@ class CheckpointEngine:
         return reader.state(map_location, allow_pickle, self.config.object_modules)
 
     def open_checkpoint(self, checkpoint: str, *, root: str | None = None, verify: bool = True) -> "CommittedCheckpoint":
-        """A committed checkpoint's manifest plus per-file readers, for adapters that read selectively."""
+        """A committed checkpoint's manifest plus per-file readers, for adapters that read selectively.
+
+        With ``peer_replica`` this is a collective: ranks whose node-local copy is gone fetch
+        their files from the peer holding their replica (``replica.py``).
+        """
         root = self._root(root)
-        manifest = read_manifest(os.path.join(root, checkpoint))
+        try:
+            manifest = read_manifest(os.path.join(root, checkpoint))
+        except CheckpointError:
+            manifest = None
+            if self.replicas is None:
+                raise
+        recovered: dict[str, str] = {}
+        if self.replicas is not None:  # every rank takes part, even one that cannot load
+            local = self.config.local_dir
+            recovered = self.replicas.recover(checkpoint, manifest, bool(local) and manifest is not None and
+                                              restore.local_copy_complete(local, checkpoint, manifest, self.rank))
+            if manifest is None:
+                read_manifest(os.path.join(root, checkpoint))  # raises the reason it is unreadable, if any
         if manifest is None:
             raise CheckpointError(f"{os.path.join(root, checkpoint)} is not a committed checkpoint (no manifest)")
-        return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify)
+        return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify, recovered)
 
     # ------------------------------------------------------------------ shutdown
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Commit whatever was saved, wait until it is durable and committed, stop the threads."""
+    def shutdown(self, timeout: float | None = None, *, normal_end: bool = True) -> None:
+        """Commit whatever was saved, wait until it is durable and committed, stop the threads.
+
+        ``normal_end=False`` (interpreter exit, an exception) keeps the peer replicas this rank
+        holds in host memory for a restart; a normal end frees them.
+        """
         if self._closed:
             return
         self._closed = True
         timeout = self.config.persist_timeout_s if timeout is None else timeout
+        clean = False
         try:
             if self._error is None:
                 for job in list(self._checkpoints.values()):
-                    if not job.commit_requested:
-                        job.commit_requested = True
+                    self._request_commit(job)
                 self.committer.poke()
                 self.wait_persisted(timeout=timeout)
+                clean = normal_end
         finally:
+            if self.replicas is not None:
+                self.replicas.close(clean)
             self.scheduler.stop(5)
             self.writer.stop(5)
             if self.stager is not None:
@@ -304,7 +343,7 @@ class CheckpointEngine:
             self.shutdown()
         else:
             try:
-                self.shutdown()
+                self.shutdown(normal_end=False)
             except Exception:  # do not hide the exception that ended the block
                 traceback.print_exc()
 
@@ -327,6 +366,8 @@ class CheckpointEngine:
         committed = [(name, m.get("version")) for name, m in list_committed(root)]
         in_flight = {j.checkpoint for j in list(self._checkpoints.values())
                      if j.root == root and not j.committed.is_set()}
+        if self.replicas is not None:  # the replication thread still reads them
+            in_flight |= self.replicas.pending()
         for name in retention.to_delete(committed, self.config.keep_last, self.config.keep_every, in_flight):
             if self.rank == 0:
                 self.deleter.submit(os.path.join(root, name))
@@ -381,10 +422,13 @@ class CheckpointEngine:
 
 
 class CommittedCheckpoint:
-    """Read side of one committed checkpoint: each file from the node-local level when complete there."""
+    """Read side of one committed checkpoint: each file from the node-local level when complete
+    there, else from a peer's replica when one was recovered, else from the shared level."""
 
-    def __init__(self, root: str, local_dir: str | None, checkpoint: str, manifest: dict, verify: bool):
+    def __init__(self, root: str, local_dir: str | None, checkpoint: str, manifest: dict, verify: bool,
+                 recovered: dict[str, str] | None = None):
         self.root, self.local_dir, self.checkpoint, self.manifest, self.verify = root, local_dir, checkpoint, manifest, verify
+        self.recovered = recovered or {}  # file name -> directory of its verified peer copy
         self._readers: dict[str, restore.FileReader] = {}
         self.levels_used: set[str] = set()
 
@@ -401,6 +445,8 @@ class CommittedCheckpoint:
                 base, chosen = self.local_dir, LEVEL_LOCAL
             elif level == LEVEL_LOCAL:
                 raise CheckpointError(f"checkpoint {self.checkpoint} is not complete on the node-local level")
+            elif name in self.recovered and level in ("auto", LEVEL_PEER):
+                base, chosen = self.recovered[name], LEVEL_PEER
             self.levels_used.add(chosen)
             self._readers[name] = restore.FileReader(base, entry, self.verify, level=chosen)
         return self._readers[name]
@@ -410,7 +456,7 @@ def _shutdown_live_engines() -> None:
     """At interpreter exit: the last checkpoint of a run is committed even if nobody waited."""
     for engine in list(_live_engines):
         try:
-            engine.shutdown()
+            engine.shutdown(normal_end=False)
         except Exception:
             traceback.print_exc()
 
