@@ -437,6 +437,8 @@ class PeerReplicas:
         self.timeout_s = timeout_s
         self.node_dir = os.path.join(replica_dir, f"node-{rank // self.ranks_per_node:05d}")
         self.restored = os.path.join(self.node_dir, f"restored-rank-{rank:05d}")
+        self._restored_key: tuple[str, str] | None = None  # (checkpoint, run id) last asked for
+        self._restored_files: dict[str, str] = {}
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.link = PeerLink(self.group, chunk_bytes, timeout_s)
         self.store = ReplicaStore(self.node_dir, self.source)
@@ -458,23 +460,33 @@ class PeerReplicas:
         """Collective: fetch this rank's files from its holder unless the node-local copy is whole.
 
         Returns file name -> directory holding the verified peer copy (empty: read from storage).
+        Every rank calls it the same number of times; the outcome for a checkpoint is kept and reused.
         """
         import torch.distributed as dist
 
         self.wait(time.monotonic() + self.timeout_s)
         mine = _expected_files(manifest, self.rank) if manifest is not None else []
-        need = bool(mine) and not local_complete
+        key = (checkpoint, manifest["run_id"]) if manifest is not None else None
+        fetched = key is not None and key == self._restored_key
+        need = bool(mine) and not local_complete and not fetched
         needs: list = [None] * self.world_size
         dist.all_gather_object(needs, need, group=self.group)
         send_to = self.source if needs[self.source] else None
         outgoing = self.store.offer(checkpoint, manifest, self.source) if send_to is not None else None
-        shutil.rmtree(self.restored, ignore_errors=True)
+        if need:
+            shutil.rmtree(self.restored, ignore_errors=True)
         started = time.monotonic()
         meta, received = self.link.exchange(send_to, outgoing, self.holder if need else None,
                                             self.restored if need else None)
+        if fetched:
+            return self._restored_files
         if not need:
+            if mine and local_complete:
+                log.warning("[datastates] rank %d reads its files of %s from its node-local level", self.rank,
+                            checkpoint)
             return {}
         problem = meta.get("unusable") or mismatch(mine, received)
+        self._restored_key, self._restored_files = key, {}
         if problem:
             shutil.rmtree(self.restored, ignore_errors=True)
             log.warning("[datastates] rank %d: the replica held by rank %d is unusable (%s); recovering rank %d "
@@ -483,7 +495,8 @@ class PeerReplicas:
         nbytes = sum(f["size"] for f in mine)
         log.warning("[datastates] recovered rank %d from peer memory (rank %d): %s, %.1f MB in %.2fs",
                     self.rank, self.holder, checkpoint, nbytes / 1e6, time.monotonic() - started)
-        return {e["name"]: self.restored for e in manifest["files"].values() if e["rank"] == self.rank}
+        self._restored_files = {e["name"]: self.restored for e in manifest["files"].values() if e["rank"] == self.rank}
+        return self._restored_files
 
     def close(self, clean_end: bool) -> None:
         """Stop the thread; at a normal end of the job also free the host memory the replicas use."""

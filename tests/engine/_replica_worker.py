@@ -37,7 +37,7 @@ def train_step(model, optimizer, engine, step: int, rank: int, world: int) -> st
         p.grad /= world
     engine.wait_snapshot()  # the saved tensors change from here on
     optimizer.step()
-    return float(loss).hex()
+    return loss.item().hex()
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     engine = CheckpointEngine({"save_dir": os.path.join(work, "ckpt"),
                                "local_dir": os.path.join(work, "local", f"node-{node}"),
                                "peer_replica": True, "ranks_per_node": RANKS_PER_NODE, "replica_dir": replica_dir,
-                               "host_cache_size": 0.002, "chunk_size_mb": 0.25,
+                               "host_cache_size": 0.002, "chunk_size_mb": 0.0625,
                                "persist_timeout_s": 120, "snapshot_timeout_s": 120})
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))

@@ -84,6 +84,7 @@ def test_node_loss_is_recovered_from_peer_memory_bit_exact_or_from_storage_when_
         log = _resume_and_check(work, replica_dir, trained, ["local", "local", "peer", "peer"])
         assert "recovered rank 2 from peer memory (rank 0)" in log
         assert "recovered rank 3 from peer memory (rank 1)" in log
+        assert "rank 0 reads its files of step004 from its node-local level" in log
 
         work_b = tmp_path / "b"
         _lose_node_1(work_b, copy_replicas)
