@@ -72,7 +72,8 @@ def format_table(r: dict) -> str:
         f"{r['blocked_s_replica_off'] * 1000:.1f} ms",
         f"  datastates + peer copy   iteration {r['iter_s_replica_on'] * 1000:.1f} ms, blocked "
         f"{r['blocked_s_replica_on'] * 1000:.1f} ms",
-        f"  ratios on/off            iteration {r['ratio_iter_on_vs_off']:.3f}, blocked {r['ratio_blocked_on_vs_off']:.2f}",
+        f"  ratios on/off            iteration {r['ratio_iter_on_vs_off']:.3f}, "
+        f"blocked {r['ratio_blocked_on_vs_off']:.2f}",
     ])
 
 

@@ -285,21 +285,21 @@ class CheckpointEngine:
         their files from the peer holding their replica (``replica.py``).
         """
         root = self._root(root)
+        path = os.path.join(root, checkpoint)
+        problem: CheckpointError | None = None
         try:
-            manifest = read_manifest(os.path.join(root, checkpoint))
-        except CheckpointError:
-            manifest = None
-            if self.replicas is None:
-                raise
+            manifest = read_manifest(path)
+            if manifest is None:
+                problem = CheckpointError(f"{path} is not a committed checkpoint (no manifest)")
+        except CheckpointError as exc:
+            manifest, problem = None, exc
         recovered: dict[str, str] = {}
         if self.replicas is not None:  # every rank takes part, even one that cannot load
             local = self.config.local_dir
             recovered = self.replicas.recover(checkpoint, manifest, bool(local) and manifest is not None and
                                               restore.local_copy_complete(local, checkpoint, manifest, self.rank))
-            if manifest is None:
-                read_manifest(os.path.join(root, checkpoint))  # raises the reason it is unreadable, if any
-        if manifest is None:
-            raise CheckpointError(f"{os.path.join(root, checkpoint)} is not a committed checkpoint (no manifest)")
+        if problem is not None:
+            raise problem
         return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify, recovered)
 
     # ------------------------------------------------------------------ shutdown

@@ -37,7 +37,7 @@ import torch
 import xxhash
 
 from .commit import read_manifest
-from .config import ConfigError
+from .config import ConfigError, check_writable_dir
 from .files import atomic_write_json
 from .jobs import CheckpointError, CheckpointJob
 from .telemetry import Telemetry
@@ -436,6 +436,7 @@ class PeerReplicas:
         self.source = source_of(rank, world_size, self.ranks_per_node)
         self.timeout_s = timeout_s
         self.node_dir = os.path.join(replica_dir, f"node-{rank // self.ranks_per_node:05d}")
+        check_writable_dir(self.node_dir, "replica_dir")
         self.restored = os.path.join(self.node_dir, f"restored-rank-{rank:05d}")
         self._restored_key: tuple[str, str] | None = None  # (checkpoint, run id) last asked for
         self._restored_files: dict[str, str] = {}

@@ -17,11 +17,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
-from megatron_ext.engine import ConfigError, EngineConfig
-from megatron_ext.engine.replica import holder_of, resolve_ranks_per_node, source_of
+from megatron_ext.engine import ConfigError, EngineConfig, read_manifest
+from megatron_ext.engine.replica import ReplicaStore, holder_of, resolve_ranks_per_node, source_of
 
-from engine_testlib import HERE, REPO, child_env, free_port
+from engine_testlib import HERE, REPO, TINY, child_env, free_port
 
 WORLD = 4
 SAVE_UNTIL, STEPS = 4, 6
@@ -118,3 +119,37 @@ def test_peer_mapping_and_refusals(monkeypatch):
         EngineConfig.from_dict({"peer_replica": True, "ranks_per_node": 0})
     with pytest.raises(ConfigError, match="peer_replica must be true or false"):
         EngineConfig.from_dict({"peer_replica": "yes"})
+
+
+def test_holder_keeps_the_newest_committed_replica_and_offers_only_exact_copies(make_engine, tmp_path):
+    engine = make_engine(**TINY)
+    for version in (1, 2):
+        engine.save({"w": torch.arange(5000.0) * version, "v": version}, f"c{version}", version=version)
+        engine.commit(f"c{version}")
+    engine.wait_persisted()
+    root = tmp_path / "ckpt"
+    manifests = {c: read_manifest(str(root / c)) for c in ("c1", "c2")}
+    store = ReplicaStore(str(tmp_path / "shm" / "node-00000"), source=0)
+
+    def hold(checkpoint: str, version: int, run_id: str) -> None:
+        incoming = Path(store.begin())
+        for entry in (manifests.get(checkpoint) or {"files": {}})["files"].values():
+            for key in ("tensor_file", "state_file"):
+                (incoming / entry[key]).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(root / entry[key], incoming / entry[key])
+        store.keep({"checkpoint": checkpoint, "version": version, "run_id": run_id, "files": []})
+
+    for version in (1, 2, 3):  # c3: received, not committed yet
+        hold(f"c{version}", version, engine.run_id)
+    store.prune(str(root))
+    assert sorted(p.name for p in Path(store.base).iterdir() if not p.name.startswith(".")) == ["c2", "c3"]
+
+    offer = store.offer("c2", manifests["c2"], 0)
+    assert "unusable" not in offer.meta and len(offer.meta["files"]) == 2
+    assert [f["xxh3_64"] for f in offer.meta["files"]][0] == manifests["c2"]["files"]["rank00000"]["xxh3_64"]
+    assert "no replica of c1 is held" in store.offer("c1", manifests["c1"], 0).meta["unusable"]
+    other_run = dict(manifests["c2"], run_id="0" * 12)
+    assert "is of run" in store.offer("c2", other_run, 0).meta["unusable"]
+    tensor_file = Path(store.base) / manifests["c2"]["files"]["rank00000"]["tensor_file"]
+    tensor_file.write_bytes(tensor_file.read_bytes()[:-1])
+    assert "missing or has the wrong size" in store.offer("c2", manifests["c2"], 0).meta["unusable"]

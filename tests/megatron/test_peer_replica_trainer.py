@@ -38,7 +38,8 @@ def test_trainer_recovers_a_lost_node_from_peer_memory(tmp_path: Path):
     try:
         run_trainer(4, [*flags, "--crash-at-iteration", str(CRASH_AT)], tmp_path / "crashed.jsonl", expect_crash=True)
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(SAVE_AT)
-        held = sorted(p.parent.parent.name for p in replica_dir.glob(f"node-00000/of-rank-*/iter_{SAVE_AT:07d}/replica.json"))
+        markers = replica_dir.glob(f"node-00000/of-rank-*/iter_{SAVE_AT:07d}/replica.json")
+        held = sorted(p.parent.parent.name for p in markers)
         assert held == ["of-rank-00002", "of-rank-00003"], "node 0 did not hold the replicas one iteration later"
         shutil.rmtree(replica_dir / "node-00001")  # node 1's memory is gone
 
