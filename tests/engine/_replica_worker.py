@@ -6,6 +6,7 @@ Usage: torchrun --nproc-per-node 4 _replica_worker.py PHASE WORK REPLICA_DIR
   replicated, trains on without checkpoints (the uninterrupted losses), then every rank SIGKILLs
   itself.
 * ``resume``: loads the newest committed checkpoint, trains to STEPS, ends normally.
+* ``misordered``: node 1 commits two checkpoints in the other order; records the error.
 Each rank writes ``WORK/out/PHASE-rank-R.json`` (losses as float.hex, the level it loaded from).
 """
 
@@ -17,7 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_ext.engine import CheckpointEngine
+from megatron_ext.engine import CheckpointEngine, CheckpointError
 
 STEPS, SAVE_UNTIL, RANKS_PER_NODE = 6, 4, 2
 
@@ -54,6 +55,19 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.Tanh(), torch.nn.Linear(256, 8))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     outcome = {"rank": rank, "losses": {}}
+    if phase == "misordered":  # node 1 commits b before a: the replication must stop with a clear error
+        for name in ("a", "b") if node == 0 else ("b", "a"):
+            engine.save({"w": torch.full((1000,), float(rank))}, name, version=0)
+            engine.commit(name)
+        try:
+            engine.wait_persisted()
+            outcome["error"] = None
+        except CheckpointError as exc:
+            outcome["error"] = str(exc)
+        with open(os.path.join(work, "out", f"{phase}-rank-{rank}.json"), "w") as f:
+            json.dump(outcome, f)
+        dist.barrier()
+        return  # the interpreter-exit hook shuts the failed engine down, keeping the replicas
     first = 1
     if phase == "resume":
         latest = engine.latest()

@@ -102,6 +102,19 @@ def test_node_loss_is_recovered_from_peer_memory_bit_exact_or_from_storage_when_
         shutil.rmtree(copy_replicas, ignore_errors=True)
 
 
+@pytest.mark.multiproc
+def test_ranks_committing_in_different_orders_fail_with_a_clear_error(tmp_path):
+    (tmp_path / "out").mkdir()
+    replica_dir = Path("/dev/shm") / f"megatron_ext-test-{uuid.uuid4().hex[:8]}"
+    try:
+        proc = _torchrun("misordered", tmp_path, replica_dir)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        for o in _outcomes(tmp_path, "misordered"):  # the background failure reached every training thread
+            assert o["error"] and "ranks must commit checkpoints in the same order" in o["error"], o
+    finally:
+        shutil.rmtree(replica_dir, ignore_errors=True)
+
+
 def test_peer_mapping_and_refusals(monkeypatch):
     assert [holder_of(r, 4, 2) for r in range(4)] == [2, 3, 0, 1]
     assert [holder_of(r, 6, 2) for r in range(6)] == [2, 3, 4, 5, 0, 1]
