@@ -76,6 +76,9 @@ def main() -> None:
         optimizer.load_state_dict(state["optim"])
         first = state["step"] + 1
         outcome.update(loaded=latest, level=engine.last_load_level)
+        again = engine.load(latest)  # collective again: the copy fetched from the peer is reused
+        outcome["reloaded_same"] = (engine.last_load_level == outcome["level"] and
+                                    all(torch.equal(again["model"][k], v) for k, v in state["model"].items()))
     for step in range(first, STEPS + 1):
         outcome["losses"][step] = train_step(model, optimizer, engine, step, rank, world)
         if phase == "train" and step <= SAVE_UNTIL:
