@@ -54,6 +54,22 @@ def _bench_train(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _bench_replica(sub) -> None:
+    p = sub.add_parser("replica", help="reference trainer with datastates, peer replicas in host memory off vs on")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--nproc", type=int, default=4, help="CPU ranks (data parallel)")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per simulated node (default 2)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
+
+    def run(args) -> int:
+        from megatron_ext.bench import replica_bench
+
+        return replica_bench.main(args)
+
+    p.set_defaults(func=run)
+
+
 def _bench_deepspeed(sub) -> None:
     p = sub.add_parser("deepspeed", help="DeepSpeed's default checkpoint engine vs datastates, same model")
     p.add_argument("--steps", type=int, default=12)
@@ -225,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_train(benches)
     _bench_deepspeed(benches)
     _bench_overload(benches)
+    _bench_replica(benches)
     return parser
 
 

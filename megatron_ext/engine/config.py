@@ -72,6 +72,14 @@ class EngineConfig:
     object_modules: tuple[str, ...] = ()
     #: Threads reading a checkpoint file in parallel at restore (O_DIRECT per ``o_direct``).
     restore_threads: int = 4
+    #: Also send each rank's files to the host memory of a rank on the next node (replica.py), so a
+    #: lost node is recovered from its peers' memory instead of the shared file system.
+    peer_replica: bool = False
+    #: Ranks per node for the peer mapping; None: torchrun's LOCAL_WORLD_SIZE. Smaller values
+    #: simulate several nodes on one machine.
+    ranks_per_node: int | None = None
+    #: Host-memory directory for the replicas this node holds; None: ``/dev/shm/megatron_ext-replicas-<hash of save_dir>``.
+    replica_dir: str | None = None
     #: Ignored, accepted for DeepSpeed compatibility.
     parser_threads: int | None = None
 
@@ -135,6 +143,11 @@ class EngineConfig:
         if isinstance(self.restore_threads, bool) or not isinstance(self.restore_threads, int) \
                 or not 1 <= self.restore_threads <= 64:
             raise ConfigError(f"restore_threads must be a whole number in [1, 64], got {self.restore_threads!r}")
+        if not isinstance(self.peer_replica, bool):
+            raise ConfigError(f"peer_replica must be true or false, got {self.peer_replica!r}")
+        value = self.ranks_per_node
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"ranks_per_node must be a whole number >= 1, got {value!r}")
         if self.o_direct not in (True, False, "auto"):
             raise ConfigError(f"o_direct must be true, false or \"auto\", got {self.o_direct!r}")
         for name in ("snapshot_timeout_s", "persist_timeout_s"):
@@ -142,7 +155,7 @@ class EngineConfig:
             _number(value, name)
             if not value > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {value}")
-        for name in ("save_dir", "local_dir"):
+        for name in ("save_dir", "local_dir") + (("replica_dir",) if self.peer_replica else ()):
             path = getattr(self, name)
             if path is not None:
                 check_writable_dir(path, name)

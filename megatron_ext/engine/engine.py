@@ -32,7 +32,8 @@ from .copier import make_copier
 from .files import atomic_write_json
 from .flush import LevelStager, RankWriter
 from .host_cache import HostCache
-from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, FileJob, LEVEL_LOCAL, LEVEL_SHARED
+from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, FileJob, LEVEL_LOCAL, LEVEL_PEER, LEVEL_SHARED
+from .replica import PeerReplicas, default_replica_dir
 from .snapshot import Chunk, Discard, SnapshotScheduler
 from .telemetry import Telemetry
 
@@ -125,6 +126,14 @@ class CheckpointEngine:
         self.scheduler = SnapshotScheduler(self.cache, make_copier(self.use_cuda), self._emit_chunk, self._fail,
                                            self._raise_if_failed, self.config.persist_timeout_s,
                                            self._supersede_older, self._settle_skipped)
+        self.replicas: PeerReplicas | None = None
+        if self.config.peer_replica:  # creates a process group: collective, like the run id above
+            self.replicas = PeerReplicas(
+                self.rank, self.world_size, self.config.ranks_per_node,
+                self.config.replica_dir or default_replica_dir(self.config.save_dir), self.cache.chunk_bytes,
+                self.config.persist_timeout_s, LEVEL_LOCAL if local else LEVEL_SHARED,
+                (lambda job: local) if local else (lambda job: job.root), self.run_id, self.telemetry,
+                self._fail, self._raise_if_failed)
         _live_engines.add(self)
 
     # ------------------------------------------------------------------ saving
@@ -211,9 +220,14 @@ class CheckpointEngine:
             job.on_committed.append(on_committed)
         if self.deleter is not None:
             job.on_committed.append(lambda manifest, root=root: self._apply_retention(root))
-        job.commit_requested = True
+        self._request_commit(job)
         self.committer.poke()
         return job
+
+    def _request_commit(self, job: CheckpointJob) -> None:
+        if not job.commit_requested and self.replicas is not None:
+            self.replicas.submit(job)  # every rank commits the same checkpoints in the same order
+        job.commit_requested = True
 
     def save_and_commit(self, state: Any, checkpoint: str, name: str | None = None, **kwargs: Any) -> CheckpointJob:
         root = kwargs.pop("root", None)
@@ -267,7 +281,7 @@ class CheckpointEngine:
 
     def wait_persisted(self, checkpoint: str | None = None, *, root: str | None = None,
                        timeout: float | None = None) -> None:
-        """Block until saved files are durable on every level and requested commits are done."""
+        """Block until saved files are durable on every level (peer replicas included) and commits are done."""
         deadline = time.monotonic() + (self.config.persist_timeout_s if timeout is None else timeout)
         if checkpoint is not None:
             key = (self._root(root), checkpoint)
@@ -286,6 +300,8 @@ class CheckpointEngine:
                     if time.monotonic() > deadline:
                         raise CheckpointError(f"flush of {job.checkpoint} did not finish in time")
                     time.sleep(_POLL_S)
+        if self.replicas is not None:
+            self.replicas.wait(deadline)
         self._raise_if_failed()
         self._forget_finished()
 
@@ -322,12 +338,29 @@ class CheckpointEngine:
         return reader.state_into(template, allow_pickle, self.config.object_modules)
 
     def open_checkpoint(self, checkpoint: str, *, root: str | None = None, verify: bool = True) -> "CommittedCheckpoint":
-        """A committed checkpoint's manifest plus per-file readers, for adapters that read selectively."""
+        """A committed checkpoint's manifest plus per-file readers, for adapters that read selectively.
+
+        With ``peer_replica`` this is a collective: ranks whose node-local copy is gone fetch
+        their files from the peer holding their replica (``replica.py``).
+        """
         root = self._root(root)
-        manifest = read_manifest(os.path.join(root, checkpoint))
-        if manifest is None:
-            raise CheckpointError(f"{os.path.join(root, checkpoint)} is not a committed checkpoint (no manifest)")
-        return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify, self.config, self.cache)
+        path = os.path.join(root, checkpoint)
+        problem: CheckpointError | None = None
+        try:
+            manifest = read_manifest(path)
+            if manifest is None:
+                problem = CheckpointError(f"{path} is not a committed checkpoint (no manifest)")
+        except CheckpointError as exc:
+            manifest, problem = None, exc
+        recovered: dict[str, str] = {}
+        if self.replicas is not None:  # every rank takes part, even one that cannot load
+            local = self.config.local_dir
+            recovered = self.replicas.recover(checkpoint, manifest, bool(local) and manifest is not None and
+                                              restore.local_copy_complete(local, checkpoint, manifest, self.rank))
+        if problem is not None:
+            raise problem
+        return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify, self.config, self.cache,
+                                  recovered)
 
     def agree_load_level(self, committed: "CommittedCheckpoint") -> str:
         """Collective over all ranks: read node-local only if every rank's own files are complete there.
@@ -349,20 +382,27 @@ class CheckpointEngine:
         return level
 
     # ------------------------------------------------------------------ shutdown
-    def shutdown(self, timeout: float | None = None) -> None:
-        """Commit whatever was saved, wait until it is durable and committed, stop the threads."""
+    def shutdown(self, timeout: float | None = None, *, normal_end: bool = True) -> None:
+        """Commit whatever was saved, wait until it is durable and committed, stop the threads.
+
+        ``normal_end=False`` (interpreter exit, an exception) keeps the peer replicas this rank
+        holds in host memory for a restart; a normal end frees them.
+        """
         if self._closed:
             return
         self._closed = True
         timeout = self.config.persist_timeout_s if timeout is None else timeout
+        clean = False
         try:
             if self._error is None:
                 for job in list(self._checkpoints.values()):
-                    if not job.commit_requested:
-                        job.commit_requested = True
+                    self._request_commit(job)
                 self.committer.poke()
                 self.wait_persisted(timeout=timeout)
+                clean = normal_end
         finally:
+            if self.replicas is not None:
+                self.replicas.close(clean)
             self.scheduler.stop(5)
             self.writer.stop(5)
             if self.stager is not None:
@@ -382,7 +422,7 @@ class CheckpointEngine:
             self.shutdown()
         else:
             try:
-                self.shutdown()
+                self.shutdown(normal_end=False)
             except Exception:  # do not hide the exception that ended the block
                 traceback.print_exc()
 
@@ -410,6 +450,8 @@ class CheckpointEngine:
         committed = [(name, m.get("version")) for name, m in list_committed(root)]
         in_flight = {j.checkpoint for j in list(self._checkpoints.values())
                      if j.root == root and not j.committed.is_set()}
+        if self.replicas is not None:  # the replication thread still reads them
+            in_flight |= self.replicas.pending()
         for name in retention.to_delete(committed, self.config.keep_last, self.config.keep_every, in_flight):
             if self.rank == 0:
                 self.deleter.submit(os.path.join(root, name))
@@ -576,19 +618,23 @@ class CheckpointEngine:
 
 
 class CommittedCheckpoint:
-    """Read side of one committed checkpoint: each file from the node-local level when complete there.
+    """Read side of one committed checkpoint: each file from the node-local level when complete
+    there, else from a peer's replica when one was recovered, else from the shared level.
 
-    A multi-rank job should agree on one level for all ranks (``local_copy_complete`` on every
-    rank, reduced with MIN, then ``use_level``): a mix would read some ranks' files from a
-    node-local copy that another rank may never have finished.
+    A multi-rank job should agree on node-local or shared for all ranks (``local_copy_complete``
+    on every rank, reduced with MIN, then ``use_level``): a mix would read some ranks' files from a
+    node-local copy that another rank may never have finished. Peer copies were verified against
+    the manifest when recovered and are used under either choice.
     """
 
     def __init__(self, root: str, local_dir: str | None, checkpoint: str, manifest: dict, verify: bool,
-                 config: EngineConfig | None = None, staging: HostCache | None = None):
+                 config: EngineConfig | None = None, staging: HostCache | None = None,
+                 recovered: dict[str, str] | None = None):
         self.root, self.local_dir, self.checkpoint, self.manifest, self.verify = root, local_dir, checkpoint, manifest, verify
         config = config or EngineConfig()
         self._read_options = {"threads": config.restore_threads, "o_direct": config.o_direct,
                               "timeout_s": config.persist_timeout_s, "staging": staging}
+        self.recovered = recovered or {}  # file name -> directory of its verified peer copy
         self._readers: dict[str, restore.FileReader] = {}
         self.levels_used: set[str] = set()
         self.default_level = "auto"
@@ -611,6 +657,7 @@ class CommittedCheckpoint:
             if entry is None:
                 raise CheckpointError(f"checkpoint {self.checkpoint} has no file {name!r}; "
                                       f"it has {sorted(self.manifest['files'])[:8]}")
+            asked = level
             if level == "auto":
                 level = self.default_level
             base, chosen = self.root, LEVEL_SHARED
@@ -618,6 +665,8 @@ class CommittedCheckpoint:
                 base, chosen = self.local_dir, LEVEL_LOCAL
             elif level == LEVEL_LOCAL:
                 raise CheckpointError(f"checkpoint {self.checkpoint} is not complete on the node-local level")
+            elif name in self.recovered and asked in ("auto", LEVEL_PEER):
+                base, chosen = self.recovered[name], LEVEL_PEER
             self.levels_used.add(chosen)
             self._readers[name] = restore.FileReader(base, entry, self.verify, level=chosen, **self._read_options)
         return self._readers[name]
@@ -627,7 +676,7 @@ def _shutdown_live_engines() -> None:
     """At interpreter exit: the last checkpoint of a run is committed even if nobody waited."""
     for engine in list(_live_engines):
         try:
-            engine.shutdown()
+            engine.shutdown(normal_end=False)
         except Exception:
             traceback.print_exc()
 

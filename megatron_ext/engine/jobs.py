@@ -14,6 +14,7 @@ from .layout import FileLayout
 LEVEL_HOST = "host"
 LEVEL_LOCAL = "local"
 LEVEL_SHARED = "shared"
+LEVEL_PEER = "peer"  # a replica in another node's host memory (replica.py)
 
 
 class CheckpointError(RuntimeError):

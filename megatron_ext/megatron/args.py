@@ -51,6 +51,16 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--datastates-load-fallback", action="store_true",
                        help="If the newest committed checkpoint fails its checks (a flipped byte, a truncated "
                             "or missing file), load the next older committed one instead of stopping.")
+    group.add_argument("--datastates-peer-replica", action="store_true", default=None,
+                       help="Also send each rank's checkpoint files to the host memory (/dev/shm) of the rank "
+                            "with the same local index on the next node; a restart after losing one node "
+                            "recovers its ranks from there instead of the shared file system. Off by default.")
+    group.add_argument("--datastates-ranks-per-node", type=int, default=None, metavar="N",
+                       help="Ranks per node for --datastates-peer-replica (default: LOCAL_WORLD_SIZE); a smaller "
+                            "value simulates several nodes on one machine.")
+    group.add_argument("--datastates-replica-dir", type=str, default=None, metavar="DIR",
+                       help="Host-memory directory for the replicas a node holds "
+                            "(default /dev/shm/megatron_ext-replicas-<hash of --save>).")
     return parser
 
 
@@ -58,7 +68,8 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 _OPTIONAL_FLAGS = (("datastates_chunk_size_mb", "chunk_size_mb"), ("datastates_timeout", "persist_timeout_s"),
                    ("datastates_on_failure", "on_failure"), ("datastates_keep_last", "keep_last"),
                    ("datastates_keep_every", "keep_every"), ("datastates_overload_policy", "overload_policy"),
-                   ("datastates_max_durable_age", "max_durable_age"))
+                   ("datastates_max_durable_age", "max_durable_age"), ("datastates_peer_replica", "peer_replica"),
+                   ("datastates_ranks_per_node", "ranks_per_node"), ("datastates_replica_dir", "replica_dir"))
 
 
 def engine_config_from_args(args: Any) -> dict:
