@@ -601,7 +601,7 @@ def train(args: argparse.Namespace) -> List[float]:
                     log.write(json.dumps({"iteration": iteration, "loss": float(loss).hex(),
                                           "lr": scheduler.get_lr(optimizer.param_groups[0]).hex(),
                                           "loss_float": loss, "iter_time_s": elapsed,
-                                          "ckpt_blocked_s": blocked.item()}) + "\n")
+                                          "ckpt_blocked_s": blocked.item(), "wall_time": time.time()}) + "\n")
                     log.flush()
             if args.crash_at_iteration == iteration:
                 os.kill(os.getpid(), signal.SIGKILL)
