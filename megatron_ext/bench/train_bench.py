@@ -33,8 +33,8 @@ def _progress(msg: str) -> None:
     print(f"[bench train] {msg}", file=sys.stderr, flush=True)
 
 
-def _run(nproc: int, args: list[str], log_json: str) -> list[dict]:
-    cmd = torchrun_command(nproc, "-m", "megatron_ext.megatron.trainer", *MODEL, *args, "--log-json", log_json)
+def _run(nproc: int, args: list[str], log_json: str, model: list[str] = MODEL) -> list[dict]:
+    cmd = torchrun_command(nproc, "-m", "megatron_ext.megatron.trainer", *model, *args, "--log-json", log_json)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
@@ -48,11 +48,12 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interval: int = 1, warmup: int = 3,
-             host_cache_gb: float = 0.5) -> dict:
+             host_cache_gb: float = 0.5, model: list[str] = MODEL) -> dict:
     """One trainer run in ``mode`` (one of ``MODES``) under ``base/<tag>``: per-iteration and end-to-end figures.
 
-    End-to-end is from the start of iteration 1 until the last checkpoint is committed (the tracker
-    is written) or, without checkpoints, until the last iteration ends; process start-up is excluded.
+    ``model`` is the trainer's model arguments (default ``MODEL``). End-to-end is from the start of
+    iteration 1 until the last checkpoint is committed (the tracker is written) or, without
+    checkpoints, until the last iteration ends; process start-up is excluded.
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
@@ -65,7 +66,7 @@ def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interva
     log_json = os.path.join(base, f"{tag}.jsonl")
     if os.path.exists(log_json):
         os.unlink(log_json)
-    records = _run(nproc, ["--train-iters", str(iters), *extra], log_json)
+    records = _run(nproc, ["--train-iters", str(iters), *extra], log_json, model)
     start = records[0]["wall_time"] - records[0]["iter_time_s"]
     end = records[-1]["wall_time"]
     tracker = os.path.join(save, TRACKER)
