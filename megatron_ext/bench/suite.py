@@ -15,7 +15,8 @@ though absolute figures drift on a shared machine):
 * **GPU model**: the measured figures fed into ``gpu_model`` for 70B on 180 A100s.
 
 Outputs under ``--out``: ``results.json`` (every raw figure, rewritten after each scenario),
-``results.md`` (tables) and PNG plots.
+``results.md`` (tables), PNG plots, and ``telemetry/`` (``telemetry report`` of the
+every-iteration datastates run).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from megatron_ext.bench import deepspeed_bench, engine_bench, gpu_model, plots, train_bench
+from megatron_ext.bench import deepspeed_bench, engine_bench, gpu_model, plots, telemetry_report, train_bench
 from megatron_ext.bench.common import direct_write_gbps, fresh_dir, make_state, memcpy_gbps, state_bytes
 
 DCP_EXECUTORS = {"DCP async (thread)": "thread", "DCP async (process)": "process"}
@@ -187,6 +188,9 @@ def run(profile: Profile, out: str) -> dict:
                                 **{k: (before[k] + after[k]) / 2 for k in before}})
     scenario("training", lambda: run_training(profile, os.path.join(base, "train"), progress))
     scenario("gpu_model", lambda: gpu_model_inputs(results["sizes"], results["limits"], results["training"]))
+    # The every-iteration datastates run's own telemetry, as `telemetry report` shows it to users.
+    telemetry_report.report(os.path.join(base, "train", "datastates-dp2-every1", "datastates_telemetry"),
+                            os.path.join(out, "telemetry"))
     progress.step(f"DeepSpeed: default engine vs datastates, {profile.ds_steps} steps")
     scenario("deepspeed", lambda: deepspeed_bench.run(profile.ds_steps, profile.ds_hidden,
                                                       min(profile.warmup, profile.ds_steps - 1),

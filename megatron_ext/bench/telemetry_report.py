@@ -114,7 +114,7 @@ def format_summary(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row["checkpoint"] + (" (FAILED)" if row["failed"] else ""), str(row["ranks"]),
-                 f"{row['bytes'] / 1e9:.3f}", _fmt(row["blocked_s"], 4), _fmt(row["throughput_gbps"], 1),
+                 f"{row['bytes'] / 1e9:.3f}", _fmt(row["blocked_s"], 4), _fmt(row["throughput_gbps"], 3, "g"),
                  _fmt(row["snapshot_s"], 3), *[_fmt(row.get(f"flush_{lv}_s"), 3) for lv in levels],
                  _fmt(row["commit_s"], 3)]
         lines.append("| " + " | ".join(cells) + " |")
@@ -123,12 +123,12 @@ def format_summary(rows: list[dict]) -> str:
     lines.append("")
     lines.append(f"{len(rows)} checkpoint(s), {total_bytes / 1e9:.3f} GB in all, training blocked "
                  f"{total_blocked:.4f} s in all"
-                 + (f", {total_bytes / total_blocked / 1e9:.1f} GB/s overall" if total_blocked > 0 else ""))
+                 + (f", {total_bytes / total_blocked / 1e9:.3g} GB/s overall" if total_blocked > 0 else ""))
     return "\n".join(lines)
 
 
-def _fmt(value: float | None, digits: int) -> str:
-    return "—" if value is None else f"{value:.{digits}f}"
+def _fmt(value: float | None, digits: int, kind: str = "f") -> str:
+    return "—" if value is None else f"{value:.{digits}{kind}}"
 
 
 def report(log: str, out: str) -> dict:

@@ -63,6 +63,7 @@ def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interva
              "datastates": ["--save", save, "--save-interval", str(save_interval), "--use-datastates",
                             "--datastates-host-cache-size", str(host_cache_gb)],
              "megatron_async": ["--save", save, "--save-interval", str(save_interval), "--megatron-async-save"]}[mode]
+    os.makedirs(base, exist_ok=True)
     log_json = os.path.join(base, f"{tag}.jsonl")
     if os.path.exists(log_json):
         os.unlink(log_json)
