@@ -103,6 +103,34 @@ def _bench_overload(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _bench_suite(sub) -> None:
+    p = sub.add_parser("suite", help="every scenario against every peer in one run: results.json, results.md, plots")
+    p.add_argument("--out", default="runs/bench-suite", help="output directory (default runs/bench-suite)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer iterations (a few minutes)")
+
+    def run(args) -> int:
+        from megatron_ext.bench import suite
+
+        return suite.main(args)
+
+    p.set_defaults(func=run)
+
+
+def _telemetry(sub) -> None:
+    p = sub.add_parser("telemetry", help="tools for the engine's telemetry logs")
+    tools = p.add_subparsers(dest="telemetry", required=True)
+    r = tools.add_parser("report", help="timeline and throughput plots and a summary of a run's telemetry")
+    r.add_argument("log", help="a telemetry .jsonl file or a directory of them (e.g. <save>/datastates_telemetry)")
+    r.add_argument("--out", default="runs/telemetry-report", help="output directory (default runs/telemetry-report)")
+
+    def run(args) -> int:
+        from megatron_ext.bench import telemetry_report
+
+        return telemetry_report.main(args)
+
+    r.set_defaults(func=run)
+
+
 def _demo(sub) -> None:
     p = sub.add_parser("demo", help="save every step of a toy training loop, then resume and check it")
     p.add_argument("--out", default="runs/demo", help="checkpoint directory (default runs/demo)")
@@ -234,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     _export(sub)
     _convert(sub)
     _demo(sub)
+    _telemetry(sub)
     bench = sub.add_parser("bench", help="benchmarks (figures are ratios against peers measured in the same run)")
     benches = bench.add_subparsers(dest="bench", required=True)
     _bench_engine(benches)
@@ -242,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_deepspeed(benches)
     _bench_overload(benches)
     _bench_replica(benches)
+    _bench_suite(benches)
     return parser
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -33,24 +34,12 @@ def _ensure_process_group(workdir: str) -> None:
                                 rank=0, world_size=1)
 
 
-def run(size_gb: float, directory: str | None = None, cache_gb: float | None = None,
-        compute_s: float = 1.0) -> dict:
-    base = directory or tempfile.mkdtemp(prefix="megatron-ext-bench-", dir=os.getcwd())
-    os.makedirs(base, exist_ok=True)
-    torch.manual_seed(0)
-    _progress(f"building a {size_gb} GB state")
-    state = make_state(int(size_gb * 1e9))
+def measure_datastates(state: dict[str, torch.Tensor], directory: str, cache_gb: float | None = None,
+                       compute_s: float = 1.0) -> dict:
+    """One lazy save of ``state`` while the caller computes for ``compute_s``: blocked, snapshot, flush."""
     nbytes = state_bytes(state)
-    rss_state = PeakRss().peak
-    result: dict = {"state_bytes": nbytes, "rss_with_state_bytes": rss_state}
-
-    _progress("physical limits: memcpy and O_DIRECT write of the same bytes")
-    result["memcpy_gbps"] = memcpy_gbps()
-    direct_before = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
-
     cache_gb = cache_gb if cache_gb is not None else max(nbytes / 2**30 * 1.02, 0.01)
-    _progress(f"datastates engine, host cache {cache_gb:.2f} GB")
-    ds_dir = fresh_dir(os.path.join(base, "datastates"))
+    ds_dir = fresh_dir(directory)
     with PeakRss() as rss:
         engine = CheckpointEngine({"host_cache_size": cache_gb, "save_dir": ds_dir}, rank=0, world_size=1)
         engine.cache.wait_allocated(600)  # a long-running trainer allocates once, long before
@@ -66,7 +55,7 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
         records = {(r["event"], r["level"]): r for r in engine.telemetry.records}
         engine.shutdown()
     flush = records[("flush", "shared")]
-    result.update({
+    result = {
         "host_cache_bytes": engine.cache.nbytes,
         "datastates_save_call_s": t_save,
         "datastates_blocking_s": t_save + blocked_wait,
@@ -77,9 +66,58 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
         "datastates_flush_s": flush["seconds"],
         "datastates_flush_gbps": flush["gbps"],
         "peak_rss_bytes": rss.peak,
-    })
+    }
     del engine
     gc.collect()
+    return result
+
+
+def measure_torch_save(state: dict[str, torch.Tensor], directory: str) -> float:
+    """Seconds ``torch.save`` + fsync blocks (DeepSpeed's default engine saves this way)."""
+    path = os.path.join(fresh_dir(directory), "state.pt")
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def measure_dcp_async(state: dict[str, torch.Tensor], directory: str, executor: str = "thread") -> dict:
+    """``torch.distributed.checkpoint.async_save`` with the ``thread`` or ``process`` executor.
+
+    Returns the seconds the call blocked (staging) and until the future resolved (on disk).
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    _ensure_process_group(os.path.dirname(os.path.abspath(directory)))
+    kind = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}[executor]
+    dcp_dir = fresh_dir(directory)
+    t0 = time.perf_counter()
+    future = dcp.async_save(state, checkpoint_id=dcp_dir, async_checkpointer_type=kind)
+    blocked = time.perf_counter() - t0
+    future.result(timeout=3600)
+    return {"blocking_s": blocked, "done_s": time.perf_counter() - t0}
+
+
+def run(size_gb: float, directory: str | None = None, cache_gb: float | None = None,
+        compute_s: float = 1.0) -> dict:
+    base = directory or tempfile.mkdtemp(prefix="megatron-ext-bench-", dir=os.getcwd())
+    os.makedirs(base, exist_ok=True)
+    torch.manual_seed(0)
+    _progress(f"building a {size_gb} GB state")
+    state = make_state(int(size_gb * 1e9))
+    nbytes = state_bytes(state)
+    rss_state = PeakRss().peak
+    result: dict = {"state_bytes": nbytes, "rss_with_state_bytes": rss_state}
+
+    _progress("physical limits: memcpy and O_DIRECT write of the same bytes")
+    result["memcpy_gbps"] = memcpy_gbps()
+    direct_before = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
+
+    _progress("datastates engine")
+    result.update(measure_datastates(state, os.path.join(base, "datastates"), cache_gb, compute_s))
     # The disk's speed drifts: the limit is the mean of direct writes just before and just after.
     direct_after = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
     result["direct_write_gbps_before"] = direct_before
@@ -87,32 +125,18 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
     result["direct_write_gbps"] = (direct_before + direct_after) / 2
 
     _progress("torch.save + fsync")
-    path = os.path.join(fresh_dir(os.path.join(base, "torch_save")), "state.pt")
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    result["torch_save_s"] = time.perf_counter() - t0
+    result["torch_save_s"] = measure_torch_save(state, os.path.join(base, "torch_save"))
 
     _progress("torch.distributed.checkpoint.async_save")
-    import torch.distributed.checkpoint as dcp
-
-    _ensure_process_group(base)
-    dcp_dir = fresh_dir(os.path.join(base, "dcp"))
-    t0 = time.perf_counter()
-    future = dcp.async_save(state, checkpoint_id=dcp_dir)
-    result["dcp_async_blocking_s"] = time.perf_counter() - t0
-    future.result()
-    result["dcp_async_done_s"] = time.perf_counter() - t0
+    dcp_result = measure_dcp_async(state, os.path.join(base, "dcp"))
+    result["dcp_async_blocking_s"] = dcp_result["blocking_s"]
+    result["dcp_async_done_s"] = dcp_result["done_s"]
 
     result["ratio_blocking_vs_dcp"] = result["datastates_blocking_s"] / result["dcp_async_blocking_s"]
     result["ratio_flush_vs_direct"] = result["datastates_flush_gbps"] / result["direct_write_gbps"]
     result["ratio_rss_vs_state_plus_cache"] = result["peak_rss_bytes"] / (rss_state + result["host_cache_bytes"])
     result["workdir"] = base
     if directory is None:
-        import shutil
-
         shutil.rmtree(base, ignore_errors=True)
     return result
 

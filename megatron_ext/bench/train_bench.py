@@ -33,8 +33,8 @@ def _progress(msg: str) -> None:
     print(f"[bench train] {msg}", file=sys.stderr, flush=True)
 
 
-def _run(nproc: int, args: list[str], log_json: str) -> list[dict]:
-    cmd = torchrun_command(nproc, "-m", "megatron_ext.megatron.trainer", *MODEL, *args, "--log-json", log_json)
+def _run(nproc: int, args: list[str], log_json: str, model: list[str] = MODEL) -> list[dict]:
+    cmd = torchrun_command(nproc, "-m", "megatron_ext.megatron.trainer", *model, *args, "--log-json", log_json)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
@@ -43,40 +43,69 @@ def _run(nproc: int, args: list[str], log_json: str) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+MODES = ("baseline", "datastates", "megatron_async")
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interval: int = 1, warmup: int = 3,
+             host_cache_gb: float = 0.5, model: list[str] = MODEL) -> dict:
+    """One trainer run in ``mode`` (one of ``MODES``) under ``base/<tag>``: per-iteration and end-to-end figures.
+
+    ``model`` is the trainer's model arguments (default ``MODEL``). End-to-end is from the start of
+    iteration 1 until the last checkpoint is committed (the tracker is written) or, without
+    checkpoints, until the last iteration ends; process start-up is excluded.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    tag = f"{mode}-dp{nproc}-every{save_interval}"
+    save = os.path.join(base, tag)
+    extra = {"baseline": [],
+             "datastates": ["--save", save, "--save-interval", str(save_interval), "--use-datastates",
+                            "--datastates-host-cache-size", str(host_cache_gb)],
+             "megatron_async": ["--save", save, "--save-interval", str(save_interval), "--megatron-async-save"]}[mode]
+    os.makedirs(base, exist_ok=True)
+    log_json = os.path.join(base, f"{tag}.jsonl")
+    if os.path.exists(log_json):
+        os.unlink(log_json)
+    records = _run(nproc, ["--train-iters", str(iters), *extra], log_json, model)
+    start = records[0]["wall_time"] - records[0]["iter_time_s"]
+    end = records[-1]["wall_time"]
+    tracker = os.path.join(save, TRACKER)
+    if mode != "baseline":
+        end = max(end, os.stat(tracker).st_mtime)
+    measured = records[warmup:]
+    result = {
+        "mode": mode, "nproc": nproc, "save_interval": save_interval, "iterations": iters,
+        "iterations_measured": len(measured),
+        "iter_s": statistics.median(r["iter_time_s"] for r in measured),
+        "blocked_s": statistics.mean(r["ckpt_blocked_s"] for r in measured),
+        "end_to_end_s": end - start,
+    }
+    if mode == "datastates":
+        with open(os.path.join(save, f"iter_{iters - iters % save_interval:07d}", "manifest.json")) as f:
+            files = list(json.load(f)["files"].values())
+        result["ckpt_bytes_total"] = sum(f["size"] + f["state_size"] for f in files)
+        result["ckpt_bytes_per_rank"] = result["ckpt_bytes_total"] / len(files)
+    return result
+
+
 def run(iters: int = 12, nproc: int = 2, warmup: int = 3, workdir: str | None = None,
         host_cache_gb: float = 0.5) -> dict:
     base = workdir or tempfile.mkdtemp(prefix="megatron-ext-bench-train-", dir=os.getcwd())
     os.makedirs(base, exist_ok=True)
-    common = ["--train-iters", str(iters)]
-    modes = {
-        "baseline": [],
-        "datastates": ["--save", f"{base}/datastates", "--save-interval", "1", "--use-datastates",
-                       "--datastates-host-cache-size", str(host_cache_gb)],
-        "megatron_async": ["--save", f"{base}/megatron_async", "--save-interval", "1", "--megatron-async-save"],
-    }
-    records = {}
-    for i, (mode, extra) in enumerate(modes.items(), 1):
+    runs = {}
+    for i, mode in enumerate(MODES, 1):
         _progress(f"{i}/3 {mode}: {iters} iterations on {nproc} CPU ranks")
-        records[mode] = _run(nproc, [*common, *extra], f"{base}/{mode}.jsonl")[warmup:]
-
-    def iter_s(mode: str) -> float:
-        return statistics.median(r["iter_time_s"] for r in records[mode])
-
-    def blocked_s(mode: str) -> float:
-        return statistics.mean(r["ckpt_blocked_s"] for r in records[mode])
-
-    manifest_dir = os.path.join(base, "datastates", f"iter_{iters:07d}", "manifest.json")
-    with open(manifest_dir) as f:
-        files = json.load(f)["files"].values()
+        runs[mode] = run_mode(mode, base, iters, nproc, 1, warmup, host_cache_gb)
     result = {
         "nproc": nproc,
         "iterations_measured": iters - warmup,
-        "iter_s_baseline": iter_s("baseline"),
-        "iter_s_datastates": iter_s("datastates"),
-        "iter_s_megatron_async": iter_s("megatron_async"),
-        "blocked_s_datastates": blocked_s("datastates"),
-        "blocked_s_megatron_async": blocked_s("megatron_async"),
-        "ckpt_bytes_per_rank": sum(f["size"] + f["state_size"] for f in files) / len(files),
+        "iter_s_baseline": runs["baseline"]["iter_s"],
+        "iter_s_datastates": runs["datastates"]["iter_s"],
+        "iter_s_megatron_async": runs["megatron_async"]["iter_s"],
+        "blocked_s_datastates": runs["datastates"]["blocked_s"],
+        "blocked_s_megatron_async": runs["megatron_async"]["blocked_s"],
+        "ckpt_bytes_per_rank": runs["datastates"]["ckpt_bytes_per_rank"],
     }
     result["ratio_iter_datastates_vs_baseline"] = result["iter_s_datastates"] / result["iter_s_baseline"]
     result["ratio_blocked_megatron_vs_datastates"] = (

@@ -679,7 +679,7 @@ def train(args: argparse.Namespace) -> List[float]:
                                           "consumed_samples": args.consumed_train_samples,
                                           "lr": scheduler.get_lr(optimizer.param_groups[0]).hex(),
                                           "loss_float": loss, "iter_time_s": elapsed,
-                                          "ckpt_blocked_s": blocked.item()}) + "\n")
+                                          "ckpt_blocked_s": blocked.item(), "wall_time": time.time()}) + "\n")
                     log.flush()
             if args.crash_at_iteration == iteration:
                 os.kill(os.getpid(), signal.SIGKILL)
