@@ -145,6 +145,10 @@ class EngineConfig:
             raise ConfigError(f"restore_threads must be a whole number in [1, 64], got {self.restore_threads!r}")
         if not isinstance(self.peer_replica, bool):
             raise ConfigError(f"peer_replica must be true or false, got {self.peer_replica!r}")
+        if self.peer_replica and self.overload_policy == "supersede":
+            # Replication pairs ranks checkpoint by checkpoint in commit order; a checkpoint skipped
+            # at different moments on different ranks would break the pairing.
+            raise ConfigError("peer_replica cannot be combined with overload_policy \"supersede\"; use \"wait\"")
         value = self.ranks_per_node
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"ranks_per_node must be a whole number >= 1, got {value!r}")

@@ -36,6 +36,8 @@ from megatron_ext.engine import CheckpointEngine, ConfigError, EngineConfig
     ({"persist_timeout_s": "60"}, r"persist_timeout_s must be a number"),
     ({"object_modules": "deepspeed."}, r"object_modules must be a list of module prefixes"),
     ({"object_modules": ["ok.", ""]}, r"object_modules must be a list of module prefixes"),
+    ({"peer_replica": True, "overload_policy": "supersede"},
+     r"peer_replica cannot be combined with overload_policy \"supersede\""),
 ], ids=lambda v: repr(v)[:40] if isinstance(v, dict) else None)
 def test_bad_values_raise_config_error(section, message):
     with pytest.raises(ConfigError, match=message):
