@@ -92,7 +92,7 @@ def test_durable_age_bound_forces_waits(tmp_path):
 
 @pytest.mark.multiproc
 def test_wait_policy_commits_every_checkpoint(tmp_path):
-    iters = 6
+    iters = 10  # enough for the cache (about 4 checkpoints) to fill even when iterations are slow
     outcomes, committed = _run(tmp_path, "wait", iters)
     assert committed == [f"it_{i:04d}" for i in range(1, iters + 1)]
     assert all(o["skipped"] == [] and o["backpressure_waits"] > 0 for o in outcomes), outcomes

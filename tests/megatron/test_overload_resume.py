@@ -17,8 +17,8 @@ from launch import run_trainer
 
 pytest.importorskip("megatron.core")
 
-ITERS = 8
-CRASH_AT = 6
+ITERS = 12
+CRASH_AT = 10  # leaves the first checkpoint (~1 MB per rank, ~0.5 s to flush) time to commit however fast the loop
 
 
 @pytest.mark.multiproc
@@ -28,7 +28,7 @@ def test_supersede_under_throttled_writes_resumes_bit_exact(tmp_path: Path):
     ckpt = tmp_path / "ckpt"
     common = ["--train-iters", str(ITERS)]
     datastates = ["--save", str(ckpt), "--save-interval", "1", "--use-datastates",
-                  "--datastates-host-cache-size", "0.002", "--datastates-overload-policy", "supersede",
+                  "--datastates-host-cache-size", "0.0015", "--datastates-overload-policy", "supersede",
                   "--throttle-writes-mbps", "2"]
     first = {r["iteration"]: (r["loss"], r["lr"]) for r in run_trainer(
         2, [*common, *datastates, "--crash-at-iteration", str(CRASH_AT)], tmp_path / "first.jsonl", expect_crash=True)}
