@@ -465,7 +465,8 @@ def _index(manifest: dict) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
 
 def _reshard_source(ckpt: Any, saved: dict, current: dict) -> SavedShards | None:
     """The saved shards to assemble from when the parallel layout changed; None when it did not."""
-    differ = [f"{k.upper()} {saved.get(k)} -> {current.get(k)}" for k in ("tp", "pp", "dp") if saved.get(k) != current.get(k)]
+    differ = [f"{k.upper()} {saved.get(k)} -> {current.get(k)}" for k in ("tp", "pp", "dp")
+              if saved.get(k) != current.get(k)]
     if not differ:
         return None
     if torch.distributed.get_rank() == 0:

@@ -110,8 +110,15 @@ def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
     states = [state] if len(optimizers) == 1 else [state[i] for i in sorted(state)]
     for opt, opt_state in zip(optimizers, states):
         param_state = opt_state.get("param_state", {})
-        opt.load_state_dict({k: v for k, v in opt_state.items() if k not in ("param_state", "param_state_sharding_type")})
+        opt.load_state_dict({k: v for k, v in opt_state.items()
+                             if k not in ("param_state", "param_state_sharding_type")})
+        scaled = getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
         for index, (model_param, _) in enumerate(_param_slices(opt)):
+            if scaled:  # the optimizer keeps scaled copies: megatron-core's own setter rescales
+                loaded = param_state[index]
+                opt._set_main_param_and_optimizer_states(
+                    model_param, {"param" if k == "fp32_param" else k: v for k, v in loaded.items()})
+                continue
             for name, tensor in _param_tensors(opt, model_param).items():
                 tensor.copy_(param_state[index][name])
     restore_adam_steps(optimizer)

@@ -627,7 +627,8 @@ def train(args: argparse.Namespace) -> List[float]:
     Iterations are numbered from 1 like Megatron; a checkpoint taken after iteration ``k`` is
     ``iter_000000k`` and resuming from it runs iteration ``k + 1`` next.
     """
-    if args.resave_on_load and not (args.load and args.save and os.path.abspath(args.load) != os.path.abspath(args.save)):
+    if args.resave_on_load and not (args.load and args.save
+                                    and os.path.abspath(args.load) != os.path.abspath(args.save)):
         raise ValueError("--resave-on-load needs --load and a different --save directory")
     initialize_distributed(args)
     save_checkpoint_fn, load_checkpoint_fn = select_checkpointing(args)

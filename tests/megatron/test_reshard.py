@@ -12,9 +12,12 @@ fixed batch right then); each target layout loads that checkpoint, saves the loa
    weights are bit-identical, but TP reductions add bf16 partial sums in another order, so
    logits move by a few bf16 ulps (2^-8 relative). Measured: 0.004 at most per token on losses
    near 5, 2e-5 on the batch mean; we allow 0.02 per token and 0.002 on the batch mean;
-3. training continues: iteration counter and consumed samples carry on, losses are finite and
-   within 0.02 of the saving run's own continuation (dropout off, data a function of the
-   consumed samples only, so the batches are the same in every layout).
+3. training continues: iteration counter, consumed samples and learning rate carry on; losses
+   are finite; dropout is off and the data are a function of the consumed samples only, so the
+   batches are the same in every layout: the first continued iteration's loss (the loaded
+   weights on the training batch) is within 0.002 of the saving run's (measured 5e-5), later
+   ones, after updates computed with another reduction order, within 0.05 (measured 0.004 and
+   0.017 one step later: Adam's early, small-second-moment steps amplify bf16 differences).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ TARGETS = {
     "tp1_pp1_dp4": (4, []),
     "tp4_pp1_dp2": (8, ["--tensor-model-parallel-size", "4"]),
 }
-TOKEN_TOL, MEAN_TOL, LOSS_TOL = 0.02, 0.002, 0.02
+TOKEN_TOL, MEAN_TOL, LOSS_TOL = 0.02, 0.002, 0.05
 
 
 def _evals(path: Path) -> dict[int, list[float]]:
@@ -130,4 +133,5 @@ def test_reshard_loads_bit_exact_and_trains_on(source: dict, target: str):
         loss = float.fromhex(record["loss"])
         print(f"{target}: iteration {record['iteration']} loss {loss:.5f}, saving layout "
               f"{float.fromhex(reference['loss']):.5f}")
-        assert math.isfinite(loss) and abs(loss - float.fromhex(reference["loss"])) <= LOSS_TOL, (record, reference)
+        tolerance = MEAN_TOL if record["iteration"] == SAVE_AT + 1 else LOSS_TOL
+        assert math.isfinite(loss) and abs(loss - float.fromhex(reference["loss"])) <= tolerance, (record, reference)

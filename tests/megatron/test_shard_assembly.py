@@ -51,6 +51,8 @@ def _saved_layout() -> dict[str, list]:
             files[f"rank0000{dp + 1}"].append(sharding.flat_shard(whole, "b", data[start:stop].clone(),
                                                                   slice(start, stop), (0, 0, 0)))
     files["rank00002"].append(ShardedTensor("s", SCALAR.clone(), SCALAR.dtype, (), (), (), None))
+    scalar = ShardedTensor("s.flat", SCALAR.clone(), SCALAR.dtype, (), (), (), None)  # a 0-dim param's slice
+    files["rank00001"].append(sharding.flat_shard(scalar, "s.flat", SCALAR.reshape(1).clone(), slice(0, 1), (0, 0, 0)))
     return files
 
 
@@ -76,7 +78,7 @@ def saved(tmp_path_factory) -> SavedShards:
         engine.shutdown()
 
 
-EXPECTED = {"w": WEIGHT, "opt.w": WEIGHT * 10, "b": BIAS, "s": SCALAR}
+EXPECTED = {"w": WEIGHT, "opt.w": WEIGHT * 10, "b": BIAS, "s": SCALAR, "s.flat": SCALAR}
 
 
 def test_describes_every_key(saved: SavedShards):
@@ -114,6 +116,7 @@ def test_read_shard_in_another_layout(saved: SavedShards):
             assert torch.equal(got, (box * 10).reshape(-1)[start:stop]), (layer, third, start, stop)
     assert torch.equal(saved.read_shard("b", (2,), (6,), 0, (1, 5)), BIAS[2:8][1:5])
     assert saved.read_shard("s", (), ()).item() == SCALAR.item()
+    assert torch.equal(saved.read_shard("s.flat", (), (), 0, slice(0, 1)), SCALAR.reshape(1))
 
 
 def test_reads_only_the_overlapping_tensors(saved: SavedShards, monkeypatch):
