@@ -188,14 +188,18 @@ def load_fully_reshardable_state_dict(optimizer: Any, state: Any) -> None:
             continue
         param_state = opt_state["param_state"]
         opt.load_state_dict({k: v for k, v in opt_state.items() if k not in ("param_state", "param_state_sharding_type")})
+        scaled = getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
         local = dict(_param_slices(opt))
         index = 0
         for buffer in opt.buffers:
             for model_param in buffer.param_index_map:
                 flat = local.get(model_param)
                 if flat is not None:
-                    saved = param_state[index]
-                    for name, tensor in _param_tensors(opt, model_param).items():
-                        tensor.copy_(saved["param" if name == "fp32_param" else name].reshape(-1)[flat])
+                    sliced = {name: saved.reshape(-1)[flat] for name, saved in param_state[index].items()}
+                    if scaled:  # the optimizer keeps scaled copies: megatron-core's own setter rescales
+                        opt._set_main_param_and_optimizer_states(model_param, sliced)
+                    else:
+                        for name, tensor in _param_tensors(opt, model_param).items():
+                            tensor.copy_(sliced["param" if name == "fp32_param" else name])
                 index += 1
     restore_adam_steps(optimizer)
