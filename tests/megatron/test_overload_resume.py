@@ -1,9 +1,10 @@
 """--datastates-overload-policy supersede on the reference trainer, writes throttled: resume bit-exact.
 
 Two CPU ranks checkpoint every iteration onto a file system throttled far below what that needs,
-so checkpoints are skipped; the run is SIGKILLed after iteration CRASH_AT's save. The restart loads
-the newest committed checkpoint and every iteration it repeats must reproduce the first run's loss
-and learning rate bit for bit. No skipped checkpoint may be committed, every committed one verifies.
+so checkpoints are skipped, while the age bound forces a commit every few iterations (without it a
+fast loop can skip every checkpoint before the crash). The run is SIGKILLed after iteration
+CRASH_AT's save. The restart loads the newest committed checkpoint and every iteration it repeats
+must reproduce the first run's loss and learning rate bit for bit. No skipped checkpoint may be committed, every committed one verifies.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from launch import run_trainer
 pytest.importorskip("megatron.core")
 
 ITERS = 12
-CRASH_AT = 10  # leaves the first checkpoint (~1 MB per rank, ~0.5 s to flush) time to commit however fast the loop
+CRASH_AT = 10
+MAX_AGE = 3  # the age bound forces a commit at least every few iterations, however fast the loop
 
 
 @pytest.mark.multiproc
@@ -29,7 +31,8 @@ def test_supersede_under_throttled_writes_resumes_bit_exact(tmp_path: Path):
     common = ["--train-iters", str(ITERS)]
     datastates = ["--save", str(ckpt), "--save-interval", "1", "--use-datastates",
                   "--datastates-host-cache-size", "0.0015", "--datastates-overload-policy", "supersede",
-                  "--throttle-writes-mbps", "2"]
+                  "--throttle-writes-mbps", "1",
+                  "--datastates-max-durable-age", str(MAX_AGE)]
     first = {r["iteration"]: (r["loss"], r["lr"]) for r in run_trainer(
         2, [*common, *datastates, "--crash-at-iteration", str(CRASH_AT)], tmp_path / "first.jsonl", expect_crash=True)}
     assert sorted(first) == list(range(1, CRASH_AT + 1))
