@@ -56,7 +56,7 @@ class Profile:
     dp: tuple[int, ...] = (1, 2, 4)
 
 
-QUICK = Profile("quick", (64, 128, 256), tuple(QUICK_MODEL), train_iters=10, warmup=2, ds_steps=6, ds_hidden=1024)
+QUICK = Profile("quick", (64, 128, 256), tuple(QUICK_MODEL), train_iters=10, warmup=2, ds_steps=8, ds_hidden=2048)
 FULL = Profile("full", (256, 512, 1024, 2048), tuple(train_bench.MODEL), train_iters=20, warmup=3,
                ds_steps=12, ds_hidden=4096)
 
