@@ -189,8 +189,8 @@ def run(profile: Profile, out: str) -> dict:
     scenario("training", lambda: run_training(profile, os.path.join(base, "train"), progress))
     scenario("gpu_model", lambda: gpu_model_inputs(results["sizes"], results["limits"], results["training"]))
     # The every-iteration datastates run's own telemetry, as `telemetry report` shows it to users.
-    telemetry_report.report(os.path.join(base, "train", "datastates-dp2-every1", "datastates_telemetry"),
-                            os.path.join(out, "telemetry"))
+    telemetry_report.report(os.path.join(train_bench.save_dir(os.path.join(base, "train"), "datastates", 2, 1),
+                                         "datastates_telemetry"), os.path.join(out, "telemetry"))
     progress.step(f"DeepSpeed: default engine vs datastates, {profile.ds_steps} steps")
     scenario("deepspeed", lambda: deepspeed_bench.run(profile.ds_steps, profile.ds_hidden,
                                                       min(profile.warmup, profile.ds_steps - 1),
