@@ -22,7 +22,10 @@ from megatron_ext.procs import torchrun_command
 
 def _run(args: list[str], log_json: str) -> list[dict]:
     cmd = torchrun_command(2, "-m", "megatron_ext.deepspeed_harness", *args, "--log-json", log_json)
+    # DeepSpeed JIT-builds its CPU ops under TORCH_EXTENSIONS_DIR; one per environment, so that two
+    # environments on one machine do not rebuild over each other's build behind a shared lock.
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"harness failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")

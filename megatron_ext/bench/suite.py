@@ -56,7 +56,7 @@ class Profile:
     dp: tuple[int, ...] = (1, 2, 4)
 
 
-QUICK = Profile("quick", (64, 128, 256), tuple(QUICK_MODEL), train_iters=10, warmup=2, ds_steps=6, ds_hidden=1024)
+QUICK = Profile("quick", (64, 128, 256), tuple(QUICK_MODEL), train_iters=10, warmup=2, ds_steps=8, ds_hidden=2048)
 FULL = Profile("full", (256, 512, 1024, 2048), tuple(train_bench.MODEL), train_iters=20, warmup=3,
                ds_steps=12, ds_hidden=4096)
 
@@ -189,8 +189,8 @@ def run(profile: Profile, out: str) -> dict:
     scenario("training", lambda: run_training(profile, os.path.join(base, "train"), progress))
     scenario("gpu_model", lambda: gpu_model_inputs(results["sizes"], results["limits"], results["training"]))
     # The every-iteration datastates run's own telemetry, as `telemetry report` shows it to users.
-    telemetry_report.report(os.path.join(base, "train", "datastates-dp2-every1", "datastates_telemetry"),
-                            os.path.join(out, "telemetry"))
+    telemetry_report.report(os.path.join(train_bench.save_dir(os.path.join(base, "train"), "datastates", 2, 1),
+                                         "datastates_telemetry"), os.path.join(out, "telemetry"))
     progress.step(f"DeepSpeed: default engine vs datastates, {profile.ds_steps} steps")
     scenario("deepspeed", lambda: deepspeed_bench.run(profile.ds_steps, profile.ds_hidden,
                                                       min(profile.warmup, profile.ds_steps - 1),

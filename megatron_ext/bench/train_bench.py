@@ -47,9 +47,14 @@ MODES = ("baseline", "datastates", "megatron_async")
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
+def save_dir(base: str, mode: str, nproc: int, save_interval: int) -> str:
+    """Where ``run_mode`` saves the checkpoints (and the engine its telemetry) of one run."""
+    return os.path.join(base, f"{mode}-dp{nproc}-every{save_interval}")
+
+
 def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interval: int = 1, warmup: int = 3,
              host_cache_gb: float = 0.5, model: list[str] = MODEL) -> dict:
-    """One trainer run in ``mode`` (one of ``MODES``) under ``base/<tag>``: per-iteration and end-to-end figures.
+    """One trainer run in ``mode`` (one of ``MODES``) in ``save_dir(...)``: per-iteration and end-to-end figures.
 
     ``model`` is the trainer's model arguments (default ``MODEL``). End-to-end is from the start of
     iteration 1 until the last checkpoint is committed (the tracker is written) or, without
@@ -57,14 +62,13 @@ def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interva
     """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
-    tag = f"{mode}-dp{nproc}-every{save_interval}"
-    save = os.path.join(base, tag)
+    save = save_dir(base, mode, nproc, save_interval)
     extra = {"baseline": [],
              "datastates": ["--save", save, "--save-interval", str(save_interval), "--use-datastates",
                             "--datastates-host-cache-size", str(host_cache_gb)],
              "megatron_async": ["--save", save, "--save-interval", str(save_interval), "--megatron-async-save"]}[mode]
     os.makedirs(base, exist_ok=True)
-    log_json = os.path.join(base, f"{tag}.jsonl")
+    log_json = f"{save}.jsonl"
     if os.path.exists(log_json):
         os.unlink(log_json)
     records = _run(nproc, ["--train-iters", str(iters), *extra], log_json, model)
