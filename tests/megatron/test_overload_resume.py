@@ -4,7 +4,8 @@ Two CPU ranks checkpoint every iteration onto a file system throttled far below 
 so checkpoints are skipped, while the age bound forces a commit every few iterations (without it a
 fast loop can skip every checkpoint before the crash). The run is SIGKILLed after iteration
 CRASH_AT's save. The restart loads the newest committed checkpoint and every iteration it repeats
-must reproduce the first run's loss and learning rate bit for bit. No skipped checkpoint may be committed, every committed one verifies.
+must reproduce the first run's loss and learning rate bit for bit. No skipped checkpoint may be
+committed; every committed one verifies.
 """
 
 from __future__ import annotations
