@@ -390,6 +390,7 @@ def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_par
                                                                        optimizer_format))
     sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"
     missing: list[str] = []
+    prefetched = {} if saved_shards is not None else _read_own_shards(ckpt, tensor_index, sharded)
 
     def fill(leaf: Any) -> Any:
         if not isinstance(leaf, (ShardedTensor, ShardedObject)):
@@ -402,11 +403,10 @@ def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_par
             return ckpt.reader(object_index[sid]).part("shards", "objects", sid)
         if saved_shards is not None:
             return _assemble(saved_shards, leaf)
-        if sid not in tensor_index:
+        if sid not in prefetched:
             missing.append(sid)
             return None
-        file_name, tensor_name = tensor_index[sid]
-        tensor = ckpt.reader(file_name).tensor(tensor_name)
+        tensor = prefetched[sid]
         expected = tuple(leaf.data.shape) if leaf.data is not None else tuple(leaf.local_shape)
         if tuple(tensor.shape) != expected:
             # A shard converted from torch_dist keeps megatron-core's prepended axes of size 1.
@@ -448,6 +448,25 @@ def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_par
     if getattr(args, "finetune", False):
         return 0, 0, levels
     return iteration, meta.get("num_floating_point_operations_so_far", 0), levels
+
+
+def _read_own_shards(ckpt: Any, tensor_index: dict[str, tuple[str, str]], sharded: Any) -> dict[str, torch.Tensor]:
+    """Every tensor shard this rank loads, by shard id: one batched parallel read per file."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    wanted: dict[str, dict[str, str]] = {}  # file -> tensor name -> shard id
+    for leaf in nested_values(sharded):
+        if isinstance(leaf, ShardedTensor):
+            sid = sharding.shard_id(leaf)
+            if sid in tensor_index:
+                file_name, tensor_name = tensor_index[sid]
+                wanted.setdefault(file_name, {})[tensor_name] = sid
+    found: dict[str, torch.Tensor] = {}
+    for file_name, names in wanted.items():
+        for tensor_name, tensor in ckpt.reader(file_name).tensors(names).items():
+            found[names[tensor_name]] = tensor
+    return found
 
 
 def _index(manifest: dict) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
