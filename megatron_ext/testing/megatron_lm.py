@@ -1,0 +1,251 @@
+"""Megatron-LM's own ``pretrain_gpt.py`` on CPU ranks (gloo): the real training loop, for tests.
+
+    torchrun ... -m megatron_ext.testing.megatron_lm [--checkout DIR] [--record FILE]
+        [--kill-at-iteration N] -- <pretrain_gpt.py arguments>
+
+The script runs in-process, unchanged, from a patched checkout of the pin (``find_checkout``).
+What a CPU run of ``megatron/training`` needs beyond the megatron-core emulation layer
+(``megatron_ext.megatron.cpu_emulation``), each found by running it:
+
+* ``initialize_megatron(allow_no_cuda=True)``;
+* a device count of 1 (with 0 Megatron skips model-parallel initialisation and seeding) and a
+  no-op ``set_device``; zero CUDA memory statistics (``report_memory``, ``training_log``);
+* CPU stand-ins for CUDA streams (DDP is built on a side stream in ``get_model``);
+* a GPU architecture answer for ``validate_args`` (it asks when TP > 1);
+* no compilation at start-up: the dataset helpers are the megatron-core wheel's prebuilt
+  ``helpers_cpp`` (the wheel's ``megatron.core`` is imported; its code is the pin's);
+* the CPU generator's state kept across the data loaders' construction: on a CPU, dropout's
+  "CUDA" generator *is* the CPU generator, so the seed draw made there would change a resumed
+  run's dropout; on a GPU it never touches dropout.
+
+CPU flags the runs pass: ``--distributed-backend gloo --transformer-impl local
+--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion
+--no-bias-dropout-fusion --no-persist-layer-norm --no-rope-fusion`` (``CPU_FLAGS``).
+
+Recording: the rank that holds the last pipeline stage at tensor- and data-parallel rank 0
+appends one JSON line per training step, ``{"iteration", "loss", "grad_norm", "skipped", "lr",
+"loss_scale"}``, with the exact float values (Megatron's printed ``lm loss`` averages over the
+log interval, so it cannot be compared bit for bit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+PIN = "55ac7082517c3878ae653c07c09c534b8aed49f6"
+REPO = Path(__file__).resolve().parents[2]
+FETCH_SCRIPT = REPO / "scripts" / "fetch_megatron.sh"
+HOW_TO_GET = ("Megatron-LM checkout not available: run `MEGATRON_LM_DIR=<a checkout or git mirror of "
+              "NVIDIA/Megatron-LM> scripts/fetch_megatron.sh` once")
+CPU_FLAGS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+             "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
+             "--no-persist-layer-norm", "--no-rope-fusion"]
+
+
+# ---------------------------------------------------------------------------- the checkout
+def cache_dir() -> Path:
+    """Where ``scripts/fetch_megatron.sh`` keeps the patched checkout of the pin."""
+    root = os.environ.get("MEGATRON_EXT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "megatron_ext")
+    return Path(root) / f"Megatron-LM-{PIN[:7]}"
+
+
+def find_checkout(timeout_s: float = 600) -> tuple[Path | None, str]:
+    """The patched checkout of the pin, brought up to date with the current patch series.
+
+    Returns ``(path, "")`` or ``(None, reason)``. Runs ``fetch_megatron.sh``, which is a no-op
+    when the cached checkout already carries the current series, re-patches it when the series
+    changed, creates it from ``MEGATRON_LM_DIR`` when set, and otherwise tries to clone.
+    """
+    env = dict(os.environ, GIT_TERMINAL_PROMPT="0")
+    try:
+        proc = subprocess.run(["bash", str(FETCH_SCRIPT)], capture_output=True, text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return None, f"{HOW_TO_GET} (fetch_megatron.sh timed out)"
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return None, f"{HOW_TO_GET} ({last})"
+    return Path(proc.stdout.strip().splitlines()[-1]), ""
+
+
+# ---------------------------------------------------------------------------- CPU answers
+class _CpuStream:
+    """Stands in for ``torch.cuda.Stream``: on a CPU every operation is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        return event
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM = _CpuStream()
+
+
+def _zero(*args: Any, **kwargs: Any) -> int:
+    return 0
+
+
+def _patch_cuda_queries() -> None:
+    cuda = torch.cuda
+    cuda.device_count = lambda: 1
+    cuda.set_device = lambda device: None
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, name, _zero)
+    cuda.memory_stats = lambda device=None: {}
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.Stream = _CpuStream
+    cuda.current_stream = lambda device=None: _STREAM
+    cuda.default_stream = lambda device=None: _STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+def _keep_cpu_generator(build: Callable) -> Callable:
+    def build_keeping_generator(*args: Any, **kwargs: Any):
+        state = torch.get_rng_state()
+        try:
+            return build(*args, **kwargs)
+        finally:
+            torch.set_rng_state(state)
+
+    return build_keeping_generator
+
+
+def _patch_megatron_training() -> None:
+    from megatron.training import arguments, initialize, training
+
+    inner_initialize = training.initialize_megatron
+
+    def initialize_megatron(*args: Any, **kwargs: Any):
+        kwargs["allow_no_cuda"] = True
+        return inner_initialize(*args, **kwargs)
+
+    training.initialize_megatron = initialize_megatron
+    initialize._compile_dependencies = lambda: None
+    # Warm-up compiles the fused kernels with torch.compile and draws from the "CUDA" generator,
+    # which on a CPU is the one dropout uses; the CPU flags switch those fusions off anyway.
+    training.set_jit_fusion_options = lambda: None
+    arguments.get_device_arch_version = lambda: 8  # asked by validate_args when TP > 1
+    training.build_train_valid_test_data_iterators = _keep_cpu_generator(training.build_train_valid_test_data_iterators)
+
+
+# ---------------------------------------------------------------------------- recording, killing
+def _is_recording_rank() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_data_parallel_rank() == 0)
+
+
+def _number(value: Any) -> float | None:
+    if value is None:
+        return None
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
+def _install_recorder(path: str) -> None:
+    from megatron.training import get_args, training
+
+    inner_step = training.train_step
+
+    def train_step(*args: Any, **kwargs: Any):
+        result = inner_step(*args, **kwargs)
+        loss_dict, skipped, grad_norm = result[0], result[1], result[5]
+        if _is_recording_rank():
+            optimizer = args[3] if len(args) > 3 else kwargs["optimizer"]
+            megatron_args = get_args()
+            record = {"iteration": megatron_args.curr_iteration + 1,
+                      "loss": _number(loss_dict.get("lm loss")) if loss_dict else None,
+                      "grad_norm": _number(grad_norm), "skipped": int(skipped),
+                      "lr": optimizer.param_groups[0]["lr"], "loss_scale": _number(optimizer.get_loss_scale()),
+                      "consumed_train_samples": megatron_args.consumed_train_samples}
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return result
+
+    training.train_step = train_step
+
+
+def _install_killer(iteration: int) -> None:
+    """SIGKILL this rank once iteration ``iteration`` is trained and its save (if any) was called."""
+    from megatron.training import training
+
+    inner = training.checkpoint_and_decide_exit
+
+    def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, it, *args: Any, **kwargs: Any):
+        decision = inner(model, optimizer, opt_param_scheduler, it, *args, **kwargs)
+        if it == iteration:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return decision
+
+    training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
+
+
+# ---------------------------------------------------------------------------- entry point
+def run(script: Path, argv: list[str], record: str | None = None, kill_at: int | None = None) -> None:
+    """Run ``script`` (a checkout's ``pretrain_gpt.py``) as ``__main__`` with ``argv`` on CPU ranks."""
+    from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation
+
+    checkout = str(script.resolve().parent)
+    # After site-packages: megatron.core comes from the wheel (with its prebuilt helpers),
+    # megatron.training, gpt_builders and model_provider from the checkout.
+    sys.path.append(checkout)
+    if not torch.cuda.is_available():
+        enable_cpu_emulation()
+        _patch_cuda_queries()
+        _patch_megatron_training()
+    if record:
+        _install_recorder(record)
+    if kill_at is not None:
+        _install_killer(kill_at)
+    sys.argv = [str(script), *argv]
+    runpy.run_path(str(script), run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        raise SystemExit("usage: python -m megatron_ext.testing.megatron_lm [options] -- <pretrain_gpt.py arguments>")
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="megatron_ext.testing.megatron_lm", description=__doc__.splitlines()[0])
+    parser.add_argument("--checkout", help="patched Megatron-LM checkout (default: find_checkout())")
+    parser.add_argument("--script", default="pretrain_gpt.py", help="training script in the checkout")
+    parser.add_argument("--record", help="append one JSON line per training step here")
+    parser.add_argument("--kill-at-iteration", type=int, help="SIGKILL every rank after this iteration's save call")
+    opts = parser.parse_args(argv[:split])
+    checkout = Path(opts.checkout) if opts.checkout else None
+    if checkout is None:
+        checkout, reason = find_checkout()
+        if checkout is None:
+            raise SystemExit(reason)
+    script = checkout / opts.script
+    if not script.is_file():
+        raise SystemExit(f"no {opts.script} in {checkout}")
+    run(script, argv[split + 1:], record=opts.record, kill_at=opts.kill_at_iteration)
+
+
+if __name__ == "__main__":
+    main()
