@@ -206,17 +206,17 @@ class Committer:
                 return
             job.reported = True
         report = {
-            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": self.run_id,
+            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": job.tag,
             "rank": self.rank, "world_size": self.world_size, "checkpoint": job.checkpoint,
             "version": job.version, "files": [f.report() for f in job.files],
         }
         os.makedirs(reports_dir, exist_ok=True)
-        atomic_write_json(os.path.join(reports_dir, report_name(self.rank, self.run_id)), report)
+        atomic_write_json(os.path.join(reports_dir, report_name(self.rank, job.tag)), report)
         local = self.local_root(job)
         if local is not None:
             local_reports = os.path.join(local, job.checkpoint, REPORTS)
             os.makedirs(local_reports, exist_ok=True)
-            atomic_write_json(os.path.join(local_reports, report_name(self.rank, self.run_id)), report)
+            atomic_write_json(os.path.join(local_reports, report_name(self.rank, job.tag)), report)
         self._emit_levels(job)
         if self.rank == 0:
             manifest = self._write_manifest(job, ckpt_dir, reports_dir)
@@ -246,10 +246,11 @@ class Committer:
                 self.telemetry.emit("flush", job.checkpoint, level, job.nbytes, max(done) - first,
                                     blocked_s=job.blocked_s)
 
-    def _wait(self, what: str, ready: Callable[[], bool], reports_dir: str, checkpoint: str) -> None:
+    def _wait(self, what: str, ready: Callable[[], bool], reports_dir: str, job: CheckpointJob) -> None:
+        checkpoint = job.checkpoint
         deadline = time.monotonic() + self.timeout_s
         while not ready():
-            _raise_peer_skip(reports_dir, self.run_id, checkpoint)
+            _raise_peer_skip(reports_dir, job.tag, checkpoint)
             _raise_peer_error(reports_dir, self.run_id, checkpoint)
             self.check()
             if time.monotonic() > deadline:
@@ -257,7 +258,7 @@ class Committer:
             time.sleep(_POLL_S)
 
     def _write_manifest(self, job: CheckpointJob, ckpt_dir: str, reports_dir: str) -> dict:
-        names = [report_name(r, self.run_id) for r in range(self.world_size)]
+        names = [report_name(r, job.tag) for r in range(self.world_size)]
         paths = [os.path.join(reports_dir, n) for n in names]
 
         def all_reported() -> bool:
@@ -267,7 +268,7 @@ class Committer:
             return ", ".join(str(r) for r, p in enumerate(paths) if not os.path.exists(p))
 
         try:
-            self._wait("not every rank reported its files durable", all_reported, reports_dir, job.checkpoint)
+            self._wait("not every rank reported its files durable", all_reported, reports_dir, job)
         except CheckpointError as exc:
             if "not every rank" in str(exc):
                 raise CheckpointError(f"{exc} (missing ranks: {missing()})") from None
@@ -287,12 +288,12 @@ class Committer:
         if len(versions) != 1:
             raise CheckpointError(f"checkpoint {job.checkpoint}: ranks disagree on the version {sorted(map(str, versions))}")
         manifest = {
-            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": self.run_id,
+            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": job.tag,
             "checkpoint": job.checkpoint, "version": job.version, "world_size": self.world_size,
             "committed_at": time.time(), "files": files,
         }
         atomic_write_json(os.path.join(ckpt_dir, MANIFEST), manifest)
-        _remove_other_runs(ckpt_dir, self.run_id, files)
+        _remove_other_runs(ckpt_dir, job.tag, files)
         return manifest
 
     def _await_manifest(self, job: CheckpointJob, ckpt_dir: str, reports_dir: str) -> dict:
@@ -300,24 +301,24 @@ class Committer:
 
         def committed() -> bool:
             manifest = read_manifest(ckpt_dir)
-            if manifest is not None and manifest.get("run_id") == self.run_id:
+            if manifest is not None and manifest.get("run_id") == job.tag:
                 found["m"] = manifest
                 return True
             return False
 
-        self._wait("rank 0 did not write the manifest", committed, reports_dir, job.checkpoint)
+        self._wait("rank 0 did not write the manifest", committed, reports_dir, job)
         return found["m"]
 
 
 _RUN_FILE = re.compile(r"\.([0-9a-f]{12})\.(safetensors|state\.json)$")
 
 
-def _remove_other_runs(ckpt_dir: str, run_id: str, files: dict) -> None:
+def _remove_other_runs(ckpt_dir: str, tag: str, files: dict) -> None:
     """Delete data files an earlier, overwritten or crashed attempt at this checkpoint left behind."""
     keep = {os.path.basename(f[k]) for f in files.values() for k in ("tensor_file", "state_file")}
     for name in os.listdir(ckpt_dir):
         m = _RUN_FILE.search(name)
-        if m and m.group(1) != run_id and name not in keep:
+        if m and m.group(1) != tag and name not in keep:
             try:
                 os.unlink(os.path.join(ckpt_dir, name))
             except OSError:

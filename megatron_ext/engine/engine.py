@@ -12,6 +12,7 @@ The engine knows nothing of Megatron or DeepSpeed: nested states of tensors in, 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import logging
 import os
@@ -48,6 +49,18 @@ def _default_rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def attempt_tag(run_id: str, checkpoint: str, attempt: int) -> str:
+    """The tag of the ``attempt``-th save of ``checkpoint`` in run ``run_id`` (0: the run id itself).
+
+    Every rank derives the same tag, so a checkpoint id saved again in one run (Megatron-LM does,
+    on a batch-size ramp-up step or for its rerun state machine) gets new file names: the files
+    of the committed attempt stay untouched until the new manifest replaces the old one.
+    """
+    if attempt == 0:
+        return run_id
+    return hashlib.sha1(f"{run_id}/{checkpoint}/{attempt}".encode()).hexdigest()[:12]
 
 
 def _agree_run_id(world_size: int) -> str:
@@ -87,7 +100,8 @@ class CheckpointEngine:
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._checkpoints: dict[tuple[str, str], CheckpointJob] = {}
-        self._committed_ids: set[tuple[str, str]] = set()  # never written again in this run
+        self._committed_ids: set[tuple[str, str]] = set()  # committed in this run (saving again: a new attempt)
+        self._attempts: dict[tuple[str, str], int] = {}  # checkpoints saved more than once in this run
         self._files: list[FileJob] = []
         self._closed = False
         self.last_load_level: str | None = None
@@ -155,12 +169,7 @@ class CheckpointEngine:
             raise ValueError(f"file name {name!r} must be non-empty, without '/', not starting with '.'")
         if not checkpoint or checkpoint.startswith(".") or "/" in checkpoint.strip("/"):
             raise ValueError(f"checkpoint id {checkpoint!r} must be one non-hidden directory name")
-        self._forget_finished()
-        if (root, checkpoint) in self._committed_ids:
-            raise CheckpointError(f"checkpoint {checkpoint} was already committed in this run; use a new id")
-        job = self._checkpoints.get((root, checkpoint))
-        if job is not None and job.commit_requested:
-            raise CheckpointError(f"checkpoint {checkpoint} was already committed by this rank; use a new id")
+        job = self._open_job(root, checkpoint)
         if job is not None and any(f.name == name for f in job.files):
             raise CheckpointError(f"checkpoint {checkpoint} already has a file named {name!r}")
         if job is not None and job.version != version:
@@ -173,21 +182,23 @@ class CheckpointEngine:
         skeleton = encoder.encode(state)
         sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton},
                              separators=(",", ":")).encode("utf-8")
+        tag = job.tag if job is not None else attempt_tag(self.run_id, checkpoint,
+                                                          self._attempts.get((root, checkpoint), 0))
         plan = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name,
-                                                  "rank": str(self.rank), "run_id": self.run_id})
+                                                  "rank": str(self.rank), "run_id": tag})
         if job is None:
             if policy == OVERLOAD_SUPERSEDE:
                 self._before_superseding_save()
             if self._first_version is None:
                 self._first_version = version
-            job = CheckpointJob(checkpoint=checkpoint, root=root, version=version, policy=policy)
+            job = CheckpointJob(checkpoint=checkpoint, root=root, version=version, tag=tag, policy=policy)
             if policy == OVERLOAD_SUPERSEDE:
                 self._supersede_queued(job)
             if policy == OVERLOAD_WAIT and self.config.overload_policy == OVERLOAD_SUPERSEDE:
                 self.age_bound_waits += 1
             self._checkpoints[(root, checkpoint)] = job
             self.committer.track(job)
-        base = f"{checkpoint}/{name}.{self.run_id}"
+        base = f"{checkpoint}/{name}.{tag}"
         fjob = FileJob(checkpoint=job, name=name, layout=plan, sidecar=sidecar,
                        cuda_mark=self.scheduler.copier.mark([t for _, t in encoder.tensors]),
                        tensor_rel=base + ".safetensors", sidecar_rel=base + ".state.json",
@@ -208,11 +219,10 @@ class CheckpointEngine:
         """
         self._raise_if_failed()
         root = self._root(root)
-        job = self._checkpoints.get((root, checkpoint))
-        if (root, checkpoint) in self._committed_ids:
-            raise CheckpointError(f"checkpoint {checkpoint} was already committed in this run")
+        job = self._open_job(root, checkpoint)
         if job is None:  # a rank with nothing to save still takes part in the commit
-            job = CheckpointJob(checkpoint=checkpoint, root=root, version=None)
+            job = CheckpointJob(checkpoint=checkpoint, root=root, version=None,
+                                tag=attempt_tag(self.run_id, checkpoint, self._attempts.get((root, checkpoint), 0)))
             self._checkpoints[(root, checkpoint)] = job
             self.committer.track(job)
         job.on_committed.append(self._note_durable)
@@ -223,6 +233,29 @@ class CheckpointEngine:
         self._request_commit(job)
         self.committer.poke()
         return job
+
+    def _open_job(self, root: str, checkpoint: str) -> CheckpointJob | None:
+        """The job still open for new files of ``checkpoint``, or None (then the caller starts one).
+
+        A checkpoint already committed, or whose commit was requested, in this run is saved again
+        as a new attempt: first the earlier attempt is waited for (its commit stays valid until the
+        new one replaces it), then the new attempt gets its own tag. Every rank saves and commits
+        the same checkpoints in the same order, so every rank counts the same attempts.
+        """
+        key = (root, checkpoint)
+        self._forget_finished()
+        job = self._checkpoints.get(key)
+        if job is not None and not job.commit_requested:
+            return job
+        if job is None and key not in self._committed_ids:
+            return None
+        log.info("[datastates] rank %d: %s is saved again in this run; waiting for the earlier save to commit",
+                 self.rank, checkpoint)
+        if job is not None:
+            self.wait_persisted(checkpoint, root=root)
+        self._committed_ids.discard(key)
+        self._attempts[key] = self._attempts.get(key, 0) + 1
+        return None
 
     def _request_commit(self, job: CheckpointJob) -> None:
         if not job.commit_requested and self.replicas is not None:
@@ -531,8 +564,8 @@ class CheckpointEngine:
         if job.skipped["by_rank"] == self.rank:
             reports = os.path.join(job.root, job.checkpoint, REPORTS)
             os.makedirs(reports, exist_ok=True)
-            atomic_write_json(os.path.join(reports, skip_report_name(self.rank, self.run_id)),
-                              {"rank": self.rank, "run_id": self.run_id, "version": job.version, **job.skipped})
+            atomic_write_json(os.path.join(reports, skip_report_name(self.rank, job.tag)),
+                              {"rank": self.rank, "run_id": job.tag, "version": job.version, **job.skipped})
         self.writer.submit(Discard(job))  # behind the checkpoint's last chunk: removes its files
 
     def _supersede_older(self, newer: CheckpointJob) -> None:
@@ -566,7 +599,7 @@ class CheckpointEngine:
         """Drop in-flight checkpoints another rank skipped, so their flush does not delay newer ones."""
         for job in list(self._checkpoints.values()):
             if not job.abandoned and not job.committed.is_set():
-                detail = read_skip_report(os.path.join(job.root, job.checkpoint, REPORTS), self.run_id)
+                detail = read_skip_report(os.path.join(job.root, job.checkpoint, REPORTS), job.tag)
                 if detail is not None:
                     self._skip_for_peer(job, detail)
 

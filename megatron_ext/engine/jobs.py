@@ -87,6 +87,9 @@ class CheckpointJob:
     checkpoint: str
     root: str
     version: int | None
+    #: Names this attempt's files, reports and manifest (12 hex digits): the run id, or for a
+    #: checkpoint id saved again in the same run, one derived from it (``attempt_tag``).
+    tag: str = ""
     files: list[FileJob] = dataclasses.field(default_factory=list)
     commit_requested: bool = False
     on_committed: list[Callable[[dict], None]] = dataclasses.field(default_factory=list)

@@ -403,7 +403,7 @@ class PeerReplicator(QueueWorker):
             for f in job.files:
                 files.append({"rel": f.tensor_rel, "size": f.layout.size, "xxh3_64": f.file_xxh3})
                 files.append({"rel": f.sidecar_rel, "size": len(f.sidecar), "xxh3_64": f.sidecar_xxh3})
-            meta = {"checkpoint": job.checkpoint, "version": job.version, "run_id": self.run_id, "files": files}
+            meta = {"checkpoint": job.checkpoint, "version": job.version, "run_id": job.tag, "files": files}
             outgoing = Bundle(meta, self.level_root(job))
         meta, received = self.link.exchange(self.holder, outgoing, self.source, self.store.begin())
         if meta.get("checkpoint") not in (None, job.checkpoint):

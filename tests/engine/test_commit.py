@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -174,7 +175,7 @@ def test_resave_same_id_in_same_run_never_damages_the_committed_checkpoint(tmp_p
 
     fault(enospc)
     try:
-        engine.save(_state(2), "A", version=1)  # should be refused: "already committed ... use a new id"
+        engine.save(_state(2), "A", version=1)  # a second attempt at A, which fails to flush
         engine.commit("A")
         engine.wait_persisted()
     except CheckpointError:
@@ -246,8 +247,26 @@ def test_save_rejects_bad_names_and_duplicates(make_engine):
     with pytest.raises(CheckpointError, match="version"):
         engine.save({"x": torch.ones(1)}, "A", "m", version=2)
     engine.commit("A")
-    with pytest.raises(CheckpointError, match="already committed"):
-        engine.save({"x": torch.ones(1)}, "A", "k", version=1)
     engine.wait_persisted()
     assert engine.latest() == "A"
     assert list(engine.open_checkpoint("A").manifest["files"]) == ["n"]
+
+
+def test_saving_a_committed_id_again_in_the_same_run_replaces_it(tmp_path, make_engine):
+    """Megatron-LM saves one iteration twice (batch-size ramp-up, rerun state machine): the later wins."""
+    root = tmp_path / "ckpt"
+    engine = make_engine(**TINY)
+    engine.save(_state(1), "A", version=1)
+    engine.commit("A")  # not waited for: the second save waits for this commit itself
+    engine.save(_state(2), "A", version=1)
+    engine.commit("A")
+    engine.wait_persisted()
+    manifest = engine.open_checkpoint("A").manifest
+    assert manifest["run_id"] != engine.run_id  # the second attempt's own tag
+    assert_same(engine.load("A"), _state(2))
+    data_files = sorted(n for n in os.listdir(root / "A") if n.endswith((".safetensors", ".state.json")))
+    assert data_files == sorted(os.path.basename(manifest["files"]["rank00000"][k]) for k in ("tensor_file", "state_file"))
+    engine.save(_state(3), "A", version=1)  # a third time, after the second was committed
+    engine.commit("A")
+    engine.wait_persisted()
+    assert_same(make_engine(**TINY).load("A"), _state(3))
