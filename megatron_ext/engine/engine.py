@@ -136,7 +136,7 @@ class CheckpointEngine:
                                  (lambda job: local) if local else (lambda job: job.checkpoint.root),
                                  self.config.o_direct, self._on_durable, self._fail, self._state_lock,
                                  self.stager.submit if self.stager is not None else (lambda job: None))
-        self.deleter = retention.Deleter() if self.config.keep_last is not None else None
+        self.deleter: retention.Deleter | None = None  # started by the first retention that deletes
         self.scheduler = SnapshotScheduler(self.cache, make_copier(self.use_cuda), self._emit_chunk, self._fail,
                                            self._raise_if_failed, self.config.persist_timeout_s,
                                            self._supersede_older, self._settle_skipped)
@@ -211,11 +211,13 @@ class CheckpointEngine:
         return fjob
 
     def commit(self, checkpoint: str, *, root: str | None = None,
-               on_committed: Callable[[dict], None] | None = None) -> CheckpointJob:
+               on_committed: Callable[[dict], None] | None = None, keep_last: int | None = None) -> CheckpointJob:
         """Declare this rank's files of ``checkpoint`` complete; the commit then happens in the background.
 
         ``on_committed(manifest)`` runs on every rank once the manifest is durable (a framework's
-        "latest" tracker belongs there, written by one rank).
+        "latest" tracker belongs there, written by one rank). ``keep_last`` applies retention to
+        this checkpoint's root with that bound instead of the configured one (a root of
+        short-lived checkpoints, such as Megatron-LM's non-persistent ones, keeps only the newest).
         """
         self._raise_if_failed()
         root = self._root(root)
@@ -228,8 +230,8 @@ class CheckpointEngine:
         job.on_committed.append(self._note_durable)
         if on_committed is not None:
             job.on_committed.append(on_committed)
-        if self.deleter is not None:
-            job.on_committed.append(lambda manifest, root=root: self._apply_retention(root))
+        if keep_last is not None or self.config.keep_last is not None:
+            job.on_committed.append(lambda manifest, root=root: self._apply_retention(root, keep_last))
         self._request_commit(job)
         self.committer.poke()
         return job
@@ -478,14 +480,18 @@ class CheckpointEngine:
                 del self._checkpoints[key]
                 self._committed_ids.add(key)
 
-    def _apply_retention(self, root: str) -> None:
+    def _apply_retention(self, root: str, keep_last: int | None = None) -> None:
         """After a commit: schedule deletion of what the retention policy no longer keeps."""
         committed = [(name, m.get("version")) for name, m in list_committed(root)]
         in_flight = {j.checkpoint for j in list(self._checkpoints.values())
                      if j.root == root and not j.committed.is_set()}
         if self.replicas is not None:  # the replication thread still reads them
             in_flight |= self.replicas.pending()
-        for name in retention.to_delete(committed, self.config.keep_last, self.config.keep_every, in_flight):
+        keep_every = self.config.keep_every if keep_last is None else None
+        keep_last = self.config.keep_last if keep_last is None else keep_last
+        for name in retention.to_delete(committed, keep_last, keep_every, in_flight):
+            if self.deleter is None:
+                self.deleter = retention.Deleter()
             if self.rank == 0:
                 self.deleter.submit(os.path.join(root, name))
             if self.config.local_dir:

@@ -73,9 +73,15 @@ _OPTIONAL_FLAGS = (("datastates_chunk_size_mb", "chunk_size_mb"), ("datastates_t
 
 
 def engine_config_from_args(args: Any) -> dict:
-    """The engine configuration the flags describe."""
+    """The engine configuration the flags describe.
+
+    Megatron-LM's ``--save-retain-interval R`` (when a checkpoint is committed, the previous one
+    is deleted unless its iteration is a multiple of R) is retention "newest 1 plus every R-th".
+    """
     cfg = {"host_cache_size": getattr(args, "datastates_host_cache_size", None) or 1.0,
            "save_dir": args.save, "local_dir": getattr(args, "datastates_local_dir", None)}
+    if getattr(args, "save_retain_interval", None):
+        cfg.update(keep_last=1, keep_every=args.save_retain_interval)
     for flag, key in _OPTIONAL_FLAGS:
         if getattr(args, flag, None) is not None:
             cfg[key] = getattr(args, flag)
@@ -93,8 +99,16 @@ def validate_datastates_args(args: Any) -> None:
     if fmt not in (None, "torch_dist"):
         problems.append(f"--use-datastates writes its own format from megatron-core's sharded state dicts; "
                         f"it needs the default --ckpt-format torch_dist, not {fmt}")
-    if getattr(args, "non_persistent_save_interval", None):
-        problems.append("--use-datastates does not support --non-persistent-save-interval")
+    if getattr(args, "non_persistent_save_interval", None) and getattr(args, "non_persistent_ckpt_type", None) != "global":
+        problems.append(f"--non-persistent-save-interval with --non-persistent-ckpt-type "
+                        f"{getattr(args, 'non_persistent_ckpt_type', None)}: --use-datastates writes 'global' "
+                        "non-persistent checkpoints (its node-local level is --datastates-local-dir)")
+    if getattr(args, "save_retain_interval", None) and (getattr(args, "datastates_keep_last", None) is not None or
+                                                         getattr(args, "datastates_keep_every", None) is not None):
+        problems.append("--save-retain-interval and --datastates-keep-last/--datastates-keep-every both set retention; "
+                        "keep one of them")
+    if getattr(args, "load_main_params_from_ckpt", False):
+        problems.append("--use-datastates does not support --load-main-params-from-ckpt")
     if getattr(args, "save", None) is None:
         problems.append("--use-datastates needs --save")
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):

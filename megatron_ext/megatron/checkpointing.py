@@ -1,9 +1,11 @@
 """Drop-in ``save_checkpoint`` / ``load_checkpoint`` for Megatron-LM, backed by the lazy engine.
 
 The signatures are those of ``megatron/training/checkpointing.py`` at the pinned commit, so the
-patch set only re-routes calls here. The layout stays Megatron's: ``<save>/iter_0000123/`` per
-checkpoint and ``<save>/latest_checkpointed_iteration.txt``, which rank 0 writes (atomically)
-only once the checkpoint is committed, i.e. every rank's bytes are durable.
+patch set only re-routes calls here, and the behaviour follows Megatron-LM's own functions
+(docs/MEGATRON.md lists each of their behaviours and how this module matches it). The layout
+stays Megatron's: ``<save>/iter_0000123/`` per checkpoint and
+``<save>/latest_checkpointed_iteration.txt``, which rank 0 writes (atomically) only once the
+checkpoint is committed, i.e. every rank's bytes are durable.
 
 What each rank writes (one file per rank and checkpoint):
 
@@ -12,16 +14,22 @@ What each rank writes (one file per rank and checkpoint):
   (``optimizer_state.py``, model space): each data-parallel rank's slices of the fp32 main params
   and Adam moments are its own shards (no gather);
 * ``rng``: this rank's Python, NumPy, torch, CUDA and model-parallel tracker RNG states;
-* on global rank 0 only, ``common``: the non-sharded part of the state dict, the iteration,
-  the scheduler, the consumed samples and the args (copied at save time).
+* ``rerun_state_machine``: this rank's state of Megatron-LM's rerun state machine, when it has one;
+* on global rank 0 only, ``common``: the non-sharded part of the state dict, and ``meta``: the
+  iteration, the scheduler, the args (copied at save time) and the parallel layout.
 
 Loading into the same TP/PP/DP layout reads each shard by id; into another layout, each shard
-is assembled from the saved shards that overlap it (``shard_assembly.py``), and RNGs are
-reseeded deterministically (``reseed_rngs``).
+is assembled from the saved shards that overlap it (``shard_assembly.py``).
 
 ``save_checkpoint`` returns as soon as the engine has recorded the tensors; the copies overlap
 with the next forward/backward, and ``install_lazy_wait`` makes the optimizer wait right before
 its inner step (``step_with_ready_grads``), after gradient preparation and clipping.
+
+Inside Megatron-LM (``megatron.training`` importable and the args are its own), the module also
+does what only Megatron-LM's loop needs: argument checks against the checkpoint, the loaded
+iteration, the number of micro-batches, the rerun state machine and the data loader's state.
+Checkpoints in Megatron-LM's own formats (a ``torch_dist`` checkpoint to resume or fine-tune
+from) and ``--ckpt-convert-format`` are handed to Megatron-LM's own functions.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import sys
 import time
 from typing import Any, Callable
 
@@ -36,6 +45,7 @@ import numpy as np
 import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
+from megatron_ext.engine.commit import MANIFEST
 from megatron_ext.engine.files import atomic_write
 from megatron_ext.megatron import optimizer_state, sharding
 from megatron_ext.megatron.args import engine_config_from_args
@@ -44,6 +54,8 @@ from megatron_ext.megatron.shard_assembly import SavedShards
 log = logging.getLogger("megatron_ext.megatron")
 
 TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"  # a tracker holding this names the checkpoint directory "release" (iteration 0)
+NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's default home of non-persistent checkpoints
 CHECKPOINT_VERSION = 3.0  # the Megatron-LM checkpoint version this layout answers to
 DP_RESHARDABLE = "dp_reshardable"
 
@@ -70,6 +82,15 @@ def _get_args() -> Any:
     return get_args()
 
 
+def _megatron_lm() -> Any:
+    """Megatron-LM's own ``megatron.training.checkpointing`` when its training loop is the caller, else None."""
+    if _args is not None:
+        return None
+    from megatron.training import checkpointing as native
+
+    return native
+
+
 def get_engine(args: Any | None = None) -> CheckpointEngine:
     """The process's engine, created on first use (its host cache then allocates in the background)."""
     global _engine, _engine_key
@@ -88,8 +109,12 @@ def current_engine() -> CheckpointEngine | None:
     return _engine
 
 
-def install_lazy_wait(optimizer: Any, engine: CheckpointEngine) -> None:
-    """Make ``optimizer.step_with_ready_grads`` wait for pending snapshots first (idempotent)."""
+def install_lazy_wait(optimizer: Any, engine: CheckpointEngine, wait_after_step: bool = False) -> None:
+    """Make ``optimizer.step_with_ready_grads`` wait for pending snapshots first (idempotent).
+
+    ``wait_after_step``: also wait when ``step`` returns, for code that edits the saved weights
+    after the optimizer step even when the step itself was skipped (``--qk-clip``).
+    """
     if optimizer is None or getattr(optimizer, "_datastates_lazy_wait", False):
         return
     inner_step = optimizer.step_with_ready_grads
@@ -99,11 +124,20 @@ def install_lazy_wait(optimizer: Any, engine: CheckpointEngine) -> None:
         return inner_step(*args, **kwargs)
 
     optimizer.step_with_ready_grads = step_with_ready_grads
+    if wait_after_step:
+        outer_step = optimizer.step
+
+        def step(*args: Any, **kwargs: Any):
+            result = outer_step(*args, **kwargs)
+            engine.wait_snapshot()  # a no-op when the inner step already waited
+            return result
+
+        optimizer.step = step
     optimizer._datastates_lazy_wait = True
 
 
-def checkpoint_name(iteration: int) -> str:
-    return f"iter_{iteration:07d}"
+def checkpoint_name(iteration: int | str) -> str:
+    return RELEASE if iteration == RELEASE else f"iter_{iteration:07d}"
 
 
 # ---------------------------------------------------------------------------- state pieces
@@ -143,17 +177,26 @@ def _model_keys(model: list) -> list[str]:
     return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
 
 
+def _model_metadata() -> dict:
+    """The content metadata Megatron-LM hands to ``sharded_state_dict`` (it decides the shard keys)."""
+    from megatron.core import parallel_state as ps
+
+    return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+            "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+
+
 def _sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_format: str | None = None) -> dict:
     """The sharded state dict saved (model-space optimizer) or to load into (the checkpoint's optimizer format).
 
     ``dp_reshardable`` (megatron-core's bucket-space format, which checkpoints converted from
     torch_dist and those saved before the model-space format carry) is built by megatron-core.
     """
-    sharded = {key: chunk.sharded_state_dict() for key, chunk in zip(_model_keys(model), model)}
+    metadata = _model_metadata()
+    sharded = {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(_model_keys(model), model)}
     if with_optimizer and optimizer is not None:
         if optimizer_format == DP_RESHARDABLE:
             sharded["optimizer"] = optimizer.sharded_state_dict(
-                sharded, is_loading=True, metadata={"distrib_optim_sharding_type": DP_RESHARDABLE})
+                sharded, is_loading=True, metadata={**metadata, "distrib_optim_sharding_type": DP_RESHARDABLE})
         else:
             sharded["optimizer"] = optimizer_state.model_space_state_dict(optimizer, sharded)
     return sharded
@@ -201,23 +244,65 @@ def _ownership(shards: list) -> sharding.OwnershipPlan:
     return _plan
 
 
+def _rerun_state(native: Any, data_iterator: Any) -> dict | None:
+    """This rank's state of Megatron-LM's rerun state machine, when it asks for a checkpoint; else None.
+
+    Megatron-LM keeps its rank-level part in a ShardedObject of the world; here each rank's file
+    holds its own part, so the object's data is stored in its place.
+    """
+    if native is None:
+        return None
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    state = get_rerun_state_machine().state_dict(data_iterator=data_iterator, ckpt_format="torch_dist")
+    if state is None:
+        return None
+    return {k: (v.data if isinstance(v, ShardedObject) else v) for k, v in state.items()}
+
+
 # ---------------------------------------------------------------------------- save
+def save_root(args: Any, non_persistent: bool) -> str:
+    """Where a checkpoint goes: ``--save``, or for a non-persistent one Megatron-LM's global directory."""
+    if not non_persistent:
+        return args.save
+    if getattr(args, "non_persistent_ckpt_type", None) != "global":
+        raise CheckpointError(f"non-persistent checkpoint of type {getattr(args, 'non_persistent_ckpt_type', None)}: "
+                              "--use-datastates writes 'global' ones (its node-local level is --datastates-local-dir)")
+    return getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, NON_PERSISTENT_SUBDIR)
+
+
 def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
                     checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
                     pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
                     train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False,
                     tp_group=None, pp_group=None, dp_cp_group=None):
-    """Record iteration ``iteration``'s state and return; flush and commit happen in the background."""
+    """Record iteration ``iteration``'s state and return; flush and commit happen in the background.
+
+    ``preprocess_common_state_dict_fn`` feeds only torch_dist's check that every rank holds the
+    same common state; here one copy of it (global rank 0's) is saved, so it is not called.
+    Saving an iteration that was already saved in this run (Megatron-LM does on a batch-size
+    ramp-up step and for its rerun state machine) replaces that checkpoint, as in Megatron-LM.
+    """
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
     args = _get_args()
-    if non_persistent_ckpt:
-        raise CheckpointError("--use-datastates does not support non-persistent checkpoints; "
-                              "use --save-interval (the engine is already asynchronous)")
+    native = _megatron_lm()
+    if native is not None and getattr(args, "ckpt_convert_format", None) is not None:
+        # --ckpt-convert-format: Megatron-LM writes the loaded state in the format asked for.
+        with _megatron_lm_formats(args):
+            return native.save_checkpoint(
+                iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                checkpointing_context, non_persistent_ckpt=non_persistent_ckpt, train_data_iterator=train_data_iterator,
+                preprocess_common_state_dict_fn=preprocess_common_state_dict_fn, release=release,
+                tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group)
     started = time.monotonic()
+    root = save_root(args, non_persistent_ckpt)
     model = _unwrap(model)
     engine = get_engine(args)
-    install_lazy_wait(optimizer, engine)
+    install_lazy_wait(optimizer, engine, wait_after_step=bool(getattr(args, "qk_clip", False)))
+    if native is not None:  # Energon data loaders keep their own state (a no-op for Megatron's own)
+        native.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None))
     with_optimizer = not getattr(args, "no_save_optim", False)
     sharded, common = save_preprocess(_sharded_state(model, optimizer, with_optimizer),
                                       validate_access_integrity=False)
@@ -229,24 +314,42 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     state: dict[str, Any] = {"shards": {"tensors": tensors, "objects": objects, "meta": meta}}
     if not getattr(args, "no_save_rng", False):
         state["rng"] = rng_state()
+    rerun = _rerun_state(native, train_data_iterator)
+    if rerun is not None:
+        state["rerun_state_machine"] = rerun
     if rank == 0:
-        if preprocess_common_state_dict_fn is not None:
-            common = preprocess_common_state_dict_fn(common)
         state["common"] = common
         state["meta"] = {
             "iteration": iteration,
             "checkpoint_version": CHECKPOINT_VERSION,
             "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
-            "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None else None,
+            # As Megatron-LM: the scheduler goes with the optimizer (none with --no-save-optim).
+            "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None and with_optimizer
+            else None,
             "args": _storable_args(args),
             "layout": layout,
         }
-    name = checkpoint_name(iteration)
-    engine.save(state, name, f"rank{rank:05d}", version=iteration,
+    name = checkpoint_name(RELEASE if release else iteration)
+    engine.save(state, name, f"rank{rank:05d}", root=root, version=iteration,
                 extra={"objects": sorted(objects), "layout": layout})
-    engine.commit(name, on_committed=_tracker_writer(args.save, iteration, rank))
-    log.info("[datastates] iteration %d: checkpoint recorded in %.4fs (%d tensors, %d objects owned here)",
-             iteration, time.monotonic() - started, len(tensors), len(objects))
+    engine.commit(name, root=root, on_committed=_tracker_writer(root, RELEASE if release else iteration, rank),
+                  keep_last=1 if non_persistent_ckpt else None)
+    log.info("[datastates] iteration %d: %scheckpoint recorded in %.4fs (%d tensors, %d objects owned here)",
+             iteration, "non-persistent " if non_persistent_ckpt else "", time.monotonic() - started,
+             len(tensors), len(objects))
+
+
+class _megatron_lm_formats:
+    """Within the block Megatron-LM's own checkpoint functions take their native path (flag off)."""
+
+    def __init__(self, args: Any):
+        self.args = args
+
+    def __enter__(self) -> None:
+        self.args.use_datastates = False
+
+    def __exit__(self, *exc: Any) -> None:
+        self.args.use_datastates = True
 
 
 def _storable_args(args: Any) -> Any:
@@ -265,11 +368,12 @@ def _storable_args(args: Any) -> Any:
     return plain
 
 
-def _tracker_writer(save_dir: str, iteration: int, rank: int) -> Callable[[dict], None]:
+def _tracker_writer(save_dir: str, iteration: int | str, rank: int) -> Callable[[dict], None]:
     def write_tracker(manifest: dict) -> None:
         if rank == 0:
             atomic_write(os.path.join(save_dir, TRACKER), str(iteration).encode())
-            log.info("[datastates] committed %s (%d files)", checkpoint_name(iteration), len(manifest["files"]))
+            log.info("[datastates] committed %s in %s (%d files)", checkpoint_name(iteration), save_dir,
+                     len(manifest["files"]))
 
     return write_tracker
 
@@ -299,55 +403,125 @@ def shutdown() -> None:
 
 
 # ---------------------------------------------------------------------------- load
-def read_tracker(load_dir: str) -> int | None:
+def read_tracker(load_dir: str) -> int | str | None:
+    """The tracker's iteration, ``RELEASE``, or None when there is no tracker."""
+    path = os.path.join(load_dir, TRACKER)
     try:
-        with open(os.path.join(load_dir, TRACKER), encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             text = f.read().strip()
     except FileNotFoundError:
         return None
+    if text == RELEASE:
+        return RELEASE
     if not text.isdigit():
-        raise CheckpointError(f"{os.path.join(load_dir, TRACKER)} holds {text!r}, not an iteration number")
+        raise CheckpointError(f"{path} holds {text!r}, not an iteration number or '{RELEASE}'")
     return int(text)
+
+
+def _is_datastates(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, MANIFEST))
+
+
+def _is_megatron_lm_format(directory: str) -> bool:
+    """A checkpoint Megatron-LM wrote itself: torch_dist (``metadata.json``) or legacy torch (``mp_rank_*``)."""
+    if not os.path.isdir(directory) or _is_datastates(directory):
+        return False
+    return os.path.isfile(os.path.join(directory, "metadata.json")) or any(
+        name.startswith("mp_rank_") for name in os.listdir(directory))
+
+
+def _choose(load_dir: str | None, args: Any) -> tuple[str, int | str] | None:
+    """The checkpoint Megatron-LM would load from ``load_dir``: ``(root, iteration or RELEASE)`` or None.
+
+    As ``_load_base_checkpoint``: a non-persistent checkpoint at least as new as the persistent
+    one wins; ``--ckpt-step`` overrides the tracker. Where the tracker is missing but committed
+    checkpoints exist (a crash between the commit and the tracker's update), the newest committed
+    one is taken, with a warning.
+    """
+    if load_dir is None:
+        return None
+    iteration = read_tracker(load_dir)
+    if iteration is None:
+        committed = [m["version"] for _, m in list_committed(load_dir) if isinstance(m.get("version"), int)]
+        if committed:
+            iteration = committed[-1]
+            log.warning("[datastates] %s is missing in %s; using the newest committed checkpoint, iteration %d",
+                        TRACKER, load_dir, iteration)
+    if getattr(args, "ckpt_step", None):
+        iteration = args.ckpt_step
+    if getattr(args, "non_persistent_ckpt_type", None) == "global":
+        np_root = save_root(args, non_persistent=True) if getattr(args, "save", None) else (
+            getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(load_dir, NON_PERSISTENT_SUBDIR))
+        np_iteration = read_tracker(np_root)
+        if np_iteration == RELEASE:
+            raise CheckpointError(f"{os.path.join(np_root, TRACKER)}: a non-persistent checkpoint cannot be a release")
+        if np_iteration is not None and (iteration is None or iteration == RELEASE or np_iteration >= iteration):
+            log.warning("[datastates] loading the non-persistent checkpoint of iteration %d from %s", np_iteration,
+                        np_root)
+            return np_root, np_iteration
+    return (load_dir, iteration) if iteration is not None else None
 
 
 def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
                     checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None,
                     pp_group=None, dp_cp_group=None):
-    """Load the newest committed checkpoint; returns ``(iteration, num_floating_point_operations_so_far)``.
+    """Load the checkpoint Megatron-LM would load; returns ``(iteration, num_floating_point_operations_so_far)``.
 
     Every file read is checked against the manifest's sizes and checksums. If any rank finds
     the checkpoint damaged, all ranks raise, or, with ``--datastates-load-fallback``, all move on
-    to the next older committed checkpoint together.
+    to the next older committed checkpoint together. A checkpoint Megatron-LM wrote in its own
+    format is loaded by Megatron-LM's own ``load_checkpoint``.
     """
     args = _get_args()
+    native = _megatron_lm()
     load_dir = getattr(args, load_arg, None)
-    if load_dir is None:
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    finetune_from_pretrained = pretrained is not None and (load_dir is None or read_tracker(load_dir) is None)
+    if finetune_from_pretrained:  # as Megatron-LM: no checkpoint of this run yet, so fine-tune from that one
+        log.warning("[datastates] no checkpoint in %s: fine-tuning from the pretrained checkpoint in %s",
+                    load_dir, pretrained)
+        load_dir = pretrained
+    chosen = _choose(load_dir, args)
+    if chosen is not None and native is not None and _is_megatron_lm_format(os.path.join(chosen[0],
+                                                                                         checkpoint_name(chosen[1]))):
+        log.warning("[datastates] %s holds a checkpoint in Megatron-LM's own format: Megatron-LM loads it; "
+                    "checkpoints saved from now on are datastates checkpoints", chosen[0])
+        with _megatron_lm_formats(args):
+            return native.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict,
+                                          checkpointing_context=checkpointing_context,
+                                          skip_load_to_model_and_opt=skip_load_to_model_and_opt,
+                                          tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group)
+    if finetune_from_pretrained:
+        if chosen is None:
+            raise FileNotFoundError("No checkpoint found in load directory or pretrained directory")
+        args.finetune = True
+    if native is not None:  # what Megatron-LM records in _load_base_checkpoint
+        native.set_loaded_iteration(-1 if chosen is None else 0 if chosen[1] == RELEASE else chosen[1])
+    if chosen is None:
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            log.warning("[datastates] no checkpoint in %s and --exit-on-missing-checkpoint: exiting", load_dir)
+            torch.distributed.barrier()
+            sys.exit()
+        log.warning("[datastates] no committed checkpoint in %s: training starts from scratch", load_dir)
         return 0, 0
-    committed = [m["version"] for _, m in list_committed(load_dir) if isinstance(m.get("version"), int)]
-    iteration = read_tracker(load_dir)
-    if iteration is None:
-        if not committed:
-            log.warning("[datastates] no committed checkpoint in %s: training starts from scratch", load_dir)
-            return 0, 0
-        iteration = committed[-1]
-        log.warning("[datastates] %s is missing; using the newest committed checkpoint, iteration %d",
-                    TRACKER, iteration)
+    root, iteration = chosen
     candidates = [iteration]
-    if getattr(args, "datastates_load_fallback", False):
+    if getattr(args, "datastates_load_fallback", False) and iteration != RELEASE:
+        committed = [m["version"] for _, m in list_committed(root) if isinstance(m.get("version"), int)]
         candidates += sorted((v for v in committed if v < iteration), reverse=True)
     started = time.monotonic()
     for n, candidate in enumerate(candidates):
         error: BaseException | None = None
         try:
-            *result, levels = _load_iteration(load_dir, candidate, ddp_model, optimizer, opt_param_scheduler, args,
-                                     strict, skip_load_to_model_and_opt)
+            *result, levels = _load_iteration(root, candidate, ddp_model, optimizer, opt_param_scheduler, args,
+                                              strict, skip_load_to_model_and_opt)
         except CheckpointError as exc:
             error = exc
         failed = torch.tensor([0 if error is None else 1])
         torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
         if not failed.item():
-            log.warning("[datastates] loaded %s from %s (%s level) in %.2fs", checkpoint_name(candidate), load_dir,
-                        levels, time.monotonic() - started)
+            log.warning("[datastates] loaded %s from %s (%s level) in %.2fs: iteration %d", checkpoint_name(candidate),
+                        root, levels, time.monotonic() - started, result[0])
             return tuple(result)
         reason = str(error) if error is not None else "damaged on another rank"
         if n + 1 < len(candidates):
@@ -355,32 +529,80 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
                         reason, checkpoint_name(candidates[n + 1]))
             continue
         hint = "" if len(candidates) > 1 else " (--datastates-load-fallback loads the previous one instead)"
-        raise CheckpointError(f"{checkpoint_name(candidate)} in {load_dir} cannot be loaded: {reason}{hint}") from error
+        raise CheckpointError(f"{checkpoint_name(candidate)} in {root} cannot be loaded: {reason}{hint}") from error
     raise AssertionError("unreachable")
 
 
-def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_param_scheduler, args,
+def load_base_checkpoint_rank0(load_dir: str | None, args: Any) -> tuple[dict | None, str, bool, None]:
+    """Megatron-LM's ``_load_base_checkpoint(rank0=True)``: args and iteration, before distributed start-up.
+
+    ``--use-checkpoint-args`` reads the saved args through it. Only rank 0's ``meta`` is read
+    (no process group exists yet); its checksums are verified.
+    """
+    from megatron_ext.megatron.export import open_iteration, saved_meta
+
+    chosen = _choose(load_dir, args)
+    if chosen is None:
+        return None, "", False, None
+    root, iteration = chosen
+    directory = os.path.join(root, checkpoint_name(iteration))
+    if not _is_datastates(directory):
+        raise CheckpointError(f"{directory} is not a committed datastates checkpoint (no {MANIFEST}); "
+                              "--use-checkpoint-args with --use-datastates reads datastates checkpoints only")
+    meta = saved_meta(open_iteration(root, iteration))
+    state = {"args": meta.get("args"), "iteration": meta["iteration"],
+             "checkpoint_version": meta.get("checkpoint_version", CHECKPOINT_VERSION)}
+    return state, directory, iteration == RELEASE, None
+
+
+def _load_engine(args: Any, load_dir: str) -> CheckpointEngine:
+    """The run's engine when it saves too; else a small one that only reads (and never deletes)."""
+    if getattr(args, "save", None):
+        return get_engine(args)
+    return CheckpointEngine({"save_dir": load_dir, "host_cache_size": 0.01, "remove_partial_on_start": False})
+
+
+def _load_iteration(load_dir: str, iteration: int | str, ddp_model, optimizer, opt_param_scheduler, args,
                     strict: bool, skip_load_to_model_and_opt: bool) -> tuple[int, Any, str]:
-    """Load one committed checkpoint into model, optimizer, scheduler and RNGs; also the levels read."""
+    """Load one committed checkpoint as Megatron-LM's ``load_checkpoint`` does; also the levels read.
+
+    Which parts are loaded follows Megatron-LM: the optimizer and the scheduler unless
+    ``--no-load-optim``, ``--finetune`` or a release checkpoint (otherwise the fp32 main params
+    are refreshed from the loaded weights); RNGs unless ``--no-load-rng``, ``--finetune``, a
+    release, or another TP/PP layout; the rerun state machine only on the same world and layout.
+    """
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
     from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
+    native = _megatron_lm()
     model = _unwrap(ddp_model)
-    engine = get_engine(args) if args.save else CheckpointEngine({"save_dir": load_dir, "host_cache_size": 0.01})
+    engine = _load_engine(args, load_dir)
     ckpt = engine.open_checkpoint(checkpoint_name(iteration), root=load_dir)
     engine.agree_load_level(ckpt)  # every rank node-local, or every rank shared
     tensor_index, object_index = _index(ckpt.manifest)
     rank = torch.distributed.get_rank()
-    zero_name = next(name for name, f in ckpt.manifest["files"].items() if f["rank"] == 0)
+    zero_name = next((name for name, f in ckpt.manifest["files"].items() if f["rank"] == 0), None)
+    if zero_name is None:
+        raise CheckpointError(f"{ckpt.checkpoint} has no file of rank 0 (its common state and args)")
     meta = ckpt.reader(zero_name).part("meta")
+    saved_args = meta.get("args")
     layout = _layout()
-    saved_shards = _reshard_source(ckpt, meta["layout"], layout)  # None: same layout, exact shard ids
+    saved_layout = meta["layout"]
+    saved_shards = _reshard_source(ckpt, saved_layout, layout)  # None: same layout, exact shard ids
+    release = iteration == RELEASE
+    finetune = bool(getattr(args, "finetune", False))
+    if native is not None:
+        native.set_checkpoint_version(meta.get("checkpoint_version", CHECKPOINT_VERSION))
 
     common = ckpt.reader(zero_name).part("common")
     optimizer_format = (common.get("optimizer") or {}).get("param_state_sharding_type")
-    with_optimizer = optimizer is not None and not getattr(args, "no_load_optim", False) and not getattr(args, "finetune", False)
+    with_optimizer = (optimizer is not None and not release and not finetune
+                      and not getattr(args, "no_load_optim", False))
+    if with_optimizer and "optimizer" not in common:
+        raise CheckpointError(f"{ckpt.checkpoint} holds no optimizer state (saved with --no-save-optim); "
+                              "pass --no-load-optim or --finetune to load it without")
     if with_optimizer and optimizer_format == DP_RESHARDABLE and saved_shards is not None:
         raise CheckpointError(f"{ckpt.checkpoint} holds the optimizer in bucket space (dp_reshardable), which loads "
                               "on the saved TP/PP/DP layout only")
@@ -423,31 +645,107 @@ def _load_iteration(load_dir: str, iteration: int, ddp_model, optimizer, opt_par
     merge(common, sharded)
     state = apply_factory_merges(common, factories)
 
+    loaded_iteration = 0 if finetune or release else meta["iteration"]
+    if saved_args is not None and not finetune:
+        _carry_args(native, args, saved_args)
     if not skip_load_to_model_and_opt:
         for key, chunk in zip(_model_keys(model), model):
-            chunk.load_state_dict(state[key], strict=strict)
-        if with_optimizer and optimizer_format == DP_RESHARDABLE:
-            optimizer.load_state_dict(state["optimizer"])
-            optimizer_state.restore_adam_steps(optimizer)
-        elif with_optimizer:
-            optimizer_state.check_param_groups(optimizer, state["optimizer"])
-            optimizer_state.load_model_space_state_dict(optimizer, state["optimizer"])
-    if opt_param_scheduler is not None and meta.get("scheduler") is not None and not getattr(args, "finetune", False):
-        opt_param_scheduler.load_state_dict(meta["scheduler"])
-    own = next((n for n, f in ckpt.manifest["files"].items() if f["rank"] == rank), None)
-    if not getattr(args, "no_load_rng", False) and not getattr(args, "finetune", False):
-        if saved_shards is not None:
-            reseed_rngs(getattr(args, "seed", 1234), iteration, layout)
-        elif own is not None:
-            set_rng_state(ckpt.reader(own).part("rng"))
-    saved_args = meta.get("args")
-    for field in ("consumed_train_samples", "consumed_valid_samples", "skipped_train_samples"):
-        if saved_args is not None and hasattr(saved_args, field) and not getattr(args, "finetune", False):
-            setattr(args, field, getattr(saved_args, field))
+            _load_model_chunk(chunk, state[key], strict)
+    if with_optimizer:
+        if not skip_load_to_model_and_opt:
+            if optimizer_format == DP_RESHARDABLE:
+                optimizer.load_state_dict(state["optimizer"])
+                optimizer_state.restore_adam_steps(optimizer)
+            else:
+                optimizer_state.check_param_groups(optimizer, state["optimizer"])
+                optimizer_state.load_model_space_state_dict(optimizer, state["optimizer"])
+        if opt_param_scheduler is not None and meta.get("scheduler") is not None:
+            opt_param_scheduler.load_state_dict(meta["scheduler"])
+    elif optimizer is not None and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):
+        optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
+    same_run_layout = all(saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp", "dp"))
+    if native is not None and same_run_layout and not release and not finetune:
+        _load_rerun_state(ckpt, rank)
+    if not release and not finetune and not getattr(args, "no_load_rng", False):
+        _load_rngs(ckpt, saved_args, saved_layout, layout, args)
+    if optimizer is not None:  # as Megatron-LM, for optimizers of checkpoints that predate the field
+        for group in optimizer.param_groups:
+            group.setdefault("default_config", True)
+    torch.distributed.barrier()
     levels = "/".join(sorted(ckpt.levels_used)) or "no"
-    if getattr(args, "finetune", False):
-        return 0, 0, levels
-    return iteration, meta.get("num_floating_point_operations_so_far", 0), levels
+    return loaded_iteration, meta.get("num_floating_point_operations_so_far", 0), levels
+
+
+def _carry_args(native: Any, args: Any, saved_args: Any) -> None:
+    """The saved run's progress counters, and (inside Megatron-LM) its argument checks."""
+    if native is not None:
+        native.check_checkpoint_args(saved_args)
+    for field in ("consumed_train_samples", "skipped_train_samples", "consumed_valid_samples"):
+        setattr(args, field, getattr(saved_args, field, 0))
+    if native is not None:
+        from megatron.core.num_microbatches_calculator import update_num_microbatches
+
+        update_num_microbatches(consumed_samples=args.consumed_train_samples, verbose=True)
+
+
+def _load_model_chunk(chunk: Any, state: dict, strict: bool) -> None:
+    """``load_state_dict``; as Megatron-LM, a strict load that fails is retried non-strictly (and said)."""
+    try:
+        chunk.load_state_dict(state, strict=strict)
+    except Exception as exc:
+        if not strict:
+            raise
+        result = chunk.load_state_dict(state, strict=False)
+        log.warning("[datastates] strict model load failed (%s); loaded non-strictly: %s", exc, result)
+
+
+def _load_rerun_state(ckpt: Any, rank: int) -> None:
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    own = next((n for n, f in ckpt.manifest["files"].items() if f["rank"] == rank), None)
+    if own is None:
+        return
+    try:
+        saved = ckpt.reader(own).part("rerun_state_machine")
+    except KeyError:
+        return
+    machine = get_rerun_state_machine()
+    if machine.validate_state_dict(saved):
+        machine.load_state_dict(saved)
+
+
+def _load_rngs(ckpt: Any, saved_args: Any, saved: dict, current: dict, args: Any) -> None:
+    """RNG states as Megatron-LM restores them.
+
+    Only on the saved tensor- and pipeline-parallel layout (otherwise the RNGs stay as they are,
+    as in Megatron-LM); each rank takes the state of the saved rank at its (pipeline, tensor)
+    coordinate and data-parallel rank 0, or its own data-parallel rank with
+    ``--data-parallel-random-init``. On the same layout that is the rank's own state whenever the
+    data-parallel ranks' streams agree, which they do unless seeded apart.
+    """
+    if saved_args is not None and getattr(saved_args, "no_save_rng", False):
+        return
+    if (saved.get("tp"), saved.get("pp")) != (current["tp"], current["pp"]):
+        if torch.distributed.get_rank() == 0:
+            log.warning("[datastates] (TP, PP) changed from %s to %s: RNG states are not loaded, as in Megatron-LM",
+                        (saved.get("tp"), saved.get("pp")), (current["tp"], current["pp"]))
+        return
+    if all(saved.get(k) == current[k] for k in ("tp", "pp", "dp")):
+        source = torch.distributed.get_rank()  # its own state (equal to DP rank 0's unless seeded apart)
+    else:
+        dp_rank = current["dp_rank"] if getattr(args, "data_parallel_random_init", False) else 0
+        if dp_rank >= saved["dp"]:
+            raise CheckpointError(f"--data-parallel-random-init: data-parallel rank {dp_rank} has no saved RNG state "
+                                  f"(the checkpoint has {saved['dp']} data-parallel ranks)")
+        source = next((f["rank"] for f in ckpt.manifest["files"].values()
+                       if (f.get("extra") or {}).get("layout", {}).get("tp_rank") == current["tp_rank"]
+                       and f["extra"]["layout"].get("pp_rank") == current["pp_rank"]
+                       and f["extra"]["layout"].get("dp_rank") == dp_rank), None)
+    own = next((n for n, f in ckpt.manifest["files"].items() if f["rank"] == source), None)
+    if own is None:
+        raise CheckpointError(f"{ckpt.checkpoint} has no RNG state for tensor rank {current['tp_rank']} and "
+                              f"pipeline rank {current['pp_rank']}")
+    set_rng_state(ckpt.reader(own).part("rng"))
 
 
 def _read_own_shards(ckpt: Any, tensor_index: dict[str, tuple[str, str]], sharded: Any) -> dict[str, torch.Tensor]:
@@ -502,24 +800,3 @@ def _assemble(saved_shards: SavedShards, leaf: Any) -> torch.Tensor:
                               f"the model {tuple(leaf.global_shape)}")
     return saved_shards.read_shard(leaf.key, leaf.global_offset, leaf.local_shape, leaf.prepend_axis_num,
                                    leaf.flattened_range)
-
-
-def reseed_rngs(seed: int, iteration: int, layout: dict) -> None:
-    """RNGs after a resharded load: a fresh, deterministic start for this rank and iteration.
-
-    The saved per-rank RNG streams belong to ranks of the old layout (a tensor-parallel rank's
-    dropout stream, a pipeline stage's), so none of them continues meaningfully on another layout.
-    Every RNG is seeded as Megatron seeds a new run (``seed + 100 * pipeline rank``, the
-    model-parallel tracker from that), shifted by the iteration so the streams differ from the
-    first iterations'. The same checkpoint and layout always give the same streams.
-    """
-    from megatron.core import tensor_parallel
-
-    mixed = (seed + 100 * layout["pp_rank"] + 1_000_003 * iteration) % (2**31)
-    random.seed(mixed)
-    np.random.seed(mixed)
-    torch.manual_seed(mixed)
-    tensor_parallel.model_parallel_cuda_manual_seed(mixed)
-    if torch.distributed.get_rank() == 0:
-        log.warning("[datastates] RNG states are not carried across layouts: reseeded every rank from seed %d and "
-                    "iteration %d", seed, iteration)

@@ -150,6 +150,36 @@ def _patch_megatron_training() -> None:
     training.set_jit_fusion_options = lambda: None
     arguments.get_device_arch_version = lambda: 8  # asked by validate_args when TP > 1
     training.build_train_valid_test_data_iterators = _keep_cpu_generator(training.build_train_valid_test_data_iterators)
+    training.load_checkpoint = _native_loads_torch_adam(training.load_checkpoint)
+
+
+def _native_loads_torch_adam(load_checkpoint: Callable) -> Callable:
+    """Megatron-LM's own torch_dist load of the distributed optimizer, on torch's Adam (no TE or Apex).
+
+    GPU runs use a fused Adam and never take this path. With torch's Adam, megatron-core builds
+    the load template from ``state_dict()``, which asserts over Adam state that a fresh optimizer
+    does not have yet, and after the load every parameter shares one ``step`` reset to 0. So the
+    state is allocated before (only when optimizer state will be loaded: allocating runs a
+    zero-gradient step, whose weight decay moves the main params), and each parameter's step is
+    restored from its param group after.
+    """
+    from megatron.training import checkpointing, get_args
+
+    from megatron_ext.megatron import optimizer_state
+
+    def load(ddp_model, optimizer, *args: Any, **kwargs: Any):
+        megatron_args = get_args()
+        loads_optimizer = (optimizer is not None and not getattr(megatron_args, "use_datastates", False)
+                           and checkpointing.checkpoint_exists(megatron_args.load)
+                           and not megatron_args.no_load_optim and not megatron_args.finetune)
+        if loads_optimizer:
+            optimizer_state.ensure_state(optimizer)
+        result = load_checkpoint(ddp_model, optimizer, *args, **kwargs)
+        if loads_optimizer:
+            optimizer_state.restore_adam_steps(optimizer)
+        return result
+
+    return load
 
 
 # ---------------------------------------------------------------------------- recording, killing
