@@ -51,6 +51,12 @@ HOW_TO_GET = ("Megatron-LM checkout not available: run `MEGATRON_LM_DIR=<a check
 CPU_FLAGS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
              "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
              "--no-persist-layer-norm", "--no-rope-fusion"]
+# A GPT small enough for 2 CPU cores: mock data, no tokenizer files, no evaluation.
+TINY_GPT = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+            "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+            "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--log-interval", "1",
+            "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234"]
 
 
 # ---------------------------------------------------------------------------- the checkout
@@ -232,6 +238,36 @@ def _install_killer(iteration: int) -> None:
         return decision
 
     training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
+
+
+# ---------------------------------------------------------------------------- launching
+def environment(base: dict | None = None) -> dict:
+    """The environment of a CPU run: one thread per rank, no GPU, what TP > 1 asks of a GPU run."""
+    env = dict(os.environ if base is None else base)
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p))
+    return env
+
+
+def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, record: str | None = None,
+                     kill_at: int | None = None) -> list[str]:
+    """torchrun on this machine running ``pretrain_gpt.py`` of ``checkout`` through this harness."""
+    from megatron_ext.procs import torchrun_command as torchrun
+
+    harness = ["-m", "megatron_ext.testing.megatron_lm", "--checkout", str(checkout)]
+    if record is not None:
+        harness += ["--record", str(record)]
+    if kill_at is not None:
+        harness += ["--kill-at-iteration", str(kill_at)]
+    return torchrun(nproc, *harness, "--", *CPU_FLAGS, *megatron_args)
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The recorded steps, in the order they ran (a resumed run repeats the iterations it redoes)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 # ---------------------------------------------------------------------------- entry point
