@@ -595,6 +595,8 @@ def _load_iteration(load_dir: str, iteration: int | str, ddp_model, optimizer, o
     finetune = bool(getattr(args, "finetune", False))
     if native is not None:
         native.set_checkpoint_version(meta.get("checkpoint_version", CHECKPOINT_VERSION))
+    if saved_args is not None and not finetune:  # before any weight is read: a wrong shape fails with its name
+        _carry_args(native, args, saved_args)
 
     common = ckpt.reader(zero_name).part("common")
     optimizer_format = (common.get("optimizer") or {}).get("param_state_sharding_type")
@@ -646,8 +648,6 @@ def _load_iteration(load_dir: str, iteration: int | str, ddp_model, optimizer, o
     state = apply_factory_merges(common, factories)
 
     loaded_iteration = 0 if finetune or release else meta["iteration"]
-    if saved_args is not None and not finetune:
-        _carry_args(native, args, saved_args)
     if not skip_load_to_model_and_opt:
         for key, chunk in zip(_model_keys(model), model):
             _load_model_chunk(chunk, state[key], strict)

@@ -55,6 +55,7 @@ CPU_FLAGS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--
 TINY_GPT = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
             "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+            "--lr-decay-iters", "16",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--log-interval", "1",
             "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234"]
 
@@ -141,7 +142,7 @@ def _keep_cpu_generator(build: Callable) -> Callable:
 
 
 def _patch_megatron_training() -> None:
-    from megatron.training import arguments, initialize, training
+    from megatron.training import arguments, checkpointing, initialize, training
 
     inner_initialize = training.initialize_megatron
 
@@ -156,7 +157,9 @@ def _patch_megatron_training() -> None:
     training.set_jit_fusion_options = lambda: None
     arguments.get_device_arch_version = lambda: 8  # asked by validate_args when TP > 1
     training.build_train_valid_test_data_iterators = _keep_cpu_generator(training.build_train_valid_test_data_iterators)
-    training.load_checkpoint = _native_loads_torch_adam(training.load_checkpoint)
+    # Both names: training.py imported the function, and megatron_ext hands Megatron-format
+    # checkpoints back to the module's.
+    training.load_checkpoint = checkpointing.load_checkpoint = _native_loads_torch_adam(checkpointing.load_checkpoint)
 
 
 def _native_loads_torch_adam(load_checkpoint: Callable) -> Callable:
@@ -225,6 +228,20 @@ def _install_recorder(path: str) -> None:
     training.train_step = train_step
 
 
+def kill_process_tree() -> None:
+    """SIGKILL this process and its children, as a node failure would.
+
+    The children are the data loader's worker processes: left alone, they outlive the rank (and
+    keep its output pipes open, so whoever reads them waits forever).
+    """
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _install_killer(iteration: int) -> None:
     """SIGKILL this rank once iteration ``iteration`` is trained and its save (if any) was called."""
     from megatron.training import training
@@ -234,7 +251,7 @@ def _install_killer(iteration: int) -> None:
     def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, it, *args: Any, **kwargs: Any):
         decision = inner(model, optimizer, opt_param_scheduler, it, *args, **kwargs)
         if it == iteration:
-            os.kill(os.getpid(), signal.SIGKILL)
+            kill_process_tree()
         return decision
 
     training.checkpoint_and_decide_exit = checkpoint_and_decide_exit

@@ -1,0 +1,1 @@
+"""Test plumbing shared by the test directories (imported as ``helpers.<module>``)."""
