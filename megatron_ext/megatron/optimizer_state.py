@@ -69,16 +69,39 @@ def _param_slices(opt: Any) -> Iterator[tuple[Any, slice]]:
                     yield model_param, slice(ranges["param"].start, ranges["param"].end)
 
 
+def _has_stepped(opt: Any) -> bool:
+    """Whether the inner optimizer has state yet (not before its first step: fp16's skipped first steps)."""
+    return any(len(s) for s in opt.optimizer.state.values())
+
+
 def _param_tensors(opt: Any, model_param: Any) -> dict[str, torch.Tensor]:
     """The optimizer's own fp32 main param and Adam moments of this rank's slice of ``model_param``."""
+    if not _has_stepped(opt):  # only the main param exists (reading the state would create empty entries)
+        group_index, group_order = opt.model_param_group_index_map[model_param]
+        return {"fp32_param": opt.optimizer.param_groups[group_index]["params"][group_order]}
     tensors = opt._get_main_param_and_optimizer_states(model_param)
     tensors["fp32_param"] = tensors.pop("param")
     tensors.pop("step", None)  # kept in param_groups (one count for all params)
     return tensors
 
 
+def _common_state(opt: Any) -> dict:
+    """Param groups and grad scaler: the same on every rank.
+
+    Before the first step megatron-core's ``state_dict()`` fails on torch's Adam (it reads the
+    step count from the per-parameter state); there is no step count then, only the groups.
+    """
+    if _has_stepped(opt):
+        return opt.state_dict()
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.optimizer.state_dict()["param_groups"]]
+    state: dict = {"optimizer": {"param_groups": groups}}
+    if opt.grad_scaler:
+        state["grad_scaler"] = opt.grad_scaler.state_dict()
+    return state
+
+
 def _model_space(opt: Any, by_param: dict) -> dict:
-    state = opt.state_dict()  # param groups and grad scaler: the same on every rank
+    state = _common_state(opt)
     param_state = {}
     for model_param, flat in _param_slices(opt):
         model_shard = by_param.get(model_param)
@@ -113,6 +136,7 @@ def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
         opt.load_state_dict({k: v for k, v in opt_state.items()
                              if k not in ("param_state", "param_state_sharding_type")})
         scaled = getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+        stepped = all("exp_avg" in entry for entry in param_state.values())
         for index, (model_param, _) in enumerate(_param_slices(opt)):
             if scaled:  # the optimizer keeps scaled copies: megatron-core's own setter rescales
                 loaded = param_state[index]
@@ -120,7 +144,10 @@ def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
                     model_param, {"param" if k == "fp32_param" else k: v for k, v in loaded.items()})
                 continue
             for name, tensor in _param_tensors(opt, model_param).items():
-                tensor.copy_(param_state[index][name])
+                if name in param_state[index]:
+                    tensor.copy_(param_state[index][name])
+        if not stepped:  # saved before the first step: so is this optimizer now (its next step starts the moments)
+            opt.optimizer.state.clear()
     restore_adam_steps(optimizer)
 
 

@@ -104,15 +104,27 @@ def test_scripts_need_git(tmp_path):
     assert result.returncode != 0 and "git is not installed" in result.stderr
 
 
-@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"), reason="set MEGATRON_LM_DIR to a Megatron-LM checkout")
-def test_against_the_pinned_checkout(tmp_path):
+@pytest.fixture(scope="module")
+def pinned_source() -> str:
+    """A git repository holding the pin: MEGATRON_LM_DIR, else the cached checkout fetch_megatron.sh made."""
+    if os.environ.get("MEGATRON_LM_DIR"):
+        return os.environ["MEGATRON_LM_DIR"]
+    from megatron_ext.testing.megatron_lm import find_checkout
+
+    checkout, reason = find_checkout()
+    if checkout is None:
+        pytest.skip(reason)
+    return str(checkout)
+
+
+def test_against_the_pinned_checkout(tmp_path, pinned_source):
     """Apply, apply again (no-op), refuse a dirty tree, remove: on a real clone at the pin."""
     clone = tmp_path / "Megatron-LM"
-    subprocess.run(["git", "clone", "-q", "--no-checkout", os.environ["MEGATRON_LM_DIR"], str(clone)], check=True)
+    subprocess.run(["git", "clone", "-q", "--no-checkout", pinned_source, str(clone)], check=True)
     subprocess.run(["git", "-C", str(clone), "checkout", "-q", PIN], check=True)
     first = _run("apply_patches.sh", str(clone))
     assert first.returncode == 0, first.stderr
-    assert "applied 3 patches" in first.stdout
+    assert f"applied {len(PATCHES)} patches" in first.stdout
     second = _run("apply_patches.sh", str(clone))
     assert second.returncode == 0 and "already applied" in second.stdout
     removed = _run("remove_patches.sh", str(clone))
@@ -122,8 +134,36 @@ def test_against_the_pinned_checkout(tmp_path):
     (clone / "megatron" / "training" / "training.py").write_text("changed\n")
     dirty = _run("apply_patches.sh", str(clone))
     assert dirty.returncode != 0 and "uncommitted changes" in dirty.stderr
-    check = _run("check_patches.sh", os.environ["MEGATRON_LM_DIR"])
+    check = _run("check_patches.sh", pinned_source)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_fetch_megatron_makes_and_keeps_a_patched_checkout(tmp_path, pinned_source):
+    """From a local repository (no network): verified pin, the series applied, re-patched when touched."""
+    env = dict(os.environ, MEGATRON_LM_DIR=pinned_source, MEGATRON_EXT_CACHE=str(tmp_path / "cache"))
+    first = _run("fetch_megatron.sh", env=env)
+    assert first.returncode == 0, first.stderr
+    checkout = pathlib.Path(first.stdout.strip().splitlines()[-1])
+    assert checkout == tmp_path / "cache" / f"Megatron-LM-{PIN[:7]}"
+    head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    assert head.strip() == PIN
+    patched = (checkout / "megatron" / "training" / "checkpointing.py").read_text()
+    assert "megatron_ext.megatron import checkpointing as datastates" in patched
+    again = _run("fetch_megatron.sh", env=env)
+    assert again.returncode == 0 and "applied" not in again.stderr  # nothing to do
+    (checkout / "megatron" / "training" / "checkpointing.py").write_text("edited\n")
+    repaired = _run("fetch_megatron.sh", env=env)
+    assert repaired.returncode == 0 and "applied" in repaired.stderr
+    assert (checkout / "megatron" / "training" / "checkpointing.py").read_text() == patched
+
+
+def test_fetch_megatron_refuses_a_repository_without_the_pin(tmp_path):
+    repo = tmp_path / "other"
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    env = dict(os.environ, MEGATRON_LM_DIR=str(repo), MEGATRON_EXT_CACHE=str(tmp_path / "cache"))
+    result = _run("fetch_megatron.sh", env=env)
+    assert result.returncode != 0 and f"does not contain commit {PIN}" in result.stderr
+    assert not (tmp_path / "cache" / f"Megatron-LM-{PIN[:7]}").exists()
 
 
 # ------------------------------------------------------------------ flag validation
