@@ -185,7 +185,8 @@ def _model_metadata() -> dict:
             "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
 
 
-def _sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_format: str | None = None) -> dict:
+def _sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_format: str | None = None,
+                   is_loading: bool = False) -> dict:
     """The sharded state dict saved (model-space optimizer) or to load into (the checkpoint's optimizer format).
 
     ``dp_reshardable`` (megatron-core's bucket-space format, which checkpoints converted from
@@ -198,7 +199,7 @@ def _sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_
             sharded["optimizer"] = optimizer.sharded_state_dict(
                 sharded, is_loading=True, metadata={**metadata, "distrib_optim_sharding_type": DP_RESHARDABLE})
         else:
-            sharded["optimizer"] = optimizer_state.model_space_state_dict(optimizer, sharded)
+            sharded["optimizer"] = optimizer_state.model_space_state_dict(optimizer, sharded, is_loading)
     return sharded
 
 
@@ -611,7 +612,7 @@ def _load_iteration(load_dir: str, iteration: int | str, ddp_model, optimizer, o
     if with_optimizer:
         optimizer_state.ensure_state(optimizer)
     sharded, nonpersistent, factories = load_preprocess(_sharded_state(model, optimizer, with_optimizer,
-                                                                       optimizer_format))
+                                                                       optimizer_format, is_loading=True))
     sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"
     missing: list[str] = []
     prefetched = {} if saved_shards is not None else _read_own_shards(ckpt, tensor_index, sharded)

@@ -44,16 +44,17 @@ def _is_distributed(opt: Any) -> bool:
     return hasattr(opt, "gbuf_ranges") and hasattr(opt, "_get_main_param_and_optimizer_states")
 
 
-def model_space_state_dict(optimizer: Any, model_sharded: dict) -> Any:
+def model_space_state_dict(optimizer: Any, model_sharded: dict, is_loading: bool = False) -> Any:
     """The optimizer's sharded state dict, in model space for distributed optimizers.
 
     ``model_sharded`` is the model's sharded state dict (before any preprocessing), whose
     ShardedTensors hold the parameters themselves. Other optimizers already describe their
-    state per parameter; their own ``sharded_state_dict`` is used.
+    state per parameter; their own ``sharded_state_dict`` is used, which for a load template
+    (``is_loading``) first allocates the Adam state a fresh optimizer does not have yet.
     """
     optimizers = list(_distributed(optimizer))
     if not all(_is_distributed(opt) for opt in optimizers):
-        return optimizer.sharded_state_dict(model_sharded)
+        return optimizer.sharded_state_dict(model_sharded, is_loading=is_loading)
     by_param = {shard.data: shard for shard in sharding.sharded_leaves(model_sharded)
                 if isinstance(shard, ShardedTensor)}
     states = [_model_space(opt, by_param) for opt in optimizers]
@@ -143,9 +144,10 @@ def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
                 opt._set_main_param_and_optimizer_states(
                     model_param, {"param" if k == "fp32_param" else k: v for k, v in loaded.items()})
                 continue
-            for name, tensor in _param_tensors(opt, model_param).items():
-                if name in param_state[index]:
-                    tensor.copy_(param_state[index][name])
+            with torch.no_grad():  # in fp32 the main params are the model's own (leaf) params
+                for name, tensor in _param_tensors(opt, model_param).items():
+                    if name in param_state[index]:
+                        tensor.copy_(param_state[index][name])
         if not stepped:  # saved before the first step: so is this optimizer now (its next step starts the moments)
             opt.optimizer.state.clear()
     restore_adam_steps(optimizer)

@@ -1,7 +1,8 @@
 """Megatron-LM's own ``pretrain_gpt.py`` on CPU ranks (gloo): the real training loop, for tests.
 
     torchrun ... -m megatron_ext.testing.megatron_lm [--checkout DIR] [--record FILE]
-        [--kill-at-iteration N] -- <pretrain_gpt.py arguments>
+        [--kill-at-iteration N] [--sigterm-at-iteration N] [--expire-duration-at-iteration N]
+        -- <pretrain_gpt.py arguments>
 
 The script runs in-process, unchanged, from a patched checkout of the pin (``find_checkout``).
 What a CPU run of ``megatron/training`` needs beyond the megatron-core emulation layer
@@ -242,6 +243,28 @@ def kill_process_tree() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _after_step(iteration: int, action: Callable[[], None]) -> None:
+    """Run ``action`` on this rank right after iteration ``iteration``'s step (before its save)."""
+    from megatron.training import get_args, training
+
+    inner_step = training.train_step
+
+    def train_step(*args: Any, **kwargs: Any):
+        result = inner_step(*args, **kwargs)
+        if get_args().curr_iteration + 1 == iteration:
+            action()
+        return result
+
+    training.train_step = train_step
+
+
+def _age_training_clock() -> None:
+    """Make Megatron-LM's training clock read a day older: ``--exit-duration-in-mins`` expires now."""
+    from megatron.training import training
+
+    training._TRAIN_START_TIME -= 24 * 3600
+
+
 def _install_killer(iteration: int) -> None:
     """SIGKILL this rank once iteration ``iteration`` is trained and its save (if any) was called."""
     from megatron.training import training
@@ -267,7 +290,8 @@ def environment(base: dict | None = None) -> dict:
 
 
 def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, record: str | None = None,
-                     kill_at: int | None = None) -> list[str]:
+                     kill_at: int | None = None, sigterm_at: int | None = None,
+                     expire_at: int | None = None) -> list[str]:
     """torchrun on this machine running ``pretrain_gpt.py`` of ``checkout`` through this harness."""
     from megatron_ext.procs import torchrun_command as torchrun
 
@@ -276,6 +300,10 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
         harness += ["--record", str(record)]
     if kill_at is not None:
         harness += ["--kill-at-iteration", str(kill_at)]
+    if sigterm_at is not None:
+        harness += ["--sigterm-at-iteration", str(sigterm_at)]
+    if expire_at is not None:
+        harness += ["--expire-duration-at-iteration", str(expire_at)]
     return torchrun(nproc, *harness, "--", *CPU_FLAGS, *megatron_args)
 
 
@@ -288,7 +316,8 @@ def read_records(path: str | Path) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- entry point
-def run(script: Path, argv: list[str], record: str | None = None, kill_at: int | None = None) -> None:
+def run(script: Path, argv: list[str], record: str | None = None, kill_at: int | None = None,
+        signal_at: int | None = None, expire_at: int | None = None) -> None:
     """Run ``script`` (a checkout's ``pretrain_gpt.py``) as ``__main__`` with ``argv`` on CPU ranks."""
     from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation
 
@@ -304,6 +333,10 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
         _install_recorder(record)
     if kill_at is not None:
         _install_killer(kill_at)
+    if signal_at is not None:  # a scheduler's SIGTERM, for --exit-signal-handler
+        _after_step(signal_at, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    if expire_at is not None:
+        _after_step(expire_at, _age_training_clock)
     sys.argv = [str(script), *argv]
     runpy.run_path(str(script), run_name="__main__")
 
@@ -318,6 +351,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--script", default="pretrain_gpt.py", help="training script in the checkout")
     parser.add_argument("--record", help="append one JSON line per training step here")
     parser.add_argument("--kill-at-iteration", type=int, help="SIGKILL every rank after this iteration's save call")
+    parser.add_argument("--sigterm-at-iteration", type=int,
+                        help="send SIGTERM to every rank right after this iteration's step (--exit-signal-handler)")
+    parser.add_argument("--expire-duration-at-iteration", type=int,
+                        help="age the training clock a day right after this iteration's step (--exit-duration-in-mins)")
     opts = parser.parse_args(argv[:split])
     checkout = Path(opts.checkout) if opts.checkout else None
     if checkout is None:
@@ -327,7 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     script = checkout / opts.script
     if not script.is_file():
         raise SystemExit(f"no {opts.script} in {checkout}")
-    run(script, argv[split + 1:], record=opts.record, kill_at=opts.kill_at_iteration)
+    run(script, argv[split + 1:], record=opts.record, kill_at=opts.kill_at_iteration,
+        signal_at=opts.sigterm_at_iteration, expire_at=opts.expire_duration_at_iteration)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,142 @@
+"""The flags Megatron-LM users checkpoint with, in its own loop: ours against Megatron's torch_dist (slow).
+
+Each scenario runs its phases (stops, kills, restarts) once with ``--use-datastates`` and once
+with Megatron-LM's own checkpointing; the per-iteration trajectories must be bit-identical, and
+where the scenario changes nothing about the training itself, also equal to one uninterrupted
+run without checkpoints. Run with ``--run-slow`` (about 20-40 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from helpers.megatron_lm_runs import (DATASTATES, NATIVE, STEP_FIELDS, Phase, assert_same_trajectory, copy_checkpoints,
+                                      read_tracker, run, run_scenario, trajectory)
+from megatron_ext.testing.megatron_lm import TINY_GPT
+
+pytestmark = pytest.mark.slow
+
+BF16_DIST = ["--bf16", "--use-distributed-optimizer"]
+ITERS = ["--train-iters", "6"]
+KILL_RESUME = [Phase([], kill_at=3), Phase([])]
+
+
+@dataclasses.dataclass
+class Scenario:
+    common: list[str]
+    phases: list[Phase]
+    nproc: int = 2
+    uninterrupted: bool = True  # the scenario leaves training unchanged: compare with a run without checkpoints
+    uninterrupted_args: list[str] = dataclasses.field(default_factory=list)  # replaces ITERS for that run
+    # Megatron-LM's own checkpointing can run it on CPUs (see fp16_first_steps_skipped).
+    native: bool = True
+
+
+SCENARIOS = {
+    "exit_interval": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1"],
+                              [Phase(["--exit-interval", "3"]), Phase([])]),
+    "exit_signal_handler_sigterm": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--exit-signal-handler"],
+                                            [Phase([], sigterm_at=3), Phase([])]),
+    "exit_duration_in_mins": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1"],
+                                      [Phase(["--exit-duration-in-mins", "30"], expire_at=3), Phase([])]),
+    # Saves at 4 and, at the end, 6; the second run goes on to 8 from the final checkpoint.
+    "final_save_off_interval": Scenario([*BF16_DIST, "--save-interval", "4"],
+                                        [Phase(ITERS), Phase(["--train-iters", "8", "--override-opt_param-scheduler"])],
+                                        uninterrupted_args=["--train-iters", "8"]),
+    "no_load_rng": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1"],
+                            [Phase(["--exit-interval", "3"]), Phase(["--no-load-rng"])], uninterrupted=False),
+    "non_persistent_global": Scenario([*BF16_DIST, *ITERS, "--save-interval", "4", "--non-persistent-save-interval",
+                                       "1", "--non-persistent-ckpt-type", "global"],
+                                      [Phase([], kill_at=5), Phase([])]),
+    # The scale doubles after every good step until the grads overflow, then that step is skipped
+    # and the scale halves: the scaler's state (scale, growth tracker, hysteresis) must resume exactly.
+    "fp16_dynamic_loss_scale": Scenario(["--fp16", "--use-distributed-optimizer", "--initial-loss-scale", "1048576",
+                                         "--loss-scale-window", "1", "--hysteresis", "1", "--train-iters", "8",
+                                         "--save-interval", "1"], [Phase([], kill_at=4), Phase([])]),
+    # A scale far too large: the first steps are skipped, so the first checkpoints hold an optimizer
+    # that has not stepped yet. Megatron-LM cannot save that on CPUs (megatron-core's state_dict()
+    # asserts over torch Adam's empty state; GPU runs use a fused Adam), so this compares with an
+    # uninterrupted run only.
+    "fp16_first_steps_skipped": Scenario(["--fp16", "--use-distributed-optimizer", "--initial-loss-scale", "4294967296",
+                                          "--hysteresis", "1", "--train-iters", "8", "--save-interval", "1"],
+                                         [Phase([], kill_at=2), Phase([])], native=False),
+    "fp32": Scenario(["--use-distributed-optimizer", *ITERS, "--save-interval", "1"], KILL_RESUME),
+    "plain_optimizer": Scenario(["--bf16", *ITERS, "--save-interval", "1"], KILL_RESUME),
+    "overlap_grad_reduce_param_gather": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--overlap-grad-reduce",
+                                                  "--overlap-param-gather"], KILL_RESUME),
+    "interleaved_pipeline": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--pipeline-model-parallel-size", "2",
+                                      "--num-layers-per-virtual-pipeline-stage", "1"], KILL_RESUME),
+    "untied_embeddings_pp2": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--pipeline-model-parallel-size",
+                                       "2", "--untie-embeddings-and-output-weights"], KILL_RESUME),
+    "moe_expert_parallel": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--num-experts", "4",
+                                     "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+                                     "--moe-token-dispatcher-type", "alltoall"], KILL_RESUME),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_scenario_matches_megatron_torch_dist(checkout, tmp_path, name):
+    scenario = SCENARIOS[name]
+    ours = run_scenario(checkout, scenario.nproc, scenario.phases, tmp_path / "datastates", DATASTATES, scenario.common)
+    theirs = None
+    if scenario.native:
+        theirs = run_scenario(checkout, scenario.nproc, scenario.phases, tmp_path / "torch_dist", NATIVE,
+                              scenario.common)
+        assert_same_trajectory(ours.trajectory, theirs.trajectory, f"{name}: datastates vs torch_dist")
+        assert ours.trackers[-1] == theirs.trackers[-1], (ours.trackers, theirs.trackers)
+    if name.startswith("fp16"):
+        assert any(step[STEP_FIELDS.index("skipped")] for step in ours.trajectory.values()), "no step was skipped"
+    if scenario.uninterrupted:
+        args = [a for a in scenario.common if a not in ITERS] if scenario.uninterrupted_args else scenario.common
+        straight = run(checkout, scenario.nproc, [*args, *scenario.uninterrupted_args], tmp_path, "uninterrupted")
+        assert_same_trajectory(ours.trajectory, trajectory(straight), f"{name}: datastates vs no checkpoints")
+    print(f"{name}: {len(ours.trajectory)} iterations identical; datastates trackers {ours.trackers}, "
+          f"torch_dist trackers {theirs.trackers if theirs else 'not run'}")
+
+
+def test_load_into_another_layout(checkout, tmp_path):
+    """Saved at TP2 x DP2, resumed at TP1 x DP4 inside Megatron-LM: ours against Megatron's fully reshardable format."""
+    save_layout = [*BF16_DIST, *ITERS, "--save-interval", "1", "--tensor-model-parallel-size", "2"]
+    resume_layout = [*BF16_DIST, *ITERS, "--save-interval", "1"]
+    sides = {"datastates": DATASTATES, "torch_dist": [*NATIVE, "--dist-ckpt-optim-fully-reshardable"]}
+    results = {}
+    for side, flags in sides.items():
+        save = tmp_path / side / "ckpt"
+        common = ["--save", str(save), "--load", str(save), *flags]
+        run(checkout, 4, [*save_layout, *common, "--exit-interval", "3"], tmp_path / side, "save_tp2")
+        results[side] = run(checkout, 4, [*resume_layout, *common], tmp_path / side, "resume_tp1")
+    assert results["datastates"].records[0]["iteration"] == 4
+    assert "resharding iter_0000003" in results["datastates"].log
+    assert_same_trajectory(trajectory(results["datastates"]), trajectory(results["torch_dist"]),
+                           "TP2xDP2 -> TP1xDP4: datastates vs torch_dist")
+
+
+def test_convert_cli_round_trip_resumes_in_megatron(checkout, tmp_path):
+    """``megatron-ext convert --to torch_dist``: Megatron-LM resumes it natively; and back to ours."""
+    common = [*BF16_DIST, *ITERS, "--save-interval", "1"]
+    ours_dir = tmp_path / "ours"
+    base = run_scenario(checkout, 2, [Phase(["--exit-interval", "3"])], ours_dir, DATASTATES, common)
+    reference = run(checkout, 2, [*common, "--save", str(copy_checkpoints(base.save_dir, tmp_path / "ref")),
+                                  "--load", str(tmp_path / "ref"), *DATASTATES], tmp_path, "datastates_resume")
+
+    def convert(*args: str) -> None:
+        proc = subprocess.run([sys.executable, "-m", "megatron_ext", "convert", *args], capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    native_dir = tmp_path / "native"
+    convert(str(base.save_dir), str(native_dir), "--to", "torch_dist")
+    assert read_tracker(native_dir) == "3"
+    native = run(checkout, 2, [*common, "--save", str(native_dir), "--load", str(native_dir), *NATIVE], tmp_path,
+                 "native_resume")
+    assert_same_trajectory(trajectory(native), trajectory(reference), "Megatron resuming the converted checkpoint")
+
+    back_dir = tmp_path / "back"
+    convert(str(native_dir), str(back_dir), "--to", "datastates", "--iteration", "3")
+    back = run(checkout, 2, [*common, "--save", str(back_dir), "--load", str(back_dir), *DATASTATES], tmp_path,
+               "back_resume")
+    assert_same_trajectory(trajectory(back), trajectory(reference), "--use-datastates resuming the converted-back one")
