@@ -5,9 +5,12 @@
   they pass), and a misspelt directive does fail, so the check has teeth;
 * ``launch.sh --dry-run`` prints one torchrun per node with the right ranks and flags, and
   rejects bad inputs with clear errors;
-* the CPU configuration submitted with ``sbatch`` trains with ``--use-datastates --save-interval 1``,
-  receives the time-limit signal mid-run (``scancel --signal=USR1 --batch``), requeues itself
-  with ``scontrol requeue``, and the new run resumes from the committed checkpoint to the end.
+* the CPU configurations submitted with ``sbatch`` train with ``--use-datastates --save-interval 1``,
+  receive the time-limit signal mid-run (``scancel --signal=USR1 --batch``), save the iteration
+  in flight, requeue themselves with ``scontrol requeue``, and the new run resumes from exactly
+  that iteration to the end: Megatron-LM's own ``pretrain_gpt.py`` (the path of every GPU
+  template; per-iteration loss and grad norm equal an uninterrupted job's) and the reference trainer;
+* restarts: a busy rendezvous port and a step that fails to start are handled by the launcher.
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ def site(tmp_path):
 def _env(cluster: Cluster, site: Path, **extra: str) -> dict:
     env = dict(cluster.env, SITE_ENV=str(site), MEGATRON_EXT_DIR=str(REPO))
     for key in list(env):
-        if key.startswith(("SLURM_JOB", "SLURM_NNODES", "SBATCH_")) or key in ("MODEL_CONFIG", "TRAINER"):
+        if key.startswith(("SLURM_JOB", "SLURM_NNODES", "SBATCH_")) or key in (
+                "MODEL_CONFIG", "TRAINER", "MEGATRON_ENTRY", "MEGATRON_RECORD", "CUDA_DEVICE_MAX_CONNECTIONS"):
             env.pop(key)
     env.update(extra)
     return env
@@ -155,6 +159,13 @@ def test_dry_run_inside_an_allocation(cluster, site):
     assert res.returncode == 0, res.stderr
     assert "gpt_13b is sized for 4 nodes, the allocation has 2" in res.stderr
     assert "TP=4 PP=2 DP=1" in res.stdout
+    # A site's own CUDA_DEVICE_MAX_CONNECTIONS is kept.
+    env.update(CUDA_DEVICE_MAX_CONNECTIONS="8")
+    res = subprocess.run([str(LAUNCH), "--config", "gpt_13b", "--dry-run"], env=env,
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    lines = [line for line in res.stdout.splitlines() if line.startswith("node ")]
+    assert lines and all("; export CUDA_DEVICE_MAX_CONNECTIONS=8; " in line for line in lines)
 
 
 @pytest.mark.parametrize("args, extra_env, message", [
@@ -165,6 +176,10 @@ def test_dry_run_inside_an_allocation(cluster, site):
     (["--config", "gpt_70b", "--dry-run", "--nodes", "3"], {}, "80 layers do not split into PP=3"),
     (["--config", "gpt_3b"], {}, "no allocation"),
     (["--config", "gpt_3b", "--dry-run", "--nodes", "0"], {}, "--nodes must be a positive integer"),
+    (["--config", "gpt_3b", "--dry-run", "--nodes", "1"], {"STEP_RETRIES": "two"},
+     "STEP_RETRIES must be a whole number, not 'two'"),
+    (["--config", "gpt_3b", "--dry-run", "--nodes", "1"], {"PORT_WAIT_S": "-1"},
+     "PORT_WAIT_S must be a whole number, not '-1'"),
 ])
 def test_launcher_rejects_bad_inputs(cluster, site, tmp_path, args, extra_env, message):
     env = _env(cluster, site)
@@ -392,6 +407,9 @@ def test_megatron_job_is_signalled_requeued_and_resumes(cluster, megatron_site, 
         cluster, megatron_site, tmp_path, "cpu_tiny_megatron", "cpu_tiny_megatron", iters,
         MEGATRON_RECORD=str(records))
     assert "-m megatron_ext.testing.megatron_lm --checkout" in first
+    # TP=2: Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1, which only the launcher sets here.
+    assert "launch.sh: job" in first and "TP=2 PP=1 DP=1" in first
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1; " in first
     assert "exiting program after receiving SIGTERM" in first, job.report()
     # Megatron-LM's own log: the first run trained 1..stopped_at, the second stopped_at+1..end.
     logged = [int(i) for i in re.findall(r"\] iteration\s+(\d+)/\s*\d+ \|", second)]
@@ -439,8 +457,8 @@ def test_restart_waits_for_a_busy_port_and_retries_a_step_that_fails_to_start(cl
         busy.listen()
         job = Job(cluster, REPO / "slurm" / "cpu_tiny.sh", tmp_path / "job.out",
                   _env(cluster, site, TRAIN_ITERS="8", MASTER_PORT=str(port), PORT_WAIT_S="3",
-                       STEP_RETRY_DELAY_S="1",
-                       SITE_SETUP=f"if [ ! -e {marker} ]; then touch {marker}; echo 'node not ready (test)'; exit 3; fi"),
+                       STEP_RETRY_DELAY_S="1", SITE_SETUP=f"if [ ! -e {marker} ]; then touch {marker}; "
+                                                          "echo 'node not ready (test)'; exit 3; fi"),
                   tmp_path / "lustre" / "cpu_tiny" / "latest_checkpointed_iteration.txt")
         assert job.wait_finished() == "COMPLETED", job.report()
     text = job.text()
