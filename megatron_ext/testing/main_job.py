@@ -61,7 +61,6 @@ class Trainer:
     command: Callable[[list[str], Path, int | None], list[str]]  # (args, record file, kill at) -> argv
     env: dict
     read: Callable[[Path], list[Step]]
-    iteration_times_ms: Callable[[str, list[Step], Path], list[float]]  # (log, steps, record) -> per iteration
     compared: str  # what is compared bit for bit, for the verdict
 
 
@@ -75,13 +74,9 @@ def megatron_trainer(checkout: Path, iters: int) -> Trainer:
     def read(record: Path) -> list[Step]:
         return [Step(r["iteration"], r["loss"], r["grad_norm"], r["lr"]) for r in megatron_lm.read_records(record)]
 
-    def iteration_times_ms(log: str, steps: list[Step], record: Path) -> list[float]:
-        # Megatron-LM's own timing line of every iteration (--log-interval 1).
-        return [float(t) for t in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)]
-
     return Trainer(f"Megatron-LM's own pretrain_gpt.py from {checkout} (the pinned core_v0.16.1 with the "
                    f"megatron_ext patches), on CPU ranks through megatron_ext.testing.megatron_lm",
-                   command, megatron_lm.environment(), read, iteration_times_ms, "loss and grad norm")
+                   command, megatron_lm.environment(), read, "loss and grad norm")
 
 
 def reference_trainer(iters: int) -> Trainer:
@@ -98,13 +93,9 @@ def reference_trainer(iters: int) -> Trainer:
         rows = [json.loads(line) for line in record.read_text().splitlines() if line.strip()]
         return [Step(r["iteration"], float.fromhex(r["loss"]), None, float.fromhex(r["lr"])) for r in rows]
 
-    def iteration_times_ms(log: str, steps: list[Step], record: Path) -> list[float]:
-        rows = [json.loads(line) for line in record.read_text().splitlines() if line.strip()] if record.exists() else []
-        return [r["iter_time_s"] * 1000 for r in rows]
-
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     return Trainer("the reference trainer megatron_ext.megatron.trainer (a megatron-core GPT), on CPU ranks",
-                   command, env, read, iteration_times_ms, "loss and learning rate")
+                   command, env, read, "loss and learning rate")
 
 
 # ---------------------------------------------------------------------------- one run
@@ -115,7 +106,6 @@ class Run:
     log: str
     returncode: int
     seconds: float
-    times_ms: list[float]
 
 
 def run(trainer: Trainer, name: str, args: list[str], out: Path, kill_at: int | None = None) -> Run:
@@ -150,12 +140,14 @@ def run(trainer: Trainer, name: str, args: list[str], out: Path, kill_at: int | 
             proc.wait()
     _show_progress(trainer, record, shown)
     text = log_path.read_text(errors="replace")
-    steps = trainer.read(record)
-    return Run(name, steps, text, returncode, time.monotonic() - start, trainer.iteration_times_ms(text, steps, record))
+    return Run(name, trainer.read(record), text, returncode, time.monotonic() - start)
 
 
 def _show_progress(trainer: Trainer, record: Path, shown: int) -> int:
-    steps = trainer.read(record)
+    try:
+        steps = trainer.read(record)
+    except ValueError:  # a line being written right now: show it next time
+        return shown
     for step in steps[shown:]:
         norm = f"  grad norm {step.grad_norm:.8f}" if step.grad_norm is not None else ""
         print(f"    iteration {step.iteration:3d}  loss {step.loss:.8f}{norm}  lr {step.lr:.3e}", flush=True)
@@ -263,14 +255,9 @@ def main(args) -> int:
           f"then: iteration {committed}", flush=True)
     print(f"    resume:          from iteration {committed}, trained {committed + 1}..{iters}", flush=True)
     if blocked:
-        print(f"    checkpoints:     {len(blocked) // RANKS} committed per rank, one every iteration; training "
-              f"blocked {statistics.mean(blocked):.1f} ms per checkpoint and rank on average, {max(blocked):.1f} ms "
-              f"at most (telemetry: {ckpt / 'datastates_telemetry'})", flush=True)
-    plain = _typical(oracle.times_ms[1:])
-    with_ckpt = _typical(killed.times_ms[1:] + resumed.times_ms[1:])
-    if plain and with_ckpt:
-        print(f"    iteration time:  median {plain:.0f} ms without checkpoints, {with_ckpt:.0f} ms with one every "
-              f"iteration (first iteration of each run left out; a shared 2-core machine is noisy)", flush=True)
+        print(f"    checkpoints:     one every iteration; training blocked {statistics.mean(blocked):.1f} ms per "
+              f"checkpoint and rank on average, {max(blocked):.1f} ms at most ({len(blocked)} checkpoint x rank "
+              f"records in {ckpt / 'datastates_telemetry'})", flush=True)
     print(f"    wall time:       {time.monotonic() - started:.0f}s; logs in {out}", flush=True)
     for problem in problems[:10]:
         print(f"    MISMATCH: {problem}", flush=True)
@@ -282,7 +269,3 @@ def main(args) -> int:
     if fallback:
         say("note: this was the reference trainer (fallback), not Megatron-LM's pretrain_gpt.py")
     return 1 if problems else 0
-
-
-def _typical(times_ms: list[float]) -> float | None:
-    return statistics.median(times_ms) if times_ms else None
