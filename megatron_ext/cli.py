@@ -146,14 +146,19 @@ def _demo(sub) -> None:
 
 
 def _main_job(sub) -> None:
-    p = sub.add_parser("main-job", help="train a small GPT on 8 CPU ranks with --use-datastates, crash, resume, compare")
+    p = sub.add_parser("main-job", help="Megatron-LM's pretrain_gpt.py on 8 CPU ranks with --use-datastates: "
+                                        "SIGKILL, resume, bit-exact comparison")
     p.add_argument("--out", default="runs/main", help="work directory (default runs/main)")
-    p.add_argument("--iters", type=int, default=12)
-    p.add_argument("--crash-at", type=int, default=7)
+    p.add_argument("--trainer", choices=("auto", "megatron", "reference"), default="auto",
+                   help="auto (default): Megatron-LM's pretrain_gpt.py when the patched checkout is available "
+                        "(scripts/fetch_megatron.sh), else the reference trainer; megatron: fail without it")
+    p.add_argument("--iters", type=int, default=None, help="iterations (default 10 with Megatron-LM, 12 otherwise)")
+    p.add_argument("--crash-at", type=int, default=None,
+                   help="every rank SIGKILLs itself after this iteration (default 6 with Megatron-LM, 7 otherwise)")
     p.add_argument("--host-cache-size", type=float, default=0.05, help="GiB per rank")
 
     def run(args) -> int:
-        from megatron_ext import main_job
+        from megatron_ext.testing import main_job
 
         return main_job.main(args)
 

@@ -15,6 +15,10 @@
 # forwards $FORWARD_SIGNAL (default SIGTERM) to the training step, waits up to $STOP_GRACE_S for it
 # to end (Megatron-LM with --exit-signal-handler saves, and the patched finalize waits until every
 # checkpoint is committed), prints the committed iteration, then `scontrol requeue`s the job.
+# Before a step starts, the rendezvous port must be free (waits $PORT_WAIT_S, then takes the next
+# free port); a step that fails before committing any checkpoint is retried $STEP_RETRIES times
+# (default 2) after $STEP_RETRY_DELAY_S, each with a fresh rendezvous id. docs/SLURM.md has all
+# settings, including MEGATRON_ENTRY (how pretrain_gpt.py is run; unset on GPU clusters).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -35,7 +39,7 @@ while [[ $# -gt 0 ]]; do
         --dry-run) DRY_RUN=1; shift ;;
         --nodes) [[ $# -ge 2 ]] || die "--nodes needs a value"; FAKE_NODES="$2"; shift 2 ;;
         --nodes=*) FAKE_NODES="${1#*=}"; shift ;;
-        -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
         *) die "unknown argument '$1' (trainer arguments go after --)" ;;
     esac
@@ -79,6 +83,13 @@ MASTER_PORT="${MASTER_PORT:-29500}"
 STOP_GRACE_S="${STOP_GRACE_S:-240}"
 FORWARD_SIGNAL="${FORWARD_SIGNAL:-TERM}"
 DATASTATES_TIMEOUT="${DATASTATES_TIMEOUT:-1800}"
+STEP_RETRIES="${STEP_RETRIES:-2}"              # retries of a step that fails before committing anything
+STEP_RETRY_DELAY_S="${STEP_RETRY_DELAY_S:-15}"
+PORT_WAIT_S="${PORT_WAIT_S:-60}"              # wait for a busy rendezvous port before taking another
+STEP_END_WAIT_S="${STEP_END_WAIT_S:-120}"     # wait for a failed step to be gone before retrying
+for v in MASTER_PORT STOP_GRACE_S STEP_RETRIES STEP_RETRY_DELAY_S PORT_WAIT_S STEP_END_WAIT_S; do
+    [[ "${!v}" =~ ^[0-9]+$ ]] || die "$v must be a whole number, not '${!v}'"
+done
 
 # ------------------------------------------------------------------ nodes
 if [[ -n "${SLURM_JOB_NODELIST:-}" && -z "$FAKE_NODES" ]]; then
@@ -131,7 +142,13 @@ case "$TRAINER" in
         [[ -n "${MEGATRON_LM_DIR:-}" ]] || die "TRAINER=megatron needs MEGATRON_LM_DIR (the patched Megatron-LM checkout) in configs/site.env or the environment"
         [[ -d "$MEGATRON_LM_DIR" ]] || die "MEGATRON_LM_DIR=$MEGATRON_LM_DIR is not a directory"
         [[ -f "$MEGATRON_LM_DIR/pretrain_gpt.py" ]] || die "no pretrain_gpt.py in MEGATRON_LM_DIR=$MEGATRON_LM_DIR"
-        PROGRAM=("$MEGATRON_LM_DIR/pretrain_gpt.py")
+        if [[ -n "${MEGATRON_ENTRY:-}" ]]; then
+            # The one hook for machines without GPUs: the config's own way to run pretrain_gpt.py
+            # (configs/cpu_tiny_megatron.env: the test harness megatron_ext.testing.megatron_lm).
+            read -r -a PROGRAM <<< "$MEGATRON_ENTRY"
+        else
+            PROGRAM=("$MEGATRON_LM_DIR/pretrain_gpt.py")
+        fi
         read -r -a DATA_ARGS <<< "${MEGATRON_DATA_ARGS:---mock-data --tokenizer-type NullTokenizer --vocab-size 32000}"
         TRAINER_ARGS=("${COMMON_ARGS[@]}" --bf16 --max-position-embeddings "$SEQ_LENGTH"
             --lr 1.0e-4 --min-lr 1.0e-5 --lr-decay-style cosine --lr-warmup-iters 10
@@ -148,23 +165,39 @@ case "$TRAINER" in
     reference)
         [[ -z "$FIRST" ]] || die "the reference trainer has no uneven pipeline split"
         PROGRAM=(-m megatron_ext.megatron.trainer)
-        TRAINER_ARGS=("${COMMON_ARGS[@]}")
+        TRAINER_ARGS=("${COMMON_ARGS[@]}" --exit-signal-handler)
         ;;
     *) die "TRAINER must be 'megatron' (pretrain_gpt.py in MEGATRON_LM_DIR) or 'reference' (megatron_ext.megatron.trainer), not '$TRAINER'" ;;
 esac
 read -r -a CONFIG_EXTRA <<< "${EXTRA_TRAINER_ARGS:-}"
 TRAINER_ARGS+=("${CONFIG_EXTRA[@]}" "${EXTRA[@]}")
 
-TORCHRUN=("$PYTHON" -m torch.distributed.run
-    --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE"
-    --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID"
-    --max-restarts 0)
-NODE_CMD=("${TORCHRUN[@]}" "${PROGRAM[@]}" "${TRAINER_ARGS[@]}")
 # torchrun forwards SIGTERM to its workers and SIGKILLs them after this many seconds.
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="$STOP_GRACE_S"
-NODE_SCRIPT="set -e; ${SITE_SETUP:+$SITE_SETUP; }mkdir -p $(printf '%q' "$LOCAL_DIR"); exec $(printf '%q ' "${NODE_CMD[@]}")"
+NODE_ENV=()
+if [[ "$TRAINER" == megatron ]]; then
+    # Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 when TP > 1 (kernel order of the
+    # tensor-parallel overlap); a site may set another value for its own reasons.
+    NODE_ENV+=("CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}")
+fi
+
+# The command every node runs, for a rendezvous at port $1 with id $2.
+node_script() {
+    local torchrun=("$PYTHON" -m torch.distributed.run
+        --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE"
+        --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:$1" --rdzv-id "$2"
+        --max-restarts 0)
+    local exports="" quoted
+    if [[ ${#NODE_ENV[@]} -gt 0 ]]; then
+        printf -v quoted '%q ' "${NODE_ENV[@]}"
+        exports="export ${quoted% }; "
+    fi
+    echo "set -e; ${SITE_SETUP:+$SITE_SETUP; }${exports}mkdir -p $(printf '%q' "$LOCAL_DIR"); exec $(printf '%q ' "${torchrun[@]}" "${PROGRAM[@]}" "${TRAINER_ARGS[@]}")"
+}
 
 if [[ $DRY_RUN -eq 1 ]]; then
+    RDZV_ID="$RDZV_ID-${SLURM_RESTART_COUNT:-0}-0"  # as the first attempt of the run below
+    NODE_SCRIPT="$(node_script "$MASTER_PORT" "$RDZV_ID")"
     echo "# $CONFIG_NAME: $NNODES nodes x $GPUS_PER_NODE ranks = $WORLD ranks, TP=$TP PP=$PP DP=$DP, trainer=$TRAINER"
     echo "# shared level (--save/--load): $CKPT_DIR ; node-local level: $LOCAL_DIR"
     echo "# site: ${SITE_FILE:-environment only}; rendezvous: c10d at $MASTER_ADDR:$MASTER_PORT id $RDZV_ID"
@@ -182,12 +215,11 @@ fi
 mkdir -p "$CKPT_DIR" || die "cannot create the checkpoint directory $CKPT_DIR"
 [[ -w "$CKPT_DIR" ]] || die "checkpoint directory $CKPT_DIR is not writable"
 TRACKER="$CKPT_DIR/latest_checkpointed_iteration.txt"
+RESTART="${SLURM_RESTART_COUNT:-0}"
 committed() { cat "$TRACKER" 2>/dev/null || echo none; }
-say "job ${SLURM_JOB_ID} restart ${SLURM_RESTART_COUNT:-0}: $CONFIG_NAME on $NNODES nodes, TP=$TP PP=$PP DP=$DP; latest committed iteration: $(committed)"
-say "node command: $NODE_SCRIPT"
+say "job ${SLURM_JOB_ID} restart $RESTART: $CONFIG_NAME on $NNODES nodes, TP=$TP PP=$PP DP=$DP; latest committed iteration: $(committed)"
 
 STOP=""
-SRUN_PID=""
 on_signal() {
     STOP="$1"
     say "caught SIG$1 at $(date +%T): forwarding SIG$FORWARD_SIGNAL to the training step (grace ${STOP_GRACE_S}s)"
@@ -196,24 +228,104 @@ on_signal() {
 trap 'on_signal USR1' USR1
 trap 'on_signal TERM' TERM
 
-cd "$ROOT"
-# shellcheck disable=SC2086
-srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 ${SRUN_EXTRA_ARGS:-} \
-    bash -c "$NODE_SCRIPT" &
-SRUN_PID=$!
-RC=0
-STOP_DEADLINE=""
-while kill -0 "$SRUN_PID" 2>/dev/null; do
-    if [[ -n "$STOP" && -z "$STOP_DEADLINE" ]]; then STOP_DEADLINE=$((SECONDS + STOP_GRACE_S + 30)); fi
-    if [[ -n "$STOP_DEADLINE" && $SECONDS -ge $STOP_DEADLINE ]]; then
-        say "training step still running ${STOP_GRACE_S}s after the signal: killing it"
-        scancel --signal=KILL "$SLURM_JOB_ID" || true
-        STOP_DEADLINE=$((SECONDS + 60))
+# Sleeps $1 seconds; a trapped signal ends the sleep early (the caller then checks $STOP).
+pause() { sleep "$1" & wait $! || true; }
+
+# True when something accepts connections at $1:$2 (5 s bound, so a silent host cannot hang us).
+listening() { timeout 5 bash -c 'exec 3<>"/dev/tcp/$1/$2"' _ "$1" "$2" 2>/dev/null; }
+
+# The rendezvous port must be free before a step starts: torchrun's c10d agent that cannot bind it
+# joins whatever store listens there instead (a leftover of an earlier step, another job on the
+# node) and the step fails or hangs. Waits up to PORT_WAIT_S for MASTER_PORT, then moves to the
+# next port nobody listens on (all nodes get it in their command line).
+choose_port() {
+    local deadline=$((SECONDS + PORT_WAIT_S)) port
+    listening "$MASTER_ADDR" "$MASTER_PORT" || return 0
+    say "rendezvous port $MASTER_PORT on $MASTER_ADDR is in use; waiting up to ${PORT_WAIT_S}s for it to be free"
+    if [[ "${SLURMD_NODENAME:-}" == "$MASTER_ADDR" ]] && command -v ss >/dev/null; then
+        ss -Hltnp "sport = :$MASTER_PORT" 2>/dev/null | sed 's/^/launch.sh:     /' >&2 || true
     fi
-    # Returns early (>128) when a trapped signal arrives; the loop then waits again.
-    wait "$SRUN_PID" && RC=0 || RC=$?
+    while listening "$MASTER_ADDR" "$MASTER_PORT"; do
+        if (( SECONDS >= deadline )); then
+            for ((port = MASTER_PORT + 1; port <= MASTER_PORT + 100; port++)); do
+                if ! listening "$MASTER_ADDR" "$port"; then
+                    say "rendezvous port $MASTER_PORT still in use after ${PORT_WAIT_S}s: using port $port"
+                    MASTER_PORT=$port
+                    return 0
+                fi
+            done
+            say "no free rendezvous port in $MASTER_PORT..$((MASTER_PORT + 100)) on $MASTER_ADDR"
+            return 1
+        fi
+        pause 2
+        [[ -z "$STOP" ]] || return 1
+    done
+    say "rendezvous port $MASTER_PORT is free again"
+}
+
+# Steps of this job still known to Slurm (a retried step must not overlap the one that failed).
+running_steps() { squeue -h --steps --jobs "$SLURM_JOB_ID" -o '%i' 2>/dev/null | grep -Ev '\.(batch|extern)$' || true; }
+wait_for_steps() {
+    local deadline=$((SECONDS + STEP_END_WAIT_S)) left
+    left="$(running_steps)"
+    [[ -n "$left" ]] || return 0
+    say "waiting up to ${STEP_END_WAIT_S}s for the previous step to end: $(echo $left)"
+    while [[ -n "$(running_steps)" ]]; do
+        if (( SECONDS >= deadline )); then
+            say "previous step still listed after ${STEP_END_WAIT_S}s: $(echo $(running_steps)); starting anyway"
+            return 0
+        fi
+        pause 2
+    done
+}
+
+cd "$ROOT"
+# A step that fails before committing any new checkpoint (rendezvous port taken, a node not ready,
+# srun unable to start the step) is retried up to STEP_RETRIES times, each with a fresh rendezvous
+# id; a step that committed checkpoints and then failed is not (the job ends with its exit code).
+RC=0
+for ((attempt = 0; ; attempt++)); do
+    [[ -z "$STOP" ]] || break
+    (( attempt == 0 )) || wait_for_steps
+    if ! choose_port; then
+        [[ -n "$STOP" ]] && break
+        RC=1
+        break
+    fi
+    RDZV="$RDZV_ID-$RESTART-$attempt"
+    NODE_SCRIPT="$(node_script "$MASTER_PORT" "$RDZV")"
+    BEFORE="$(committed)"
+    say "starting the training step (attempt $((attempt + 1)) of $((STEP_RETRIES + 1)), rendezvous $MASTER_ADDR:$MASTER_PORT id $RDZV)"
+    say "node command: $NODE_SCRIPT"
+    STARTED=$SECONDS
+    # shellcheck disable=SC2086
+    srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 ${SRUN_EXTRA_ARGS:-} \
+        bash -c "$NODE_SCRIPT" &
+    SRUN_PID=$!
+    STOP_DEADLINE=""
+    while kill -0 "$SRUN_PID" 2>/dev/null; do
+        if [[ -n "$STOP" && -z "$STOP_DEADLINE" ]]; then STOP_DEADLINE=$((SECONDS + STOP_GRACE_S + 30)); fi
+        if [[ -n "$STOP_DEADLINE" && $SECONDS -ge $STOP_DEADLINE ]]; then
+            say "training step still running ${STOP_GRACE_S}s after the signal: killing it"
+            scancel --signal=KILL "$SLURM_JOB_ID" || true
+            STOP_DEADLINE=$((SECONDS + 60))
+        fi
+        # Returns early (>128) when a trapped signal arrives; the loop then waits again.
+        wait "$SRUN_PID" && RC=0 || RC=$?
+    done
+    say "training step ended with exit code $RC after $((SECONDS - STARTED))s; latest committed iteration: $(committed)"
+    [[ $RC -ne 0 && -z "$STOP" ]] || break
+    if [[ "$(committed)" != "$BEFORE" ]]; then
+        say "the step failed after committing checkpoints: not retrying (a new or requeued run resumes from iteration $(committed))"
+        break
+    fi
+    if (( attempt >= STEP_RETRIES )); then
+        say "the step failed $((attempt + 1)) times without committing a checkpoint: giving up"
+        break
+    fi
+    say "the step failed before committing a checkpoint: retry $((attempt + 1)) of $STEP_RETRIES in ${STEP_RETRY_DELAY_S}s"
+    pause "$STEP_RETRY_DELAY_S"
 done
-say "training step ended with exit code $RC; latest committed iteration: $(committed)"
 
 if [[ -n "$STOP" ]]; then
     if [[ "$(committed)" == "$TRAIN_ITERS" ]]; then
