@@ -166,6 +166,42 @@ def set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+# Megatron-LM's names for the RNG states in its ``rng_state`` entries, and ours.
+MEGATRON_LM_RNG_NAMES = {"random_rng_state": "random", "np_rng_state": "numpy", "torch_rng_state": "torch",
+                         "cuda_rng_state": "cuda", "rng_tracker_states": "tracker"}
+
+
+def megatron_lm_rng_object(rng: dict | None, layout: dict) -> Any:
+    """An ``rng_state`` ShardedObject as Megatron-LM's torch_dist checkpoints hold it.
+
+    One entry per (pipeline, tensor) coordinate, replicated over data parallelism (data-parallel
+    rank 0's is written), holding a one-element list of the states under Megatron-LM's names.
+    ``rng`` is ours (``rng_state()``), or None for a load template.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    def theirs_from(ours: str) -> Any:
+        value = rng.get(ours)
+        # Without CUDA, Megatron-LM's "CUDA" state is the CPU generator's (its CPU runs save that).
+        return rng["torch"] if value is None and ours == "cuda" else value
+
+    data = None if rng is None else [{theirs: theirs_from(ours) for theirs, ours in MEGATRON_LM_RNG_NAMES.items()}]
+    return ShardedObject("rng_state", data, (layout["pp"], layout["tp"]), (layout["pp_rank"], layout["tp_rank"]),
+                         replica_id=layout["dp_rank"])
+
+
+def from_megatron_lm_rng(data: Any) -> dict:
+    """Our RNG dict (``rng_state()``'s keys) from a Megatron-LM ``rng_state`` entry (list or dict)."""
+    if isinstance(data, list) and len(data) == 1:
+        data = data[0]
+    if not isinstance(data, dict) or not set(MEGATRON_LM_RNG_NAMES) - {"cuda_rng_state"} <= set(data):
+        raise CheckpointError(f"rng_state of an unknown structure ({type(data).__name__})")
+    rng = {ours: data[theirs] for theirs, ours in MEGATRON_LM_RNG_NAMES.items() if theirs in data}
+    if rng.get("cuda") is None:
+        rng.pop("cuda", None)
+    return rng
+
+
 def _unwrap(model: Any) -> list:
     """The bare model chunks (no DDP or Float16Module wrappers), as Megatron-LM saves them."""
     from megatron.core.utils import unwrap_model
@@ -234,14 +270,21 @@ def _dp_gather() -> Callable[[Any], list]:
 
 
 def _ownership(shards: list) -> sharding.OwnershipPlan:
+    """Who writes which shard: planned at the first save with one all-gather over the data-parallel group.
+
+    Planned again (the same collective) when the set of shards changes, which happens on every
+    rank at the same save: the optimizer's first step adds its moments (fp16 runs skip their
+    first steps, saved before that).
+    """
     global _plan
     signature = sharding.candidate_signature(shards)
-    if _plan is None:
+    if _plan is None or _plan.signature != signature:
         layout = _layout()
+        if _plan is not None:
+            log.info("[datastates] the sharded state changed (%d -> %d shards): planning ownership again",
+                     len(_plan.signature), len(signature))
         _plan = sharding.plan_ownership(shards, layout["dp_rank"], layout["dp"], _dp_gather())
         log.info("[datastates] shard ownership: bytes per data-parallel rank %s", _plan.bytes_by_dp_rank)
-    elif _plan.signature != signature:
-        raise CheckpointError("the model's sharded state changed between checkpoints; restart to re-plan")
     return _plan
 
 
@@ -609,8 +652,8 @@ def _load_iteration(load_dir: str, iteration: int | str, ddp_model, optimizer, o
     if with_optimizer and optimizer_format == DP_RESHARDABLE and saved_shards is not None:
         raise CheckpointError(f"{ckpt.checkpoint} holds the optimizer in bucket space (dp_reshardable), which loads "
                               "on the saved TP/PP/DP layout only")
-    if with_optimizer:
-        optimizer_state.ensure_state(optimizer)
+    if with_optimizer and not optimizer_state.saved_before_first_step(common.get("optimizer")):
+        optimizer_state.ensure_state(optimizer)  # else the template holds main params only, as the checkpoint
     sharded, nonpersistent, factories = load_preprocess(_sharded_state(model, optimizer, with_optimizer,
                                                                        optimizer_format, is_loading=True))
     sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"

@@ -19,7 +19,7 @@ checkpoint with manifest and tracker that ``--use-datastates`` resumes from on t
 
 The non-sharded state is mapped between the two containers: this adapter's ``meta`` (iteration,
 scheduler, args, layout) and per-rank ``rng`` vs the reference trainer's ``iteration``,
-``opt_param_scheduler``, ``args`` and ``rng_state`` object per (pp, tp, dp) coordinate.
+``opt_param_scheduler``, ``args`` and Megatron-LM's ``rng_state`` object per (pp, tp) coordinate.
 """
 
 from __future__ import annotations
@@ -43,8 +43,6 @@ MODEL_SPACE_STATE = "optimizer.state."  # + {fp32_param, exp_avg, exp_avg_sq}.<m
 MODEL_SPACE = "fully_sharded_model_space"
 FULLY_RESHARDABLE = "fully_reshardable"
 RNG_KEY = "rng_state"
-_MEGATRON_LM_RNG = {"random_rng_state": "random", "np_rng_state": "numpy", "torch_rng_state": "torch",
-                    "cuda_rng_state": "cuda", "rng_tracker_states": "tracker"}
 
 
 @contextlib.contextmanager
@@ -88,11 +86,6 @@ def _sharded_tensor(key: str, data: torch.Tensor, meta: dict) -> Any:
     return ShardedTensor(key, data, data.dtype, tuple(meta["local_shape"]), tuple(meta["global_shape"]),
                          tuple(meta["global_offset"]), tuple(meta.get("axis_fragmentations") or ()) or None,
                          replica_id=0, prepend_axis_num=meta.get("prepend_axis_num", 0))
-
-
-def _rng_to_trainer(rng: dict) -> dict:
-    return {"random": rng["random"], "numpy": rng["numpy"], "torch": rng["torch"], "cuda": rng.get("cuda"),
-            "tracker": rng["tracker"]}
 
 
 def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
@@ -139,10 +132,9 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
         skeleton = committed.reader(name).skeleton()
         if rank_layout is None or not (isinstance(skeleton, dict) and "rng" in skeleton):
             continue
-        rng_objects.append(ShardedObject(
-            RNG_KEY, _rng_to_trainer(committed.reader(name).part("rng")),
-            (layout["pp"], layout["tp"], layout["dp"]),
-            (rank_layout["pp_rank"], rank_layout["tp_rank"], rank_layout["dp_rank"]), replica_id=0))
+        if rank_layout["dp_rank"] == 0:  # Megatron-LM keeps data-parallel rank 0's per (pp, tp)
+            rng_objects.append(checkpointing.megatron_lm_rng_object(committed.reader(name).part("rng"),
+                                                                    {**layout, **rank_layout}))
     args = meta.get("args")
     state = {
         **{k: v for k, v in common.items() if k != "optimizer"},
@@ -152,7 +144,7 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
         RNG_KEY: rng_objects,
         "opt_param_scheduler": meta.get("scheduler"),
         "iteration": iteration,
-        "args": dict(vars(args)) if isinstance(args, argparse.Namespace) else args,
+        "args": args,  # a Namespace, as Megatron-LM saves and reads it
         "checkpoint_version": meta.get("checkpoint_version", checkpointing.CHECKPOINT_VERSION),
         "num_floating_point_operations_so_far": meta.get("num_floating_point_operations_so_far", 0),
     }
@@ -186,20 +178,6 @@ def _source_checkpoint(source: str, iteration: int | None) -> tuple[str, int]:
 def _rank_of(tp_rank: int, pp_rank: int, dp_rank: int, layout: dict) -> int:
     """Megatron's default rank order (tp fastest, then dp, then pp; no context/expert parallelism)."""
     return tp_rank + layout["tp"] * (dp_rank + layout["dp"] * pp_rank)
-
-
-def _rng_from_saved(data: Any) -> dict:
-    """This adapter's per-rank RNG dict from the reference trainer's or Megatron-LM's rng_state."""
-    if isinstance(data, list) and len(data) == 1:
-        data = data[0]
-    if isinstance(data, dict) and set(_MEGATRON_LM_RNG) <= set(data):
-        data = {ours: data[theirs] for theirs, ours in _MEGATRON_LM_RNG.items()}
-    if not isinstance(data, dict) or not {"random", "numpy", "torch", "tracker"} <= set(data):
-        raise CheckpointError(f"rng_state of an unknown structure ({type(data).__name__})")
-    rng = {k: data[k] for k in ("random", "numpy", "torch", "tracker")}
-    if data.get("cuda") is not None:
-        rng["cuda"] = data["cuda"]
-    return rng
 
 
 def from_torch_dist(source: str, out: str, iteration: int | None = None,
@@ -245,8 +223,11 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
         value = loaded[key]
         if is_object:
             if object_key == RNG_KEY:
-                coords = object_offset + (0,) * (3 - len(object_offset))
-                rngs[_rank_of(coords[1], coords[0], coords[2], layout)] = _rng_from_saved(value)
+                pp_rank, tp_rank, *dp = object_offset
+                # Megatron-LM's (pp, tp) entries hold data-parallel rank 0's state, which every
+                # data-parallel rank loads; the older (pp, tp, dp) entries are per rank.
+                for dp_rank in dp or range(layout["dp"]):
+                    rngs[_rank_of(tp_rank, pp_rank, dp_rank, layout)] = checkpointing.from_megatron_lm_rng(value)
                 continue
             sid = f"{object_key}@{','.join(str(o) for o in object_offset)}"
             owner = min(range(world), key=lambda r: (load[r], r))

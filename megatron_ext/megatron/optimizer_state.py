@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron_ext.megatron import sharding
 
 MODEL_SPACE = "fully_sharded_model_space"
+BEFORE_FIRST_STEP = "saved_before_first_step"
 
 
 def _distributed(optimizer: Any) -> Iterator[Any]:
@@ -90,11 +91,12 @@ def _common_state(opt: Any) -> dict:
     """Param groups and grad scaler: the same on every rank.
 
     Before the first step megatron-core's ``state_dict()`` fails on torch's Adam (it reads the
-    step count from the per-parameter state); there is no step count then, only the groups.
+    step count from the per-parameter state); the groups then say step 0, as its loader expects.
     """
     if _has_stepped(opt):
         return opt.state_dict()
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in opt.optimizer.state_dict()["param_groups"]]
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "step": 0}
+              for group in opt.optimizer.state_dict()["param_groups"]]
     state: dict = {"optimizer": {"param_groups": groups}}
     if opt.grad_scaler:
         state["grad_scaler"] = opt.grad_scaler.state_dict()
@@ -116,7 +118,17 @@ def _model_space(opt: Any, by_param: dict) -> dict:
             for name, tensor in _param_tensors(opt, model_param).items()}
     state["param_state"] = param_state
     state["param_state_sharding_type"] = MODEL_SPACE
+    if not _has_stepped(opt):
+        state[BEFORE_FIRST_STEP] = True  # main params only: the load template must not ask for moments
     return state
+
+
+def saved_before_first_step(saved_common: Any) -> bool:
+    """Whether a checkpoint's optimizer (its common part) was saved before the first step."""
+    if not isinstance(saved_common, dict):
+        return False
+    states = [saved_common] if "param_state_sharding_type" in saved_common else list(saved_common.values())
+    return any(isinstance(s, dict) and s.get(BEFORE_FIRST_STEP) for s in states)
 
 
 def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
@@ -135,9 +147,9 @@ def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
     for opt, opt_state in zip(optimizers, states):
         param_state = opt_state.get("param_state", {})
         opt.load_state_dict({k: v for k, v in opt_state.items()
-                             if k not in ("param_state", "param_state_sharding_type")})
+                             if k not in ("param_state", "param_state_sharding_type", BEFORE_FIRST_STEP)})
         scaled = getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
-        stepped = all("exp_avg" in entry for entry in param_state.values())
+        stepped = not opt_state.get(BEFORE_FIRST_STEP)
         for index, (model_param, _) in enumerate(_param_slices(opt)):
             if scaled:  # the optimizer keeps scaled copies: megatron-core's own setter rescales
                 loaded = param_state[index]

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from megatron_ext.engine import faults
 from megatron_ext.megatron.args import add_datastates_args, validate_datastates_args
 from megatron_ext.megatron import optimizer_state
+from megatron_ext.megatron.checkpointing import from_megatron_lm_rng
 from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -318,23 +319,16 @@ def unwrap_model(model):
 
 
 def rng_state_object(args: argparse.Namespace, rng: Optional[dict] = None):
-    """This rank's RNG states as a ShardedObject: one entry per (pp, tp, dp) coordinate.
-
-    Every rank writes its own entry, so nothing is assumed about which ranks share RNG states.
-    """
+    """This rank's RNG states as Megatron-LM's torch_dist checkpoints hold them (``rng_state``)."""
     from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    return ShardedObject(
-        "rng_state",
-        rng,
-        (args.pipeline_model_parallel_size, args.tensor_model_parallel_size,
-         args.data_parallel_size),
-        (parallel_state.get_pipeline_model_parallel_rank(),
-         parallel_state.get_tensor_model_parallel_rank(),
-         parallel_state.get_data_parallel_rank()),
-        replica_id=0,
-    )
+    from megatron_ext.megatron.checkpointing import megatron_lm_rng_object
+
+    layout = {"pp": args.pipeline_model_parallel_size, "tp": args.tensor_model_parallel_size,
+              "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+              "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+              "dp_rank": parallel_state.get_data_parallel_rank()}
+    return megatron_lm_rng_object(rng, layout)
 
 
 def capture_rng_state() -> dict:
@@ -357,7 +351,7 @@ def restore_rng_state(state: dict) -> None:
     random.setstate(state["random"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
+    if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     get_cuda_rng_tracker().set_states(state["tracker"])
 
@@ -377,7 +371,7 @@ def build_sharded_state_dict(model, optimizer, scheduler, args, iteration: int,
         "opt_param_scheduler": scheduler.state_dict(),
         "rng_state": rng_state_object(args, None if is_loading else capture_rng_state()),
         "iteration": iteration,
-        "args": {k: v for k, v in vars(args).items()},
+        "args": argparse.Namespace(**vars(args)),
         "checkpoint_version": 3.0,
     }
 
@@ -422,8 +416,10 @@ def load_checkpoint_torch_dist(model, optimizer, scheduler, args: argparse.Names
         optimizer.load_state_dict(state["optimizer"])
         optimizer_state.restore_adam_steps(optimizer)
     scheduler.load_state_dict(state["opt_param_scheduler"])
-    restore_rng_state(state["rng_state"])
-    args.consumed_train_samples = int(state["args"]["consumed_train_samples"])
+    restore_rng_state(from_megatron_lm_rng(state["rng_state"]))
+    saved_args = state["args"]
+    saved_args = vars(saved_args) if isinstance(saved_args, argparse.Namespace) else saved_args
+    args.consumed_train_samples = int(saved_args["consumed_train_samples"])
     return int(state["iteration"])
 
 

@@ -11,13 +11,21 @@ What a CPU run of ``megatron/training`` needs beyond the megatron-core emulation
 * ``initialize_megatron(allow_no_cuda=True)``;
 * a device count of 1 (with 0 Megatron skips model-parallel initialisation and seeding) and a
   no-op ``set_device``; zero CUDA memory statistics (``report_memory``, ``training_log``);
-* CPU stand-ins for CUDA streams (DDP is built on a side stream in ``get_model``);
+* CPU stand-ins for CUDA streams and events (DDP is built on a side stream in ``get_model``; the
+  MoE token dispatcher records events on its own);
 * a GPU architecture answer for ``validate_args`` (it asks when TP > 1);
 * no compilation at start-up: the dataset helpers are the megatron-core wheel's prebuilt
   ``helpers_cpp`` (the wheel's ``megatron.core`` is imported; its code is the pin's);
 * the CPU generator's state kept across the data loaders' construction: on a CPU, dropout's
   "CUDA" generator *is* the CPU generator, so the seed draw made there would change a resumed
-  run's dropout; on a GPU it never touches dropout.
+  run's dropout; on a GPU it never touches dropout;
+* Megatron-LM's own torch_dist load of the distributed optimizer made to work with torch's Adam
+  (``_native_loads_torch_adam``), and under ``torch.no_grad`` (an fp32 load fails otherwise);
+* ``moe_utils.te_general_gemm`` defined as None (megatron-core tests the name without TE).
+
+Megatron-LM's interleaved schedule with overlapped p2p communication (required at PP = 2) is not
+deterministic over gloo here (a run without checkpoints differs from run to run, even NaN): the
+interleaved tests run PP = 4 with ``--no-overlap-p2p-communication``.
 
 CPU flags the runs pass: ``--distributed-backend gloo --transformer-impl local
 --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion
@@ -88,6 +96,25 @@ def find_checkout(timeout_s: float = 600) -> tuple[Path | None, str]:
 
 
 # ---------------------------------------------------------------------------- CPU answers
+class _CpuEvent:
+    """Stands in for ``torch.cuda.Event``: on a CPU the work it marks is already done."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _CpuStream:
     """Stands in for ``torch.cuda.Stream``: on a CPU every operation is already ordered."""
 
@@ -101,7 +128,7 @@ class _CpuStream:
         pass
 
     def record_event(self, event: Any = None) -> Any:
-        return event
+        return event if event is not None else _CpuEvent()
 
     def synchronize(self) -> None:
         pass
@@ -126,6 +153,7 @@ def _patch_cuda_queries() -> None:
     cuda.memory_stats = lambda device=None: {}
     cuda.reset_peak_memory_stats = lambda device=None: None
     cuda.Stream = _CpuStream
+    cuda.Event = _CpuEvent
     cuda.current_stream = lambda device=None: _STREAM
     cuda.default_stream = lambda device=None: _STREAM
     cuda.stream = lambda stream=None: contextlib.nullcontext()
@@ -161,6 +189,12 @@ def _patch_megatron_training() -> None:
     # Both names: training.py imported the function, and megatron_ext hands Megatron-format
     # checkpoints back to the module's.
     training.load_checkpoint = checkpointing.load_checkpoint = _native_loads_torch_adam(checkpointing.load_checkpoint)
+    # megatron-core 0.16.1 imports Transformer Engine's GEMM for the MoE router only when TE is
+    # installed, but tests the name unconditionally: without TE the name must exist, as None.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _native_loads_torch_adam(load_checkpoint: Callable) -> Callable:
@@ -179,12 +213,16 @@ def _native_loads_torch_adam(load_checkpoint: Callable) -> Callable:
 
     def load(ddp_model, optimizer, *args: Any, **kwargs: Any):
         megatron_args = get_args()
-        loads_optimizer = (optimizer is not None and not getattr(megatron_args, "use_datastates", False)
-                           and checkpointing.checkpoint_exists(megatron_args.load)
+        native = not getattr(megatron_args, "use_datastates", False)
+        loads_optimizer = (native and optimizer is not None and checkpointing.checkpoint_exists(megatron_args.load)
                            and not megatron_args.no_load_optim and not megatron_args.finetune)
         if loads_optimizer:
             optimizer_state.ensure_state(optimizer)
-        result = load_checkpoint(ddp_model, optimizer, *args, **kwargs)
+        # megatron-core 0.16.1 copies loaded fp32 state into the distributed optimizer's main
+        # params, which in fp32 are views of the model's own parameters, with autograd on: that
+        # fails on any device; a load needs no autograd.
+        with torch.no_grad() if native else contextlib.nullcontext():
+            result = load_checkpoint(ddp_model, optimizer, *args, **kwargs)
         if loads_optimizer:
             optimizer_state.restore_adam_steps(optimizer)
         return result
