@@ -21,7 +21,10 @@ What a CPU run of ``megatron/training`` needs beyond the megatron-core emulation
   run's dropout; on a GPU it never touches dropout;
 * Megatron-LM's own torch_dist load of the distributed optimizer made to work with torch's Adam
   (``_native_loads_torch_adam``), and under ``torch.no_grad`` (an fp32 load fails otherwise);
-* ``moe_utils.te_general_gemm`` defined as None (megatron-core tests the name without TE).
+* ``moe_utils.te_general_gemm`` defined as None (megatron-core tests the name without TE), and
+  MoE's all-to-all split sizes handed over as lists (``_split_sizes_as_lists``);
+* megatron-core's ``fully_reshardable`` optimizer load made to work with torch's Adam
+  (``_torch_adam_loads_fully_reshardable``).
 
 Megatron-LM's interleaved schedule with overlapped p2p communication (required at PP = 2) is not
 deterministic over gloo here (a run without checkpoints differs from run to run, even NaN): the
@@ -159,6 +162,47 @@ def _patch_cuda_queries() -> None:
     cuda.stream = lambda stream=None: contextlib.nullcontext()
 
 
+def _split_sizes_as_lists() -> None:
+    """MoE's all-to-all gets its split sizes as host numpy arrays on a GPU; on a CPU they stay tensors.
+
+    (``maybe_move_tensor_to_cpu(as_numpy=True)`` converts only CUDA tensors), which the collective's
+    binding rejects: the sizes are handed over as lists, as the GPU run's numpy arrays are read.
+    """
+    import torch.distributed as dist
+
+    inner = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, *args: Any,
+                          **kwargs: Any):
+        sizes = [s.tolist() if isinstance(s, torch.Tensor) else s for s in (output_split_sizes, input_split_sizes)]
+        return inner(output, input, *sizes, *args, **kwargs)
+
+    dist.all_to_all_single = all_to_all_single
+
+
+def _torch_adam_loads_fully_reshardable() -> None:
+    """megatron-core 0.16.1's ``fully_reshardable`` load copies every per-parameter state entry, but
+    the loaded entries leave out torch Adam's ``step`` (a fused Adam on GPUs has none): ``step`` is
+    set aside during the copy; ``_native_loads_torch_adam`` restores it from the param groups after."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return inner(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        step = state.pop("step", None)
+        try:
+            return inner(self, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
 def _keep_cpu_generator(build: Callable) -> Callable:
     def build_keeping_generator(*args: Any, **kwargs: Any):
         state = torch.get_rng_state()
@@ -195,6 +239,8 @@ def _patch_megatron_training() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    _split_sizes_as_lists()
+    _torch_adam_loads_fully_reshardable()
 
 
 def _native_loads_torch_adam(load_checkpoint: Callable) -> Callable:
