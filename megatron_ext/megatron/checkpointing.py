@@ -715,7 +715,8 @@ def _load_iteration(load_dir: str, iteration: int | str, ddp_model, optimizer, o
     if optimizer is not None:  # as Megatron-LM, for optimizers of checkpoints that predate the field
         for group in optimizer.param_groups:
             group.setdefault("default_config", True)
-    torch.distributed.barrier()
+    # No barrier here: the caller's all-reduce of every rank's outcome is the synchronisation
+    # point, and a rank that failed is already waiting in it.
     levels = "/".join(sorted(ckpt.levels_used)) or "no"
     return loaded_iteration, meta.get("num_floating_point_operations_so_far", 0), levels
 

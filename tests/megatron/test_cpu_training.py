@@ -71,6 +71,7 @@ def test_tp2_pp2_dp2_trains_with_falling_loss(tmp_path):
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # the reference trainer's own oracle; Megatron-LM's torch_dist is the default-run oracle
 def test_torch_dist_resume_is_bit_exact_tp2_dp2(tmp_path):
     parallel = ["--tensor-model-parallel-size", "2", "--train-iters", "6"]
     reference = losses_by_iteration(run_trainer(4, parallel, tmp_path / "reference.jsonl"))

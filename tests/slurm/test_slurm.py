@@ -429,6 +429,7 @@ def test_megatron_job_is_signalled_requeued_and_resumes(cluster, megatron_site, 
     assert resumed == uninterrupted, [(a, b) for a, b in zip(resumed, uninterrupted) if a != b][:5]
 
 
+@pytest.mark.slow  # the Megatron-LM job above runs the same cycle in the default run
 def test_reference_job_is_signalled_requeued_and_resumes(cluster, site, tmp_path):
     """The reference trainer (configs/cpu_tiny.env) through the same cycle; iterations both runs
     log (none, after a graceful stop) would have to agree."""
