@@ -51,7 +51,9 @@ class TinyModel(nn.Module):
         self.net = nn.Sequential(*_layers(hidden))
 
     def forward(self, x, y):
-        return nn.functional.mse_loss(self.net(x), y)
+        dtype = self.net[0].weight.dtype  # DeepSpeed casts the module for bf16/fp16, not the batch
+        out = self.net(x.to(dtype))
+        return nn.functional.mse_loss(out.float(), y)
 
 
 def batch(seed: int, step: int, dp_rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +77,13 @@ def ds_config(args) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if args.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif args.dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if args.scheduler:
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                           "warmup_num_steps": 4}}
     if args.engine == "datastates":
         cfg["datastates_ckpt"] = {"host_cache_size": 1}
     return cfg
@@ -94,6 +103,9 @@ def parse_args(argv=None):
     p.add_argument("--kill-at-step", type=int, default=None,
                    help="every rank SIGKILLs itself right after this step's save_checkpoint returns")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="training precision (DeepSpeed's bf16/fp16 sections; fp32 is the bit-exact default)")
+    p.add_argument("--scheduler", action="store_true", help="DeepSpeed's WarmupLR scheduler (saved with the state)")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="hidden width (benchmarks use a larger model)")
     p.add_argument("--no-save", action="store_true", help="train without checkpoints (benchmark baseline)")
     return p.parse_args(argv)

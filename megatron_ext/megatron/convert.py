@@ -276,7 +276,8 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
     name = checkpointing.checkpoint_name(iteration)
     _new_checkpoint_dir(out, iteration)
     run_id = uuid.uuid4().hex[:12]
-    config = {"save_dir": out, "host_cache_size": host_cache_gib, "remove_partial_on_start": False}
+    config = {"save_dir": out, "host_cache_size": host_cache_gib, "remove_partial_on_start": False,
+              "safe_classes": list(megatron_safe_classes())}
     engines = [CheckpointEngine(config, rank=r, world_size=world, run_id=run_id) for r in range(world)]
     try:
         for rank, engine in enumerate(engines):
