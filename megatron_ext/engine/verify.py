@@ -20,7 +20,7 @@ from . import codec
 from .fast_read import open_regular
 from .jobs import CheckpointError
 from .layout import read_header
-from .manifest import MANIFEST, check_tensor_file, read_manifest
+from .manifest import MANIFEST, check_tensor_file, read_manifest, valid_name
 from .restore import parse_sidecar
 
 _BLOCK = 16 << 20
@@ -128,6 +128,8 @@ def verify_root(root: str, iteration_checkpoint: str | None = None, deep: bool =
     """(checkpoints checked, problems): one checkpoint if named, else every committed one."""
     if not os.path.isdir(root):
         raise CheckpointError(f"{root} is not a directory")
+    if iteration_checkpoint is not None and not valid_name(iteration_checkpoint):
+        raise CheckpointError(f"{iteration_checkpoint!r} is not a checkpoint name (one directory name under {root})")
     names = [iteration_checkpoint] if iteration_checkpoint is not None else checkpoints_under(root)
     problems: list[Problem] = []
     for name in names:
