@@ -285,8 +285,12 @@ def _remove_other_runs(ckpt_dir: str, run_id: str) -> None:
     """Delete data files an earlier, overwritten or crashed attempt at this checkpoint left behind.
 
     Only files named like ours (``<name>.<12 hex>.safetensors`` / ``.state.json``) of another run,
-    and never one the manifest on disk, re-read just before deleting, names.
+    and never one the manifest on disk, re-read just before deleting, names. Usually there are
+    none, and then the manifest is not read again.
     """
+    leftovers = [n for n in os.listdir(ckpt_dir) if (m := _RUN_FILE.search(n)) and m.group(1) != run_id]
+    if not leftovers:
+        return
     try:
         manifest = read_manifest(ckpt_dir)
     except CheckpointError:
@@ -294,9 +298,8 @@ def _remove_other_runs(ckpt_dir: str, run_id: str) -> None:
     if manifest is None or manifest["run_id"] != run_id:
         return
     keep = {os.path.basename(f[k]) for f in manifest["files"].values() for k in ("tensor_file", "state_file")}
-    for name in os.listdir(ckpt_dir):
-        m = _RUN_FILE.search(name)
-        if m and m.group(1) != run_id and name not in keep:
+    for name in leftovers:
+        if name not in keep:
             try:
                 os.unlink(os.path.join(ckpt_dir, name))
             except OSError:

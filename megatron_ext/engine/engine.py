@@ -96,6 +96,7 @@ class CheckpointEngine:
             self.config.validate(self.rank)
         self._locks: dict[str, dir_lock.DirectoryLock] = {}  # root -> lock, on rank 0
         self._runs_of_root: dict[str, set[str]] = {}  # root -> runs whose checkpoints retention may remove
+        self._manifests_seen: dict[str, dict] = {}  # root -> list_committed's cache, for retention
         self.local_lock: dir_lock.DirectoryLock | None = None
         self.run_id = self._start(run_id)
         try:
@@ -542,7 +543,8 @@ class CheckpointEngine:
         brought in from elsewhere), and only a holder of a directory's lock removes anything there.
         """
         runs = self._retention_runs(root)
-        ours = [(name, m) for name, m in list_committed(root) if m["run_id"] in runs]
+        cache = self._manifests_seen.setdefault(root, {})
+        ours = [(name, m) for name, m in list_committed(root, cache) if m["run_id"] in runs]
         in_flight = {j.checkpoint for j in list(self._checkpoints.values())
                      if j.root == root and not j.committed.is_set()}
         if self.replicas is not None:  # the replication thread still reads them

@@ -37,9 +37,14 @@ class _Invalid(Exception):
 
 
 def valid_name(name: Any) -> bool:
-    """A single path component the engine may create: not empty, no '/', not hidden, no NUL."""
-    return (type(name) is str and 0 < len(name.encode("utf-8", "surrogatepass")) <= 255 and "/" not in name
-            and "\0" not in name and not name.startswith("."))
+    """A single path component the engine may create: not empty, no '/', not hidden, no NUL, UTF-8."""
+    if type(name) is not str:
+        return False
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:  # an unpaired surrogate would become arbitrary bytes in the file name
+        return False
+    return 0 < size <= 255 and "/" not in name and "\0" not in name and not name.startswith(".")
 
 
 def read_manifest(checkpoint_dir: str) -> dict | None:
@@ -193,11 +198,13 @@ def check_tensor_file(entry: dict, header: SafetensorsHeader, run_id: str, where
                                   f"{meta['dtype']}{meta['shape']} at {meta['offsets']} in the manifest")
 
 
-def list_committed(root: str) -> list[tuple[str, dict]]:
+def list_committed(root: str, cache: dict | None = None) -> list[tuple[str, dict]]:
     """Committed checkpoints under ``root``, oldest first (by version, then commit time).
 
     A directory whose manifest is unreadable, another tool's, or invalid is skipped with a
-    warning: one bad directory never hides the others or blocks later commits.
+    warning: one bad directory never hides the others or blocks later commits. ``cache`` (a dict
+    the caller keeps) remembers validated manifests by file identity, so a caller that lists the
+    same root after every commit reads and validates each manifest once.
     """
     found = []
     try:
@@ -208,11 +215,24 @@ def list_committed(root: str) -> list[tuple[str, dict]]:
         path = os.path.join(root, name)
         if name.startswith(".") or not os.path.isdir(path):
             continue
+        if cache is not None:
+            try:
+                st = os.lstat(os.path.join(path, MANIFEST))
+            except OSError:
+                continue
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            hit = cache.get(path)
+            if hit is not None and hit[0] == key:
+                if hit[1] is not None:
+                    found.append((name, hit[1]))
+                continue
         try:
             manifest = read_manifest(path)
         except CheckpointError as exc:
             log.warning("[datastates] skipping %s: %s", path, exc)
-            continue
+            manifest = None
+        if cache is not None:
+            cache[path] = (key, manifest)
         if manifest is not None:
             found.append((name, manifest))
     found.sort(key=lambda item: (item[1]["version"] is None, item[1]["version"] or 0, item[1]["committed_at"]))

@@ -37,6 +37,7 @@ from megatron_ext.engine import CheckpointEngine, CheckpointError
 from megatron_ext.engine.files import atomic_write
 from megatron_ext.megatron import checkpointing
 from megatron_ext.megatron.export import open_iteration, saved_meta
+from megatron_ext.megatron.safe_classes import megatron_safe_classes
 from megatron_ext.megatron.shard_assembly import SavedShards
 
 MODEL_SPACE_STATE = "optimizer.state."  # + {fp32_param, exp_avg, exp_avg_sq}.<model key>

@@ -20,17 +20,12 @@ def test_verify_and_inspect_accept_one_checkpoint_directory(genuine, capsys):
 
 
 def test_bad_input_real_processes(genuine, tmp_path):
-    """Spawned as a user would run them (a few, each start costs seconds)."""
-    afile = tmp_path / "afile"
-    afile.write_text("x")
+    """Spawned as a user would run them (two: each start costs seconds; the rest run in-process below)."""
     manifest_path(genuine, C2).write_text('{"format": "megatron_ext.datastates", "files": ')
-    assert_one_line_error(run_cli("verify", str(afile)), "megatron-ext verify: error:", "is not a directory")
     bad = run_cli("verify", str(genuine / C2))
     assert bad.returncode == 1 and "not valid JSON" in bad.stdout and "Traceback" not in bad.stderr
     assert_one_line_error(run_cli("export", str(genuine), "--iteration", "2", "--to", "safetensors", str(tmp_path / "o")),
                           "megatron-ext export: error:", "manifest.json: not valid JSON")
-    assert_one_line_error(run_cli("convert", str(genuine), "--to", "torch_dist", str(tmp_path / "c")),
-                          "needs --iteration N")
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -61,4 +56,4 @@ def test_bad_input_real_processes(genuine, tmp_path):
 def test_bad_input_is_one_line(genuine, tmp_path, capsys, args, needle):
     sidecar = files_of(genuine, C2)[1]
     argv = [a.format(root=genuine, tmp=tmp_path, sidecar=sidecar) for a in args]
-    assert_one_line_error(cli_in_process(capsys, *argv), f"megatron-ext", needle)
+    assert_one_line_error(cli_in_process(capsys, *argv), "megatron-ext", needle)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -46,13 +47,6 @@ def _await(path: Path, proc: subprocess.Popen | None = None, timeout: float = 12
     return json.loads(path.read_text())
 
 
-def _try(save: Path, local: Path | None, status: Path) -> dict:
-    proc = _start("try", save, local, status)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    return json.loads(status.read_text())
-
-
 def _partial(save: Path, name: str = "iter_0000009") -> Path:
     """What a crashed run leaves: a rank report, no manifest."""
     path = save / name / ".reports"
@@ -63,19 +57,20 @@ def _partial(save: Path, name: str = "iter_0000009") -> Path:
 
 @pytest.mark.multiproc
 def test_second_job_is_refused_naming_the_holder_and_removes_nothing(tmp_path):
+    """The holder is another process; this test process plays the second job."""
     save, local = tmp_path / "save", tmp_path / "local"
     holder = _start("hold", save, local, tmp_path / "holder")
     try:
         held = _await(tmp_path / "holder", holder)
         partial = _partial(save)
+        named = rf"run {held['run_id']} \(host {re.escape(socket.gethostname())}, pid {held['pid']}, since "
         # Same save_dir: refused at start-up, naming the holder's run, host and pid.
-        second = _try(save, None, tmp_path / "second")
-        assert not second["ok"] and second["type"] == "LockedError"
-        assert f"save_dir {save} is in use by another job: run {held['run_id']} (host {socket.gethostname()}, " \
-               f"pid {held['pid']}," in second["error"]
-        # Another save_dir, same node-local directory: refused too.
-        third = _try(tmp_path / "save3", local, tmp_path / "third")
-        assert not third["ok"] and f"local_dir {local} is in use by another job: run {held['run_id']}" in third["error"]
+        with pytest.raises(dir_lock.LockedError, match=rf"save_dir {re.escape(str(save))} is in use by another job: {named}"):
+            CheckpointEngine({"save_dir": str(save), **SMALL})
+        # Another save_dir, same node-local directory: refused too, and its own save_dir lock released.
+        with pytest.raises(dir_lock.LockedError, match=rf"local_dir {re.escape(str(local))} is in use by another job: {named}"):
+            CheckpointEngine({"save_dir": str(tmp_path / "save3"), "local_dir": str(local), **SMALL})
+        CheckpointEngine({"save_dir": str(tmp_path / "save3"), **SMALL}).shutdown()
         assert partial.exists()  # the refused jobs removed nothing
         # Loading beside the writer: allowed, takes no lock, removes nothing.
         with CheckpointEngine({"save_dir": str(save), **SMALL}, read_only=True) as reader:
@@ -91,8 +86,10 @@ def test_second_job_is_refused_naming_the_holder_and_removes_nothing(tmp_path):
     lock = json.loads((save / dir_lock.LOCK_FILE).read_text())
     assert "pid" not in lock and lock["runs"] == [held["run_id"]]  # released: no holder, the run remembered
     # The holder ended cleanly: the next job starts, and as holder removes the crashed partial.
-    after = _try(save, local, tmp_path / "after")
-    assert after["ok"] and not partial.exists()
+    with CheckpointEngine({"save_dir": str(save), "local_dir": str(local), **SMALL}) as after:
+        after.save({"w": torch.ones(2)}, "iter_0000003", version=3)
+        after.commit("iter_0000003")
+    assert not partial.exists()
     assert [n for n, _ in list_committed(str(save))] == ["iter_0000001", "iter_0000002", "iter_0000003"]
 
 
