@@ -129,11 +129,16 @@ def acquire(directory: str, run_id: str, what: str, same_run_ok: bool = False) -
 
 
 def _held_elsewhere(fd: int, path: str, directory: str, run_id: str, what: str, same_run_ok: bool) -> DirectoryLock:
-    """The flock is taken: ours (a sibling rank of this run) or another job's."""
+    """The flock is taken: ours (a sibling rank of this run) or another job's.
+
+    A holder writes its name right after it takes the lock, so for a moment the file may still
+    name the previous holder: a sibling waits (bounded) until its own run id shows up, and the
+    name in a refusal is read again after a short pause.
+    """
     try:
-        deadline = time.monotonic() + (_HOLDER_WAIT_S if same_run_ok else 1.0)
+        deadline = time.monotonic() + (_HOLDER_WAIT_S if same_run_ok else 0.3)
         holder = _read(fd)
-        while not holder.get("run_id") and time.monotonic() < deadline:  # just taken, not yet written
+        while not (same_run_ok and holder.get("run_id") == run_id) and time.monotonic() < deadline:
             time.sleep(0.05)
             holder = _read(fd)
     finally:

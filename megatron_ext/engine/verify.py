@@ -89,7 +89,7 @@ def _check_digests(fd: int, path: str, entry: dict, data_start: int) -> None:
             digest.update(block)
             whole.update(block)
         if digest.hexdigest() != entry["tensors"][name]["xxh3_64"]:
-            raise CheckpointError(f"{path}: tensor {name!r} fails its checksum (xxh3-64): the bytes changed")
+            raise CheckpointError(f"{path}: checksum mismatch (xxh3-64) in tensor {name!r}: the bytes changed")
     if whole.hexdigest() != entry["xxh3_64"]:
         raise CheckpointError(f"{path}: checksum mismatch (xxh3-64): the bytes changed")
 

@@ -171,3 +171,32 @@ def test_a_second_engine_in_the_same_process_is_refused(tmp_path):
                 reader.save({"w": torch.ones(1)}, "x")
     # Released at shutdown: the next engine starts.
     CheckpointEngine({"save_dir": str(tmp_path), **SMALL}).shutdown()
+
+
+def test_a_sibling_rank_waits_for_its_run_to_show_up_in_a_stale_lock_file(tmp_path):
+    """After a crash the lock file still names the dead run; a rank whose sibling has just taken the
+    lock (and not yet written its name) must wait for its own run id, not take the stale name."""
+    import fcntl
+    import threading
+
+    local = tmp_path / "local"
+    local.mkdir()
+    run_id = "abcdefabcdef"
+    path = local / dir_lock.LOCK_FILE
+    path.write_text(json.dumps({"host": "gone", "pid": 1, "run_id": "deaddeaddead", "since": 0, "runs": ["deaddeaddead"]}))
+    sibling = os.open(path, os.O_RDWR)
+    fcntl.flock(sibling, fcntl.LOCK_EX)  # the sibling holds the lock, its name not written yet
+
+    def write_name_later():
+        time.sleep(0.5)
+        os.pwrite(sibling, json.dumps({"run_id": run_id, "runs": ["deaddeaddead", run_id]}).encode().ljust(200), 0)
+
+    writer = threading.Thread(target=write_name_later)
+    writer.start()
+    try:
+        with CheckpointEngine({"save_dir": str(tmp_path / "save"), "local_dir": str(local), **SMALL},
+                              rank=1, world_size=2, run_id=run_id) as engine:
+            assert engine.local_lock.state == "shared"
+    finally:
+        writer.join()
+        os.close(sibling)
