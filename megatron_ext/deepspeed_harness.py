@@ -102,6 +102,9 @@ def parse_args(argv=None):
     p.add_argument("--log-json", default=None, help="rank 0 appends one JSON line per step here")
     p.add_argument("--kill-at-step", type=int, default=None,
                    help="every rank SIGKILLs itself right after this step's save_checkpoint returns")
+    p.add_argument("--committed-before-kill", type=int, default=None, metavar="STEP",
+                   help="with --kill-at-step: before that step's save, wait (bounded) until 'latest' names this "
+                        "step or a later one, so the crash always leaves a committed checkpoint behind")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
                    help="training precision (DeepSpeed's bf16/fp16 sections; fp32 is the bit-exact default)")
@@ -140,6 +143,29 @@ def _datastates_wait_total(engine) -> float:
     return getattr(getattr(adapter, "engine", None), "wait_total_s", 0.0)
 
 
+def _await_committed(save_dir: str, step: int, rank: int, timeout_s: float = 300.0) -> None:
+    """Rank 0 waits until ``latest`` names ``step`` or later; every rank then goes on together.
+
+    The checkpoints after it may still be in flight: the kill that follows lands mid-flush, and
+    the restart has a committed tag to resume from however slow the machine is.
+    """
+    import torch.distributed as dist
+
+    if rank == 0:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with open(os.path.join(save_dir, "latest")) as f:
+                    if int(f.read().strip().removeprefix("global_step")) >= step:
+                        break
+            except (FileNotFoundError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no checkpoint of step {step} or later was committed within {timeout_s:.0f}s")
+            time.sleep(0.05)
+    dist.barrier()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     # Not torch.use_deterministic_algorithms(True): it NaN-fills every torch.empty, and ZeRO's
@@ -173,6 +199,8 @@ def main(argv=None) -> int:
             engine.step()
             loss = loss.detach().float()
         t1 = time.perf_counter()
+        if args.kill_at_step == step and args.committed_before_kill is not None:
+            _await_committed(args.save_dir, args.committed_before_kill, rank)
         if not args.no_save:
             engine.save_checkpoint(args.save_dir, client_state={"harness_step": step})
         t2 = time.perf_counter()

@@ -1,7 +1,8 @@
 """Crash and resume through real DeepSpeed (2 CPU ranks, gloo), with DeepSpeed itself as the oracle.
 
 A run with this project's engine (``datastates_ckpt``) SIGKILLs every rank right after step 3's
-``save_checkpoint`` returns, while that checkpoint is still being copied and flushed; the restart
+``save_checkpoint`` returns, while that checkpoint is still being copied and flushed (before that
+save it waits until step 1 or later is committed, so a slow machine still leaves a tag); the restart
 resumes from the newest *committed* tag N (the one ``latest`` names) and goes on to step 6. The
 oracle is DeepSpeed's own engine (``torch.save``) resumed from the same tag: a run that saves
 steps 1..N with it, then a restart that loads tag N and goes on to step 6. Losses and parameter
@@ -79,7 +80,8 @@ def crash_and_resume(tmp_path: Path, common: list[str]) -> tuple[int, dict[int, 
     """(committed step resumed from, crashed run's steps, resumed run's steps) with datastates."""
     save_dir = tmp_path / "crash"
     crashed = by_step(run_harness([*common, "--engine", "datastates", "--steps", str(STEPS), "--save-dir", str(save_dir),
-                                   "--kill-at-step", str(KILL_AT)], tmp_path / "crashed.jsonl", expect_crash=True))
+                                   "--kill-at-step", str(KILL_AT), "--committed-before-kill", "1"],
+                                  tmp_path / "crashed.jsonl", expect_crash=True))
     assert sorted(crashed) == list(range(1, KILL_AT + 1))
     resume_from = _committed_step(save_dir)
     assert 1 <= resume_from <= KILL_AT
