@@ -4,14 +4,34 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
+import warnings
+
+
+def _number(kind, low: float, inclusive: bool = True):
+    """An argparse type: a finite ``kind`` >= ``low`` (> ``low`` when not ``inclusive``)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole number' if kind is int else 'number'}") from None
+        if not math.isfinite(value) or value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text} must be {'>=' if inclusive else '>'} {low:g}")
+        return value
+
+    return parse
+
+
+POSITIVE_INT, NONNEG_INT = _number(int, 1), _number(int, 0)
+POSITIVE, NONNEG = _number(float, 0, inclusive=False), _number(float, 0)
 
 
 def _bench_engine(sub) -> None:
     p = sub.add_parser("engine", help="engine vs torch.save, DCP async_save and an O_DIRECT write")
-    p.add_argument("--size-gb", type=float, default=2.0, help="state size in GB (default 2)")
-    p.add_argument("--cache-gb", type=float, default=None, help="host cache in GiB (default: the state size)")
-    p.add_argument("--compute-s", type=float, default=1.0,
+    p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
+    p.add_argument("--cache-gb", type=POSITIVE, default=None, help="host cache in GiB (default: the state size)")
+    p.add_argument("--compute-s", type=NONNEG, default=1.0,
                    help="seconds the caller computes between save and wait_snapshot (default 1)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -26,8 +46,8 @@ def _bench_engine(sub) -> None:
 
 def _bench_restore(sub) -> None:
     p = sub.add_parser("restore", help="engine restore vs torch.load, DCP load and an O_DIRECT read (cold)")
-    p.add_argument("--size-gb", type=float, default=2.0, help="state size in GB (default 2)")
-    p.add_argument("--threads", type=int, default=4, help="restore_threads of the engine (default 4)")
+    p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
+    p.add_argument("--threads", type=POSITIVE_INT, default=4, help="restore_threads of the engine (default 4)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -41,8 +61,8 @@ def _bench_restore(sub) -> None:
 
 def _bench_train(sub) -> None:
     p = sub.add_parser("train", help="reference trainer: no checkpoints vs datastates vs megatron-core async save")
-    p.add_argument("--iters", type=int, default=12)
-    p.add_argument("--nproc", type=int, default=2, help="CPU ranks (data parallel)")
+    p.add_argument("--iters", type=POSITIVE_INT, default=12)
+    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel)")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
     p.add_argument("--json", action="store_true")
 
@@ -56,9 +76,9 @@ def _bench_train(sub) -> None:
 
 def _bench_replica(sub) -> None:
     p = sub.add_parser("replica", help="reference trainer with datastates, peer replicas in host memory off vs on")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--nproc", type=int, default=4, help="CPU ranks (data parallel)")
-    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per simulated node (default 2)")
+    p.add_argument("--iters", type=POSITIVE_INT, default=10)
+    p.add_argument("--nproc", type=POSITIVE_INT, default=4, help="CPU ranks (data parallel)")
+    p.add_argument("--ranks-per-node", type=POSITIVE_INT, default=2, help="ranks per simulated node (default 2)")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
     p.add_argument("--json", action="store_true")
 
@@ -72,8 +92,8 @@ def _bench_replica(sub) -> None:
 
 def _bench_deepspeed(sub) -> None:
     p = sub.add_parser("deepspeed", help="DeepSpeed's default checkpoint engine vs datastates, same model")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--hidden", type=int, default=4096, help="MLP width (sets the checkpoint size)")
+    p.add_argument("--steps", type=POSITIVE_INT, default=12)
+    p.add_argument("--hidden", type=POSITIVE_INT, default=4096, help="MLP width (sets the checkpoint size)")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
     p.add_argument("--json", action="store_true")
 
@@ -87,10 +107,10 @@ def _bench_deepspeed(sub) -> None:
 
 def _bench_overload(sub) -> None:
     p = sub.add_parser("overload", help="a checkpoint every iteration on a throttled writer: wait vs supersede")
-    p.add_argument("--size-mb", type=float, default=64, help="checkpoint size in MB (default 64)")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--compute-s", type=float, default=0.2, help="compute per iteration in seconds (default 0.2)")
-    p.add_argument("--flush-factor", type=float, default=3.0,
+    p.add_argument("--size-mb", type=POSITIVE, default=64, help="checkpoint size in MB (default 64)")
+    p.add_argument("--iters", type=POSITIVE_INT, default=20)
+    p.add_argument("--compute-s", type=NONNEG, default=0.2, help="compute per iteration in seconds (default 0.2)")
+    p.add_argument("--flush-factor", type=POSITIVE, default=3.0,
                    help="the throttle makes one checkpoint's flush take this many iterations (default 3)")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
     p.add_argument("--json", action="store_true")
@@ -134,8 +154,8 @@ def _telemetry(sub) -> None:
 def _demo(sub) -> None:
     p = sub.add_parser("demo", help="save every step of a toy training loop, then resume and check it")
     p.add_argument("--out", default="runs/demo", help="checkpoint directory (default runs/demo)")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--host-cache-size", type=float, default=0.25, help="GiB")
+    p.add_argument("--steps", type=_number(int, 2), default=8, help="training steps, at least 2 (default 8)")
+    p.add_argument("--host-cache-size", type=POSITIVE, default=0.25, help="GiB")
 
     def run(args) -> int:
         from megatron_ext import demo
@@ -152,24 +172,41 @@ def _main_job(sub) -> None:
     p.add_argument("--trainer", choices=("auto", "megatron", "reference"), default="auto",
                    help="auto (default): Megatron-LM's pretrain_gpt.py when the patched checkout is available "
                         "(scripts/fetch_megatron.sh), else the reference trainer; megatron: fail without it")
-    p.add_argument("--iters", type=int, default=None, help="iterations (default 10 with Megatron-LM, 12 otherwise)")
-    p.add_argument("--crash-at", type=int, default=None,
+    p.add_argument("--iters", type=POSITIVE_INT, default=None,
+                   help="iterations (default 10 with Megatron-LM, 12 otherwise)")
+    p.add_argument("--crash-at", type=POSITIVE_INT, default=None,
                    help="every rank SIGKILLs itself after this iteration (default 6 with Megatron-LM, 7 otherwise)")
-    p.add_argument("--host-cache-size", type=float, default=0.05, help="GiB per rank")
+    p.add_argument("--host-cache-size", type=POSITIVE, default=0.05, help="GiB per rank")
 
     def run(args) -> int:
         from megatron_ext.testing import main_job
 
+        if args.crash_at is not None and args.iters is not None and not args.crash_at < args.iters:
+            raise ValueError(f"--crash-at {args.crash_at} must lie in [1, --iters {args.iters})")
         return main_job.main(args)
 
     p.set_defaults(func=run)
 
 
+def _one_checkpoint(path: str) -> tuple[str, str | None]:
+    """(root, checkpoint): a checkpoint's own directory (it holds a manifest or rank reports) is
+    taken as that one checkpoint of its parent; any other directory as a root of checkpoints."""
+    import os
+
+    from megatron_ext.engine.commit import REPORTS
+    from megatron_ext.engine.manifest import MANIFEST
+
+    path = os.path.normpath(path)
+    if os.path.lexists(os.path.join(path, MANIFEST)) or os.path.isdir(os.path.join(path, REPORTS)):
+        return os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path))
+    return path, None
+
+
 def _verify(sub) -> None:
-    p = sub.add_parser("verify", help="check manifests, sizes and checksums of committed checkpoints")
-    p.add_argument("dir", help="checkpoint root (e.g. Megatron's --save directory)")
+    p = sub.add_parser("verify", help="check manifests, headers, sizes and checksums of committed checkpoints")
+    p.add_argument("dir", help="checkpoint root (e.g. Megatron's --save directory) or one checkpoint's directory")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--iteration", type=int, help="only iter_NNNNNNN (Megatron layout)")
+    which.add_argument("--iteration", type=NONNEG_INT, help="only iter_NNNNNNN (Megatron layout)")
     which.add_argument("--checkpoint", help="only this checkpoint id (directory name)")
     p.add_argument("--quick", action="store_true", help="sizes and headers only, no checksums")
 
@@ -177,7 +214,10 @@ def _verify(sub) -> None:
         from megatron_ext.engine.verify import verify_root
 
         name = f"iter_{args.iteration:07d}" if args.iteration is not None else args.checkpoint
-        checked, problems = verify_root(args.dir, name, deep=not args.quick)
+        root = args.dir
+        if name is None:
+            root, name = _one_checkpoint(args.dir)
+        checked, problems = verify_root(root, name, deep=not args.quick)
         for problem in problems:
             print(f"BAD  {problem}")
         if not checked:
@@ -194,7 +234,7 @@ def _verify(sub) -> None:
 
 def _inspect(sub) -> None:
     p = sub.add_parser("inspect", help="list the checkpoints under a directory: committed or not, levels, ranks, sizes")
-    p.add_argument("dir")
+    p.add_argument("dir", help="checkpoint root, or one checkpoint's directory")
     p.add_argument("--local-dir", default=None, help="node-local level to report on as well")
     p.add_argument("--json", action="store_true")
 
@@ -203,7 +243,8 @@ def _inspect(sub) -> None:
 
         from megatron_ext.engine.inspect import describe, format_rows
 
-        rows = describe(args.dir, args.local_dir)
+        root, only = _one_checkpoint(args.dir)
+        rows = describe(root, args.local_dir, only)
         print(json.dumps(rows, indent=1) if args.json else format_rows(rows))
         return 0
 
@@ -213,7 +254,7 @@ def _inspect(sub) -> None:
 def _export(sub) -> None:
     p = sub.add_parser("export", help="a committed checkpoint's model weights as consolidated safetensors files + index")
     p.add_argument("dir", help="checkpoint root (Megatron's --save directory)")
-    p.add_argument("--iteration", type=int, required=True)
+    p.add_argument("--iteration", type=NONNEG_INT, required=True)
     p.add_argument("--to", choices=["safetensors"], required=True, help="output format")
     p.add_argument("out", help="new (or empty) output directory")
     p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB; 500MB, 2GiB, ...)")
@@ -236,7 +277,7 @@ def _export(sub) -> None:
 def _convert(sub) -> None:
     p = sub.add_parser("convert", help="datastates checkpoint <-> megatron-core torch_dist (Megatron's layout both ways)")
     p.add_argument("dir", help="checkpoint root: a datastates save directory, or a torch_dist one with --to datastates")
-    p.add_argument("--iteration", type=int, help="iteration to convert (to torch_dist; from torch_dist: the tracker's)")
+    p.add_argument("--iteration", type=NONNEG_INT, help="iteration to convert (to torch_dist; from torch_dist: the tracker's)")
     p.add_argument("--to", choices=["torch_dist", "datastates"], required=True)
     p.add_argument("out", help="output save directory (gets iter_NNNNNNN/ and the tracker file)")
 
@@ -247,7 +288,7 @@ def _convert(sub) -> None:
 
         if args.to == "torch_dist":
             if args.iteration is None:
-                raise SystemExit("convert --to torch_dist needs --iteration N")
+                raise ValueError("convert --to torch_dist needs --iteration N")
             summary = convert.to_torch_dist(args.dir, args.iteration, args.out)
         else:
             summary = convert.from_torch_dist(args.dir, args.out, args.iteration)
@@ -257,8 +298,15 @@ def _convert(sub) -> None:
     p.set_defaults(func=run)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes are one line on stderr (exit 2), like every other bad input."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-ext", description=__doc__)
+    parser = _Parser(prog="megatron-ext", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log every checkpoint")
     sub = parser.add_subparsers(dest="command", required=True)
     _main_job(sub)
@@ -281,13 +329,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Bad input (a damaged or foreign checkpoint, a wrong path or value) is one line on stderr and
+    exit status 2, never a traceback; ``--verbose`` shows the traceback of unexpected errors."""
     args = build_parser().parse_args(argv)
+    if not args.verbose:  # third-party import warnings (Apex, Transformer Engine, ...) are noise here
+        warnings.simplefilter("ignore")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    from megatron_ext.engine import CheckpointError
-
     try:
         return args.func(args)
-    except (CheckpointError, FileExistsError) as exc:  # bad input: a message, not a traceback
-        print(f"megatron-ext {args.command}: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"megatron-ext {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        if isinstance(exc, (OSError, KeyError, TypeError, AttributeError, IndexError)) and type(exc).__name__ not in message:
+            message = f"{type(exc).__name__}: {message}"
+        print(f"megatron-ext {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -47,6 +47,19 @@ log = logging.getLogger("megatron_ext.deepspeed")
 POINTER_FORMAT = "megatron_ext.datastates.pointer"
 _ADAPTER_KEYS = {"commit_wait"}
 
+#: The exact DeepSpeed classes DeepSpeed 0.19.8's checkpoints hold, found by saving real checkpoints
+#: (2 CPU ranks: ZeRO 0, 1, 2 and 3; fp32, bf16 and fp16; with and without the WarmupLR scheduler).
+#: ZeRO 0 holds none; ZeRO 1-3 hold the ZeRO stage, the loss scaler (dynamic under fp16) and, for
+#: ZeRO 1-2, ``fragment_address`` records. Everything else in them is plain values, tensors,
+#: ``OrderedDict``, ``torch.Size`` and ``torch.dtype``. Extend with ``"safe_classes"`` in the
+#: ``datastates_ckpt`` section (docs/DEEPSPEED.md).
+DEEPSPEED_SAFE_CLASSES = (
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+)
+
 
 def _section(deepspeed_config: Any) -> dict:
     """The ``datastates_ckpt`` dict from a DeepSpeedConfig, a full config dict, or the section itself."""
@@ -76,8 +89,11 @@ class CheckpointEngine:
         self.commit_wait = section.pop("commit_wait", "snapshot")
         if self.commit_wait not in ("snapshot", "durable"):
             raise ConfigError(f"datastates_ckpt.commit_wait must be \"snapshot\" or \"durable\", got {self.commit_wait!r}")
-        section.setdefault("object_modules", ["deepspeed."])
-        config = EngineConfig.from_dict(section)
+        user_classes = section.get("safe_classes", [])
+        if not isinstance(user_classes, list):
+            raise ConfigError(f"datastates_ckpt.safe_classes must be a list of class names, got {user_classes!r}")
+        section["safe_classes"] = list(DEEPSPEED_SAFE_CLASSES) + [c for c in user_classes if c not in DEEPSPEED_SAFE_CLASSES]
+        config = EngineConfig.from_dict(section, probe=False)
         import torch.distributed as dist
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -106,7 +122,11 @@ class CheckpointEngine:
 
     def load(self, path: str, map_location: Any = None) -> Any:
         root, tag, name = _split(path)
-        manifest = read_manifest(os.path.join(root, tag)) if tag else None
+        try:
+            manifest = read_manifest(os.path.join(root, tag)) if tag else None
+        except CheckpointError as exc:  # damaged or foreign: an older committed tag may still do
+            log.warning("[datastates] %s", exc)
+            manifest = None
         if manifest is None or name not in manifest["files"]:
             fallback = [t for t, m in list_committed(root) if name in m["files"]]
             if not fallback:

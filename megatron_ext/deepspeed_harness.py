@@ -51,7 +51,9 @@ class TinyModel(nn.Module):
         self.net = nn.Sequential(*_layers(hidden))
 
     def forward(self, x, y):
-        return nn.functional.mse_loss(self.net(x), y)
+        dtype = self.net[0].weight.dtype  # DeepSpeed casts the module for bf16/fp16, not the batch
+        out = self.net(x.to(dtype))
+        return nn.functional.mse_loss(out.float(), y)
 
 
 def batch(seed: int, step: int, dp_rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +77,13 @@ def ds_config(args) -> dict:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    if args.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif args.dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if args.scheduler:
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                           "warmup_num_steps": 4}}
     if args.engine == "datastates":
         cfg["datastates_ckpt"] = {"host_cache_size": 1}
     return cfg
@@ -93,7 +102,13 @@ def parse_args(argv=None):
     p.add_argument("--log-json", default=None, help="rank 0 appends one JSON line per step here")
     p.add_argument("--kill-at-step", type=int, default=None,
                    help="every rank SIGKILLs itself right after this step's save_checkpoint returns")
+    p.add_argument("--committed-before-kill", type=int, default=None, metavar="STEP",
+                   help="with --kill-at-step: before that step's save, wait (bounded) until 'latest' names this "
+                        "step or a later one, so the crash always leaves a committed checkpoint behind")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="training precision (DeepSpeed's bf16/fp16 sections; fp32 is the bit-exact default)")
+    p.add_argument("--scheduler", action="store_true", help="DeepSpeed's WarmupLR scheduler (saved with the state)")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="hidden width (benchmarks use a larger model)")
     p.add_argument("--no-save", action="store_true", help="train without checkpoints (benchmark baseline)")
     return p.parse_args(argv)
@@ -126,6 +141,29 @@ def _datastates_wait_total(engine) -> float:
     """Seconds the datastates engine has blocked in wait_snapshot so far (0 for other engines)."""
     adapter = getattr(getattr(engine, "checkpoint_engine", None), "ckpt_engine", None)
     return getattr(getattr(adapter, "engine", None), "wait_total_s", 0.0)
+
+
+def _await_committed(save_dir: str, step: int, rank: int, timeout_s: float = 300.0) -> None:
+    """Rank 0 waits until ``latest`` names ``step`` or later; every rank then goes on together.
+
+    The checkpoints after it may still be in flight: the kill that follows lands mid-flush, and
+    the restart has a committed tag to resume from however slow the machine is.
+    """
+    import torch.distributed as dist
+
+    if rank == 0:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with open(os.path.join(save_dir, "latest")) as f:
+                    if int(f.read().strip().removeprefix("global_step")) >= step:
+                        break
+            except (FileNotFoundError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no checkpoint of step {step} or later was committed within {timeout_s:.0f}s")
+            time.sleep(0.05)
+    dist.barrier()
 
 
 def main(argv=None) -> int:
@@ -161,6 +199,8 @@ def main(argv=None) -> int:
             engine.step()
             loss = loss.detach().float()
         t1 = time.perf_counter()
+        if args.kill_at_step == step and args.committed_before_kill is not None:
+            _await_committed(args.save_dir, args.committed_before_kill, rank)
         if not args.no_save:
             engine.save_checkpoint(args.save_dir, client_state={"harness_step": step})
         t2 = time.perf_counter()

@@ -28,12 +28,10 @@ from typing import Callable
 
 from .files import atomic_write_json
 from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
+from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST, list_committed, read_manifest  # noqa: F401 (re-exported)
 from .telemetry import Telemetry
 
-MANIFEST = "manifest.json"
 REPORTS = ".reports"
-FORMAT_NAME = "megatron_ext.datastates"
-FORMAT_VERSION = 1
 _POLL_S = 0.02
 
 
@@ -43,41 +41,6 @@ def report_name(rank: int, run_id: str, error: bool = False) -> str:
 
 def skip_report_name(rank: int, run_id: str) -> str:
     return f"rank-{rank:05d}.{run_id}.skipped.json"
-
-
-def read_manifest(checkpoint_dir: str) -> dict | None:
-    """The manifest of a committed checkpoint, or None if the directory is not committed."""
-    try:
-        with open(os.path.join(checkpoint_dir, MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"unreadable manifest in {checkpoint_dir}: {exc}") from exc
-    if manifest.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{checkpoint_dir}/{MANIFEST} is not a {FORMAT_NAME} manifest")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"{checkpoint_dir} was written by a newer format (version {manifest['format_version']})")
-    return manifest
-
-
-def list_committed(root: str) -> list[tuple[str, dict]]:
-    """Committed checkpoints under ``root``, oldest first (by version, then commit time)."""
-    found = []
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    for name in names:
-        path = os.path.join(root, name)
-        if os.path.isdir(path):
-            manifest = read_manifest(path)
-            if manifest is not None:
-                found.append((name, manifest))
-    found.sort(key=lambda item: (item[1].get("version") is None, item[1].get("version") or 0,
-                                 item[1].get("committed_at", 0)))
-    return found
 
 
 def _error_reports(reports_dir: str, run_id: str) -> list[str]:
@@ -127,7 +90,8 @@ class Committer:
     def __init__(self, rank: int, world_size: int, run_id: str, local_root: Callable[[CheckpointJob], str | None],
                  telemetry: Telemetry, timeout_s: float, fail: Callable[..., bool],
                  check: Callable[[], None], state_lock: threading.Lock | None = None,
-                 abandon: Callable[[CheckpointJob, CheckpointSkipped], None] = lambda job, exc: None):
+                 abandon: Callable[[CheckpointJob, CheckpointSkipped], None] = lambda job, exc: None, *,
+                 may_remove: Callable[[str], bool] = lambda root: False):
         self.rank = rank
         self.world_size = world_size
         self.run_id = run_id
@@ -138,6 +102,7 @@ class Committer:
         self.check = check
         self.state_lock = state_lock or threading.Lock()  # shared with whoever skips checkpoints
         self.abandon = abandon  # a peer skipped the checkpoint: drop it here too
+        self.may_remove = may_remove  # whether this rank holds the lock of a root (lock.py)
         self._cond = threading.Condition()
         self._pending: list[CheckpointJob] = []
         self._stopping = False
@@ -292,16 +257,22 @@ class Committer:
             "checkpoint": job.checkpoint, "version": job.version, "world_size": self.world_size,
             "committed_at": time.time(), "files": files,
         }
+        if job.tag != self.run_id:  # a second save of this id in this run: the run it belongs to
+            manifest["attempt_of"] = self.run_id
         atomic_write_json(os.path.join(ckpt_dir, MANIFEST), manifest)
-        _remove_other_runs(ckpt_dir, job.tag, files)
+        if self.may_remove(job.root):
+            _remove_other_runs(ckpt_dir, job.tag)
         return manifest
 
     def _await_manifest(self, job: CheckpointJob, ckpt_dir: str, reports_dir: str) -> dict:
         found: dict = {}
 
         def committed() -> bool:
-            manifest = read_manifest(ckpt_dir)
-            if manifest is not None and manifest.get("run_id") == job.tag:
+            try:
+                manifest = read_manifest(ckpt_dir)
+            except CheckpointError:  # another run's or a damaged one: rank 0 replaces it with ours
+                return False
+            if manifest is not None and manifest["run_id"] == job.tag:
                 found["m"] = manifest
                 return True
             return False
@@ -313,12 +284,25 @@ class Committer:
 _RUN_FILE = re.compile(r"\.([0-9a-f]{12})\.(safetensors|state\.json)$")
 
 
-def _remove_other_runs(ckpt_dir: str, tag: str, files: dict) -> None:
-    """Delete data files an earlier, overwritten or crashed attempt at this checkpoint left behind."""
-    keep = {os.path.basename(f[k]) for f in files.values() for k in ("tensor_file", "state_file")}
-    for name in os.listdir(ckpt_dir):
-        m = _RUN_FILE.search(name)
-        if m and m.group(1) != tag and name not in keep:
+def _remove_other_runs(ckpt_dir: str, run_id: str) -> None:
+    """Delete data files an earlier, overwritten or crashed attempt at this checkpoint left behind.
+
+    Only files named like ours (``<name>.<12 hex>.safetensors`` / ``.state.json``) of another run,
+    and never one the manifest on disk, re-read just before deleting, names. Usually there are
+    none, and then the manifest is not read again.
+    """
+    leftovers = [n for n in os.listdir(ckpt_dir) if (m := _RUN_FILE.search(n)) and m.group(1) != run_id]
+    if not leftovers:
+        return
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except CheckpointError:
+        return  # not ours to judge: leave everything
+    if manifest is None or manifest["run_id"] != run_id:
+        return
+    keep = {os.path.basename(f[k]) for f in manifest["files"].values() for k in ("tensor_file", "state_file")}
+    for name in leftovers:
+        if name not in keep:
             try:
                 os.unlink(os.path.join(ckpt_dir, name))
             except OSError:

@@ -26,6 +26,11 @@ OVERLOAD_SUPERSEDE = "supersede"
 OVERLOAD_POLICIES = (OVERLOAD_WAIT, OVERLOAD_SUPERSEDE)
 
 
+#: Bounds checked before any conversion (a size in bytes, a deadline): beyond them nothing works anyway.
+_MAX_CACHE_GB = float(1 << 20)
+_MAX_TIMEOUT_S = 1e7  # about 116 days
+
+
 class ConfigError(ValueError):
     """A bad engine configuration, reported before any checkpoint is taken."""
 
@@ -68,8 +73,9 @@ class EngineConfig:
     keep_every: int | None = None
     #: Rank 0 removes uncommitted checkpoint directories a crashed run left, at start-up.
     remove_partial_on_start: bool = True
-    #: Module prefixes whose plain objects and named tuples are stored field by field (codec.py).
-    object_modules: tuple[str, ...] = ()
+    #: Exact classes ("package.module.ClassName") whose enum members, named tuples and plain objects
+    #: the sidecar may hold, beyond ``codec.add_safe_classes``'s (codec.py; adapters add their own).
+    safe_classes: tuple[str, ...] = ()
     #: Threads reading a checkpoint file in parallel at restore (O_DIRECT per ``o_direct``).
     restore_threads: int = 4
     #: Also send each rank's files to the host memory of a rank on the next node (replica.py), so a
@@ -95,27 +101,36 @@ class EngineConfig:
         return max(4096, want // 4096 * 4096)
 
     @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None, **overrides: Any) -> "EngineConfig":
-        """Build from a ``datastates_ckpt``-style dict; unknown keys are an error naming them."""
+    def from_dict(cls, section: Mapping[str, Any] | None, *, probe: bool = True, **overrides: Any) -> "EngineConfig":
+        """Build from a ``datastates_ckpt``-style dict; unknown keys are an error naming them.
+
+        ``probe`` also creates the configured directories and proves them writable (``validate``).
+        """
+        if section is not None and not isinstance(section, Mapping):
+            raise ConfigError(f"the datastates configuration must be an object, got {section!r}")
         data = dict(section or {})
         data.update({k: v for k, v in overrides.items() if v is not None})
+        if "object_modules" in data:
+            raise ConfigError("object_modules (module prefixes) was replaced by safe_classes: list the exact "
+                              "classes, e.g. [\"deepspeed.runtime.fp16.loss_scaler.LossScaler\"]")
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known - _DEEPSPEED_COMPAT_KEYS)
+        unknown = sorted(str(k) for k in set(data) - known - _DEEPSPEED_COMPAT_KEYS)
         if unknown:
             raise ConfigError(
                 f"unknown datastates_ckpt key(s) {unknown}; known keys: {sorted(known)}"
             )
-        if isinstance(data.get("object_modules"), list):
-            data["object_modules"] = tuple(data["object_modules"])
         cfg = cls(**data)
-        cfg.validate()
+        if probe:
+            cfg.validate()
         return cfg
 
-    def validate(self) -> None:
-        """Raise ConfigError for sizes that cannot work and directories that cannot be written."""
+    def __post_init__(self) -> None:
+        """Every construction path (``EngineConfig(...)``, ``from_dict``, ``dataclasses.replace``) is checked."""
         _number(self.host_cache_size, "host_cache_size")
-        if not (self.host_cache_size > 0):
+        if not self.host_cache_size > 0:
             raise ConfigError(f"host_cache_size must be > 0 GB, got {self.host_cache_size}")
+        if self.host_cache_size > _MAX_CACHE_GB:  # bounded before any conversion to bytes
+            raise ConfigError(f"host_cache_size {self.host_cache_size} GB is absurd (the bound is {_MAX_CACHE_GB:g})")
         if self.host_cache_bytes < 4 * 4096:
             raise ConfigError(f"host_cache_size {self.host_cache_size} GB is below the 16 KiB minimum")
         ram = _physical_memory_bytes()
@@ -127,42 +142,96 @@ class EngineConfig:
         _number(self.chunk_size_mb, "chunk_size_mb")
         if not (0 < self.chunk_size_mb <= 4096):
             raise ConfigError(f"chunk_size_mb must be in (0, 4096], got {self.chunk_size_mb}")
-        if isinstance(self.object_modules, str) or not all(isinstance(m, str) and m for m in self.object_modules):
-            raise ConfigError(f"object_modules must be a list of module prefixes, got {self.object_modules!r}")
-        if self.on_failure not in ("stop", "continue"):
+        for name in ("save_dir", "local_dir", "replica_dir", "telemetry_path"):
+            object.__setattr__(self, name, _path(getattr(self, name), name))
+        if self.telemetry_path is not None:
+            try:
+                self.telemetry_path.format(rank=0)
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ConfigError(f"telemetry_path {self.telemetry_path!r}: only {{rank}} may be substituted ({exc})") from None
+        names = self.safe_classes
+        if isinstance(names, list):
+            names = tuple(names)
+        if type(names) is not tuple or not all(type(n) is str and n for n in names):
+            raise ConfigError(f"safe_classes must be a list of class names (\"package.module.Class\"), got {self.safe_classes!r}")
+        object.__setattr__(self, "safe_classes", names)
+        self.allowed_classes()  # each name must be a class defined under exactly that name
+        for name in ("pickle_fallback", "remove_partial_on_start", "peer_replica"):
+            if type(getattr(self, name)) is not bool:
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if type(self.on_failure) is not str or self.on_failure not in ("stop", "continue"):
             raise ConfigError(f"on_failure must be \"stop\" or \"continue\", got {self.on_failure!r}")
-        if self.overload_policy not in OVERLOAD_POLICIES:
+        if type(self.overload_policy) is not str or self.overload_policy not in OVERLOAD_POLICIES:
             raise ConfigError(f"overload_policy must be one of {list(OVERLOAD_POLICIES)}, got {self.overload_policy!r}")
         age = self.max_durable_age
-        if age is not None and (isinstance(age, bool) or not isinstance(age, int) or age < 0):
+        if age is not None and (type(age) is not int or age < 0):
             raise ConfigError(f"max_durable_age must be a whole number >= 0 (versions), got {age!r}")
         for name in ("keep_last", "keep_every"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and (type(value) is not int or value < 1):
                 raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
-        if isinstance(self.restore_threads, bool) or not isinstance(self.restore_threads, int) \
-                or not 1 <= self.restore_threads <= 64:
+        if type(self.restore_threads) is not int or not 1 <= self.restore_threads <= 64:
             raise ConfigError(f"restore_threads must be a whole number in [1, 64], got {self.restore_threads!r}")
-        if not isinstance(self.peer_replica, bool):
-            raise ConfigError(f"peer_replica must be true or false, got {self.peer_replica!r}")
         if self.peer_replica and self.overload_policy == "supersede":
             # Replication pairs ranks checkpoint by checkpoint in commit order; a checkpoint skipped
             # at different moments on different ranks would break the pairing.
             raise ConfigError("peer_replica cannot be combined with overload_policy \"supersede\"; use \"wait\"")
         value = self.ranks_per_node
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (type(value) is not int or value < 1):
             raise ConfigError(f"ranks_per_node must be a whole number >= 1, got {value!r}")
-        if self.o_direct not in (True, False, "auto"):
+        if self.parser_threads is not None and type(self.parser_threads) is not int:
+            raise ConfigError(f"parser_threads must be a whole number, got {self.parser_threads!r}")
+        if not (type(self.o_direct) is bool or self.o_direct == "auto"):
             raise ConfigError(f"o_direct must be true, false or \"auto\", got {self.o_direct!r}")
         for name in ("snapshot_timeout_s", "persist_timeout_s"):
             value = getattr(self, name)
             _number(value, name)
             if not value > 0:
                 raise ConfigError(f"{name} must be > 0 seconds, got {value}")
+            if value > _MAX_TIMEOUT_S:
+                raise ConfigError(f"{name} must be at most {_MAX_TIMEOUT_S:g} seconds (every wait is bounded), got {value}")
+        self._check_directories_apart()
+
+    def _check_directories_apart(self) -> None:
+        """Two levels in one directory would overwrite each other's files: equal or nested is an error."""
+        dirs = [(n, getattr(self, n)) for n in ("save_dir", "local_dir") + (("replica_dir",) if self.peer_replica else ())
+                if getattr(self, n) is not None]
+        for i, (name_a, a) in enumerate(dirs):
+            for name_b, b in dirs[i + 1:]:
+                real_a, real_b = os.path.realpath(a), os.path.realpath(b)
+                if real_a == real_b:
+                    raise ConfigError(f"{name_a} and {name_b} are the same directory ({real_a}); they must differ")
+                if os.path.commonpath([real_a, real_b]) in (real_a, real_b):
+                    inner, outer = (name_a, name_b) if len(real_a) > len(real_b) else (name_b, name_a)
+                    raise ConfigError(f"{inner} lies inside {outer} ({a} vs {b}); keep the levels apart")
+
+    def validate(self, rank: int = 0) -> None:
+        """Create the configured directories and prove each writable (telemetry's too), else ConfigError."""
         for name in ("save_dir", "local_dir") + (("replica_dir",) if self.peer_replica else ()):
             path = getattr(self, name)
             if path is not None:
                 check_writable_dir(path, name)
+        telemetry = self.telemetry_file(rank)
+        if telemetry is not None:
+            _check_creatable_dir(os.path.dirname(os.path.abspath(telemetry)), "telemetry_path directory")
+            if os.path.lexists(telemetry) and (not os.path.isfile(telemetry) or not os.access(telemetry, os.W_OK)):
+                raise ConfigError(f"telemetry_path {telemetry!r} exists and is not a writable file")
+
+    def telemetry_file(self, rank: int) -> str | None:
+        """This rank's telemetry file: ``telemetry_path`` with {rank}, else under ``save_dir``, else none."""
+        path = self.telemetry_path
+        if path is None and self.save_dir is not None:
+            path = os.path.join(self.save_dir, "datastates_telemetry", "rank-{rank:05d}.jsonl")
+        return path.format(rank=rank) if path is not None else None
+
+    def allowed_classes(self) -> dict:
+        """The ``safe_classes`` as classes (imports their modules: a configuration is trusted input)."""
+        from .codec import resolve_class_names
+
+        try:
+            return resolve_class_names(self.safe_classes)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 def _number(value: Any, name: str) -> None:
@@ -172,11 +241,34 @@ def _number(value: Any, name: str) -> None:
         raise ConfigError(f"{name} must be a finite number, got {value!r}")
 
 
+def _path(value: Any, name: str) -> str | None:
+    """A configured path as a non-empty string (``os.PathLike`` accepted), else ConfigError."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if type(value) is not str or not value or "\0" in value:
+        raise ConfigError(f"{name} must be a path (a non-empty string), got {value!r}")
+    return value
+
+
 def _physical_memory_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def _check_creatable_dir(path: str, what: str) -> None:
+    """``path`` is a writable directory, or could be created as one (nothing is created here)."""
+    if os.path.lexists(path):
+        if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"{what} {path!r} is not a writable directory")
+        return
+    parent = os.path.dirname(path)
+    if parent == path:
+        raise ConfigError(f"{what} {path!r} cannot be created")
+    _check_creatable_dir(parent, what)
 
 
 def check_writable_dir(path: str, what: str = "directory") -> None:

@@ -25,10 +25,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import codec, layout as file_layout, restore, retention
-from .commit import (Committer, list_committed, read_manifest, read_skip_report, report_name, skip_report_name,
-                     REPORTS)
+from . import codec, layout as file_layout, lock as dir_lock, restore, retention
+from .commit import Committer, read_skip_report, report_name, skip_report_name, REPORTS
 from .config import ConfigError, EngineConfig, OVERLOAD_SUPERSEDE, OVERLOAD_WAIT, check_writable_dir
+from .manifest import RUN_ID, list_committed, read_manifest, run_of, valid_name
 from .copier import make_copier
 from .files import atomic_write_json
 from .flush import LevelStager, RankWriter
@@ -63,16 +63,23 @@ def attempt_tag(run_id: str, checkpoint: str, attempt: int) -> str:
     return hashlib.sha1(f"{run_id}/{checkpoint}/{attempt}".encode()).hexdigest()[:12]
 
 
-def _agree_run_id(world_size: int) -> str:
-    """Every rank of a job must tag its files with the same run id: rank 0 picks, all receive."""
-    run_id = uuid.uuid4().hex[:12]
-    if world_size > 1:
-        import torch.distributed as dist
+def _broadcast_from_zero(values: list) -> list:
+    """Rank 0's ``values`` on every rank (one small collective at start-up)."""
+    import torch.distributed as dist
 
-        box = [run_id]
-        dist.broadcast_object_list(box, src=0)
-        run_id = box[0]
-    return run_id
+    box = list(values)
+    dist.broadcast_object_list(box, src=0)
+    return box
+
+
+def _any_rank_failed(failed: bool) -> bool:
+    """Whether any rank failed (one all-reduce at start-up), so every rank stops together."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(failed)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 class CheckpointEngine:
@@ -82,20 +89,38 @@ class CheckpointEngine:
     """
 
     def __init__(self, config: EngineConfig | Mapping[str, Any] | None = None, *, rank: int | None = None,
-                 world_size: int | None = None, run_id: str | None = None):
-        self.config = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config)
+                 world_size: int | None = None, run_id: str | None = None, read_only: bool = False):
+        """``read_only`` engines only load: they take no lock, create and remove nothing, and refuse to save.
+
+        Otherwise the job locks ``save_dir`` (rank 0) and ``local_dir`` (every node) for the
+        engine's life (lock.py); another job's lock is an error at start-up on every rank.
+        """
+        self.config = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config, probe=False)
         default_rank, default_world = _default_rank_world()
         self.rank = default_rank if rank is None else rank
         self.world_size = default_world if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} outside world of size {self.world_size}")
-        if self.rank == 0 and self.config.remove_partial_on_start and self.config.save_dir:
-            # Before the run id is agreed (a collective): no rank can have written anything yet.
-            removed = retention.remove_partial(self.config.save_dir)
-            if removed:
-                log.warning("[datastates] removed %d uncommitted checkpoint(s) left by a crash or skipped: %s",
-                            len(removed), ", ".join(sorted(removed)))
-        self.run_id = run_id or _agree_run_id(self.world_size)
+        if run_id is not None and (type(run_id) is not str or not RUN_ID.fullmatch(run_id)):
+            raise ConfigError(f"run_id {run_id!r} must be 12 lowercase hex digits")
+        self.read_only = read_only
+        self.classes = self.config.allowed_classes()  # safe_classes, resolved once
+        if not read_only:
+            self.config.validate(self.rank)
+        self._locks: dict[str, dir_lock.DirectoryLock] = {}  # root -> lock, on rank 0
+        self._runs_of_root: dict[str, set[str]] = {}  # root -> runs whose checkpoints retention may remove
+        self._manifests_seen: dict[str, dict] = {}  # root -> list_committed's cache, for retention
+        self.local_lock: dir_lock.DirectoryLock | None = None
+        self.run_id = self._start(run_id)
+        try:
+            self._build()
+        except BaseException:
+            self._release_locks()
+            raise
+
+    def _build(self) -> None:
+        """State, threads and host cache (after the locks: a failure here releases them)."""
+        read_only = self.read_only
         self.use_cuda = torch.cuda.is_available()
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
@@ -117,17 +142,14 @@ class CheckpointEngine:
         # Guards the moves of a checkpoint that exclude each other: flush started, reported, skipped.
         self._state_lock = threading.Lock()
 
-        tele_path = self.config.telemetry_path
-        if tele_path is None and self.config.save_dir is not None:
-            tele_path = os.path.join(self.config.save_dir, "datastates_telemetry", "rank-{rank:05d}.jsonl")
-        self.telemetry = Telemetry(tele_path.format(rank=self.rank) if tele_path else None, self.rank)
+        self.telemetry = Telemetry(None if read_only else self.config.telemetry_file(self.rank), self.rank)
 
         self.cache = HostCache(self.config.host_cache_bytes, self.config.chunk_bytes, pin=self.use_cuda)
         local = self.config.local_dir
         self.committer = Committer(self.rank, self.world_size, self.run_id,
                                    (lambda job: local) if local else (lambda job: None),
                                    self.telemetry, self.config.persist_timeout_s, self._fail, self._raise_if_failed,
-                                   self._state_lock, self._abandon_for_peer)
+                                   self._state_lock, self._abandon_for_peer, may_remove=self._holds_lock)
         self.stager = None
         if local:
             self.stager = LevelStager(lambda job: local, lambda job: job.checkpoint.root,
@@ -163,12 +185,13 @@ class CheckpointEngine:
         self._raise_if_failed()
         if self._closed:
             raise CheckpointError("save() after shutdown()")
-        root = self._root(root)
         name = f"rank{self.rank:05d}" if name is None else name
-        if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"file name {name!r} must be non-empty, without '/', not starting with '.'")
-        if not checkpoint or checkpoint.startswith(".") or "/" in checkpoint.strip("/"):
+        if not valid_name(name) or len(name) > 200:
+            raise ValueError(f"file name {name!r} must be non-empty, at most 200 characters, without '/', "
+                             "not starting with '.'")
+        if not valid_name(checkpoint):
             raise ValueError(f"checkpoint id {checkpoint!r} must be one non-hidden directory name")
+        root = self._writable_root(root)
         job = self._open_job(root, checkpoint)
         if job is not None and any(f.name == name for f in job.files):
             raise CheckpointError(f"checkpoint {checkpoint} already has a file named {name!r}")
@@ -177,13 +200,11 @@ class CheckpointEngine:
         policy = self._overload_policy_for(version) if job is None else job.policy
 
         # Everything that can refuse the state runs before the checkpoint is registered.
-        encoder = codec.Encoder(pickle_fallback=self.config.pickle_fallback,
-                                object_modules=self.config.object_modules)
+        encoder = codec.Encoder(pickle_fallback=self.config.pickle_fallback, classes=self.classes)
         skeleton = encoder.encode(state)
         sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton},
                              separators=(",", ":")).encode("utf-8")
-        tag = job.tag if job is not None else attempt_tag(self.run_id, checkpoint,
-                                                          self._attempts.get((root, checkpoint), 0))
+        tag = job.tag if job is not None else self._tag(root, checkpoint)
         plan = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name,
                                                   "rank": str(self.rank), "run_id": tag})
         if job is None:
@@ -220,11 +241,10 @@ class CheckpointEngine:
         short-lived checkpoints, such as Megatron-LM's non-persistent ones, keeps only the newest).
         """
         self._raise_if_failed()
-        root = self._root(root)
+        root = self._writable_root(root)
         job = self._open_job(root, checkpoint)
         if job is None:  # a rank with nothing to save still takes part in the commit
-            job = CheckpointJob(checkpoint=checkpoint, root=root, version=None,
-                                tag=attempt_tag(self.run_id, checkpoint, self._attempts.get((root, checkpoint), 0)))
+            job = CheckpointJob(checkpoint=checkpoint, root=root, version=None, tag=self._tag(root, checkpoint))
             self._checkpoints[(root, checkpoint)] = job
             self.committer.track(job)
         job.on_committed.append(self._note_durable)
@@ -258,6 +278,9 @@ class CheckpointEngine:
         self._committed_ids.discard(key)
         self._attempts[key] = self._attempts.get(key, 0) + 1
         return None
+
+    def _tag(self, root: str, checkpoint: str) -> str:
+        return attempt_tag(self.run_id, checkpoint, self._attempts.get((root, checkpoint), 0))
 
     def _request_commit(self, job: CheckpointJob) -> None:
         if not job.commit_requested and self.replicas is not None:
@@ -361,7 +384,7 @@ class CheckpointEngine:
         name = f"rank{self.rank:05d}" if name is None else name
         reader = committed.reader(name, level)
         self.last_load_level = reader.level
-        return reader.state(map_location, allow_pickle, self.config.object_modules)
+        return reader.state(map_location, allow_pickle)
 
     def load_into(self, checkpoint: str, template: Any, name: str | None = None, *, root: str | None = None,
                   allow_pickle: bool = False, verify: bool = True, level: str = "auto") -> Any:
@@ -370,7 +393,7 @@ class CheckpointEngine:
         committed = self.open_checkpoint(checkpoint, root=root, verify=verify)
         reader = committed.reader(f"rank{self.rank:05d}" if name is None else name, level)
         self.last_load_level = reader.level
-        return reader.state_into(template, allow_pickle, self.config.object_modules)
+        return reader.state_into(template, allow_pickle)
 
     def open_checkpoint(self, checkpoint: str, *, root: str | None = None, verify: bool = True) -> "CommittedCheckpoint":
         """A committed checkpoint's manifest plus per-file readers, for adapters that read selectively.
@@ -395,7 +418,7 @@ class CheckpointEngine:
         if problem is not None:
             raise problem
         return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify, self.config, self.cache,
-                                  recovered)
+                                  recovered, self.classes)
 
     def agree_load_level(self, committed: "CommittedCheckpoint") -> str:
         """Collective over all ranks: read node-local only if every rank's own files are complete there.
@@ -446,6 +469,7 @@ class CheckpointEngine:
             if self.deleter is not None:
                 self.deleter.stop(60)
             self.cache.close()
+            self._release_locks()
             _live_engines.discard(self)
         self._raise_if_failed()
 
@@ -473,6 +497,74 @@ class CheckpointEngine:
             raise ConfigError("no checkpoint directory: pass root= or set save_dir in the config")
         return os.path.abspath(root)
 
+    def _writable_root(self, root: str | None) -> str:
+        """The root a save or commit goes to; on rank 0 the job's lock on it (taken at first use)."""
+        if self.read_only:
+            raise CheckpointError("this engine was opened read_only: it loads, it does not save")
+        root = self._root(root)
+        if self.rank == 0 and root not in self._locks:
+            try:
+                os.makedirs(root, exist_ok=True)
+            except OSError as exc:
+                raise CheckpointError(f"cannot create checkpoint directory {root}: {exc.strerror or exc}") from None
+            self._locks[root] = dir_lock.acquire(root, self.run_id, "checkpoint directory")
+        return root
+
+    def _start(self, run_id: str | None) -> str:
+        """Agree on the run id, lock ``save_dir`` (rank 0) and ``local_dir`` (each node), remove crashed partials.
+
+        Rank 0 locks before any rank can write; with torch.distributed the outcome travels with
+        the run id, so a refused job stops on every rank at once, with the holder's name.
+        """
+        collective = run_id is None and self.world_size > 1
+        run_id = run_id or uuid.uuid4().hex[:12]
+        problem: str | None = None
+        save_dir = os.path.abspath(self.config.save_dir) if self.config.save_dir else None
+        if self.rank == 0 and save_dir and not self.read_only:
+            try:
+                self._locks[save_dir] = lock = dir_lock.acquire(save_dir, run_id, "save_dir")
+                if self.config.remove_partial_on_start and lock.held:
+                    removed = retention.remove_partial(save_dir)
+                    if removed:
+                        log.warning("[datastates] removed %d uncommitted checkpoint(s) left by a crash or skipped: %s",
+                                    len(removed), ", ".join(sorted(removed)))
+            except CheckpointError as exc:
+                problem = str(exc)
+        if collective:
+            run_id, problem = _broadcast_from_zero([run_id, problem])
+        if problem is not None:
+            self._release_locks()
+            raise dir_lock.LockedError(problem if self.rank == 0 else f"rank 0 could not start: {problem}")
+        if self.config.local_dir and not self.read_only:
+            failure: CheckpointError | None = None
+            try:
+                self.local_lock = dir_lock.acquire(os.path.abspath(self.config.local_dir), run_id, "local_dir",
+                                                   same_run_ok=True)
+            except CheckpointError as exc:
+                failure = exc
+            if (_any_rank_failed(failure is not None) if collective else failure is not None):
+                self._release_locks()
+                raise failure or dir_lock.LockedError("local_dir is locked by another job on another node")
+        return run_id
+
+    def _holds_lock(self, root: str) -> bool:
+        """Whether this rank may remove things under ``root``: it holds the lock of that directory."""
+        lock = self._locks.get(os.path.abspath(root))
+        return lock is not None and lock.held
+
+    def _release_locks(self) -> None:
+        for lock in list(self._locks.values()) + ([self.local_lock] if self.local_lock else []):
+            lock.release()
+
+    def _retention_runs(self, root: str) -> set[str]:
+        """Runs whose checkpoints under ``root`` retention may remove: those that held its lock."""
+        lock = self._locks.get(root)
+        if lock is not None:
+            return set(lock.runs) if lock.held else set()
+        if root not in self._runs_of_root:  # other ranks: the lock file's record, read once
+            self._runs_of_root[root] = set(dir_lock.runs_of(root)) | {self.run_id}
+        return self._runs_of_root[root]
+
     def _forget_finished(self) -> None:
         """Drop the records of finished checkpoints (a run may take 100,000), keeping only their ids."""
         for key, job in list(self._checkpoints.items()):
@@ -481,21 +573,29 @@ class CheckpointEngine:
                 self._committed_ids.add(key)
 
     def _apply_retention(self, root: str, keep_last: int | None = None) -> None:
-        """After a commit: schedule deletion of what the retention policy no longer keeps."""
-        committed = [(name, m.get("version")) for name, m in list_committed(root)]
+        """After a commit: schedule deletion of what the retention policy no longer keeps.
+
+        Only checkpoints of runs that held ``root``'s lock count (never another job's, never a copy
+        brought in from elsewhere), and only a holder of a directory's lock removes anything there.
+        """
+        runs = self._retention_runs(root)
+        cache = self._manifests_seen.setdefault(root, {})
+        ours = [(name, m) for name, m in list_committed(root, cache) if run_of(m) in runs]
         in_flight = {j.checkpoint for j in list(self._checkpoints.values())
                      if j.root == root and not j.committed.is_set()}
         if self.replicas is not None:  # the replication thread still reads them
             in_flight |= self.replicas.pending()
+        owner = {name: m["run_id"] for name, m in ours}
+        local = self.config.local_dir if self.local_lock is not None and self.local_lock.job_holds else None
         keep_every = self.config.keep_every if keep_last is None else None
         keep_last = self.config.keep_last if keep_last is None else keep_last
-        for name in retention.to_delete(committed, keep_last, keep_every, in_flight):
+        for name in retention.to_delete([(n, m["version"]) for n, m in ours], keep_last, keep_every, in_flight):
             if self.deleter is None:
                 self.deleter = retention.Deleter()
-            if self.rank == 0:
-                self.deleter.submit(os.path.join(root, name))
-            if self.config.local_dir:
-                self.deleter.submit(os.path.join(self.config.local_dir, name))
+            if self._holds_lock(root):
+                self.deleter.submit(retention.Removal(os.path.join(root, name), owner[name]))
+            if local:
+                self.deleter.submit(retention.Removal(os.path.join(local, name), None))
 
     # ------------------------------------------------------------------ overload (supersede)
     def _overload_policy_for(self, version: int | None) -> str:
@@ -668,8 +768,10 @@ class CommittedCheckpoint:
 
     def __init__(self, root: str, local_dir: str | None, checkpoint: str, manifest: dict, verify: bool,
                  config: EngineConfig | None = None, staging: HostCache | None = None,
-                 recovered: dict[str, str] | None = None):
+                 recovered: dict[str, str] | None = None, classes: Mapping[codec.ClassKey, type] | None = None):
+        """``manifest`` must come from ``read_manifest`` (validated); ``classes`` extend the allow-list."""
         self.root, self.local_dir, self.checkpoint, self.manifest, self.verify = root, local_dir, checkpoint, manifest, verify
+        self.classes = classes
         config = config or EngineConfig()
         self._read_options = {"threads": config.restore_threads, "o_direct": config.o_direct,
                               "timeout_s": config.persist_timeout_s, "staging": staging}
@@ -707,7 +809,8 @@ class CommittedCheckpoint:
             elif name in self.recovered and asked in ("auto", LEVEL_PEER):
                 base, chosen = self.recovered[name], LEVEL_PEER
             self.levels_used.add(chosen)
-            self._readers[name] = restore.FileReader(base, entry, self.verify, level=chosen, **self._read_options)
+            self._readers[name] = restore.FileReader(base, entry, self.verify, level=chosen, run_id=self.manifest["run_id"],
+                                                     classes=self.classes, **self._read_options)
         return self._readers[name]
 
 

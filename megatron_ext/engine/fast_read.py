@@ -19,6 +19,7 @@ import concurrent.futures as cf
 import errno
 import mmap
 import os
+import stat
 import threading
 import time
 from typing import Any, Iterable, Protocol
@@ -61,32 +62,53 @@ def aligned_buffer(nbytes: int, pin: bool = False) -> torch.Tensor:
 def open_for_read(path: str, o_direct: bool | str) -> tuple[int, bool]:
     """(fd, direct): ``O_DIRECT`` when allowed and the file system takes it, else buffered.
 
-    The probe is one aligned 4 KiB read of the file's first block (every tensor file has one: the
-    header is padded to 4 KiB), so nothing is written next to the checkpoint.
+    Only a regular file is opened, never through a symbolic link (a checkpoint's files are its
+    own). The ``O_DIRECT`` probe is one aligned 4 KiB read of the file's first block (every tensor
+    file has one: the header is padded to 4 KiB), so nothing is written next to the checkpoint.
     """
-    try:
-        if o_direct is not False and _O_DIRECT:
+    fd = open_regular(path)
+    if o_direct is not False and _O_DIRECT:
+        try:
+            direct = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | _O_DIRECT)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                os.close(fd)
+                raise CheckpointError(f"checkpoint file {path} cannot be opened: {exc.strerror or exc}") from None
+        else:
+            probe = mmap.mmap(-1, ALIGN)
             try:
-                fd = os.open(path, os.O_RDONLY | _O_DIRECT)
+                if os.fstat(direct).st_ino == os.fstat(fd).st_ino:  # the same regular file
+                    os.preadv(direct, [probe], 0)
+                    os.close(fd)
+                    return direct, True
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
-                    raise
-            else:
-                probe = mmap.mmap(-1, ALIGN)
-                try:
-                    os.preadv(fd, [probe], 0)
-                    return fd, True
-                except OSError as exc:
                     os.close(fd)
-                    if exc.errno != errno.EINVAL:
-                        raise
-                finally:
-                    probe.close()
-            if o_direct is True:
-                raise CheckpointError(f"o_direct is true but {os.path.dirname(path)} refuses O_DIRECT reads")
-        return os.open(path, os.O_RDONLY), False
+                    os.close(direct)
+                    raise CheckpointError(f"reading {path} failed: {exc.strerror or exc}") from None
+            finally:
+                probe.close()
+            os.close(direct)
+        if o_direct is True:
+            os.close(fd)
+            raise CheckpointError(f"o_direct is true but {os.path.dirname(path)} refuses O_DIRECT reads")
+    return fd, False
+
+
+def open_regular(path: str) -> int:
+    """A read-only fd of the regular file ``path`` (not a link, FIFO or device), else CheckpointError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: a symbolic link (a checkpoint's files must be its own)") from None
+        raise CheckpointError(f"{path}: cannot be opened: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file")
+    return fd
 
 
 def _spans(ranges: list[tuple[int, int]], size: int) -> list[tuple[int, int]]:

@@ -14,11 +14,12 @@ from .jobs import CheckpointError
 
 
 def _dir_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (links are not followed: nothing outside is touched)."""
     total = 0
     for base, _, files in os.walk(path):
         for name in files:
             try:
-                total += os.path.getsize(os.path.join(base, name))
+                total += os.lstat(os.path.join(base, name)).st_size
             except OSError:
                 pass
     return total
@@ -26,22 +27,22 @@ def _dir_bytes(path: str) -> int:
 
 def common_layout(files: list[dict]) -> dict:
     """The ``extra["layout"]`` entries that every file of a checkpoint records with the same value."""
-    layouts = [(f.get("extra") or {}).get("layout") for f in files]
+    layouts = [f["extra"].get("layout") if isinstance(f.get("extra"), dict) else None for f in files]
     if not layouts or any(not isinstance(layout, dict) for layout in layouts):
         return {}
     return {k: v for k, v in layouts[0].items() if all(layout.get(k) == v for layout in layouts[1:])}
 
 
-def describe(root: str, local_dir: str | None = None) -> list[dict]:
-    """One record per checkpoint directory under ``root`` (ours: with a manifest or reports)."""
+def describe(root: str, local_dir: str | None = None, only: str | None = None) -> list[dict]:
+    """One record per checkpoint directory under ``root`` (ours: with a manifest or reports), or of ``only``."""
     if not os.path.isdir(root):
         raise CheckpointError(f"{root} is not a directory")
     rows = []
-    for name in sorted(os.listdir(root)):
+    for name in [only] if only is not None else sorted(os.listdir(root)):
         path = os.path.join(root, name)
         if name.startswith(".") or not os.path.isdir(path):
             continue
-        has_manifest = os.path.exists(os.path.join(path, MANIFEST))
+        has_manifest = os.path.lexists(os.path.join(path, MANIFEST))
         if not has_manifest and not os.path.isdir(os.path.join(path, REPORTS)):
             continue
         row = {"checkpoint": name, "committed": False, "bytes_on_disk": _dir_bytes(path)}
@@ -93,12 +94,12 @@ def format_rows(rows: list[dict]) -> str:
             lines.append(f"{r['checkpoint']:<20} {'committed':<12} {str(r['version']):>8} {r['ranks']:>5} "
                          f"{r['files']:>5} {r['bytes'] / 1e6:>10.1f} {_rank_spread(r['bytes_by_rank']):>13}  "
                          f"{'+'.join(r['levels']):<12} {_layout_text(r['layout'])}")
+        elif "error" in r:
+            lines.append(f"{r['checkpoint']:<20} {'unreadable':<12} {r['error']}")
         else:
-            state = "unreadable" if "error" in r else "uncommitted"
-            lines.append(f"{r['checkpoint']:<20} {state:<12} {'-':>8} {r.get('rank_reports', 0):>5} "
+            lines.append(f"{r['checkpoint']:<20} {'uncommitted':<12} {'-':>8} {r.get('rank_reports', 0):>5} "
                          f"{'-':>5} {r['bytes_on_disk'] / 1e6:>10.1f}  "
-                         f"{r.get('error_reports', 0)} error, {r.get('skip_reports', 0)} skip report(s)"
-                         if state == "uncommitted" else r["error"])
+                         f"{r.get('error_reports', 0)} error, {r.get('skip_reports', 0)} skip report(s)")
     committed = [r for r in rows if r["committed"]]
     lines.append(f"{len(committed)} committed, {len(rows) - len(committed)} not; newest committed: "
                  f"{max(committed, key=lambda r: (r['version'] or 0, r['committed_at'] or 0))['checkpoint'] if committed else 'none'}")

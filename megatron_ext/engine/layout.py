@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import struct
+
+from typing import Any
 
 import torch
 
@@ -32,6 +36,10 @@ _ST_DTYPES = {
     torch.complex64: "C64",
 }
 _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+#: safetensors dtype name -> torch dtype, for the dtypes this format writes and accepts.
+TORCH_DTYPES: dict[str, torch.dtype] = dict(_TORCH_DTYPES)
+#: The safetensors library's own limit on the JSON header.
+MAX_HEADER_BYTES = 100_000_000
 
 
 def st_dtype(dtype: torch.dtype) -> str:
@@ -100,16 +108,100 @@ def plan(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> F
     return FileLayout(header=header, slots=slots, data_start=data_start, size=data_start + offset)
 
 
-def read_header(path: str) -> tuple[dict, int]:
-    """Parse a safetensors header: (entries without __metadata__ folded in, data_start)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: truncated safetensors header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 << 20:
-            raise ValueError(f"{path}: implausible safetensors header length {n}")
-        body = f.read(n)
-        if len(body) != n:
-            raise ValueError(f"{path}: truncated safetensors header")
-    return json.loads(body), 8 + n
+@dataclasses.dataclass
+class SafetensorsHeader:
+    """A tensor file's header, checked as strictly as the safetensors library checks it (or more)."""
+
+    tensors: dict[str, tuple[str, list[int], int, int]]  # name -> (dtype, shape, absolute begin, end)
+    metadata: dict[str, str]
+    data_start: int
+    size: int  # the file size the header implies
+
+
+def read_header(fd: int, file_size: int) -> SafetensorsHeader:
+    """Parse and check the safetensors header of an open file; ``ValueError`` says what is wrong.
+
+    The rules are the library's (length-prefixed UTF-8 JSON, known dtypes, byte lengths that match
+    the shapes, tensors back to back from the start of the data with no hole or overlap, the file
+    exactly covered) plus a few of this format's: the JSON starts with ``{``, has no duplicate
+    keys, no unknown fields and no unpaired surrogates.
+    """
+    raw = os.pread(fd, 8, 0)
+    if len(raw) != 8:
+        raise ValueError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", raw)
+    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+        raise ValueError(f"header length {n} does not fit the file ({file_size} bytes)")
+    body = os.pread(fd, n, 8)
+    if len(body) != n:
+        raise ValueError("truncated header")
+    if not body.startswith(b"{"):
+        raise ValueError("the header does not start with '{'")
+    doc = parse_json(body)
+    if type(doc) is not dict:
+        raise ValueError("the header is not a JSON object")
+    metadata = doc.pop("__metadata__", {})
+    if type(metadata) is not dict or not all(type(v) is str for v in metadata.values()):
+        raise ValueError("__metadata__ must map strings to strings")
+    data_start = 8 + n
+    tensors: dict[str, tuple[str, list[int], int, int]] = {}
+    for name, info in doc.items():
+        _no_surrogates(name)
+        if type(info) is not dict or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise ValueError(f"tensor {name!r}: needs exactly dtype, shape and data_offsets")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in TORCH_DTYPES:
+            raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of whole numbers >= 0")
+        if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
+            raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} are not [begin, end]")
+        begin, end = offsets
+        if end < begin or end - begin != math.prod(shape) * TORCH_DTYPES[dtype].itemsize:
+            raise ValueError(f"tensor {name!r}: {end - begin} bytes at {offsets} do not hold shape {shape} of {dtype}")
+        tensors[name] = (dtype, shape, data_start + begin, data_start + end)
+    for key, value in metadata.items():
+        _no_surrogates(key)
+        _no_surrogates(value)
+    position = data_start
+    for name, (_, _, begin, end) in sorted(tensors.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if begin != position:
+            raise ValueError(f"tensor {name!r} starts at byte {begin}, not at {position}: "
+                             f"{'a hole' if begin > position else 'an overlap'} in the data")
+        position = end
+    if position != file_size:
+        raise ValueError(f"the tensors end at byte {position}, the file has {file_size}")
+    return SafetensorsHeader(tensors, metadata, data_start, position)
+
+
+def parse_json(raw: bytes) -> Any:
+    """This format's JSON (headers, manifests, sidecars): UTF-8, no duplicate keys, no NaN literals.
+
+    ``ValueError`` says what is wrong (``RecursionError`` for absurd nesting becomes one too).
+    """
+    def pairs(items: list[tuple[str, Any]]) -> dict:
+        out: dict = {}
+        for key, value in items:
+            if key in out:
+                raise ValueError(f"duplicate key {key!r}")
+            out[key] = value
+        return out
+
+    def constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    except ValueError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+
+
+def _no_surrogates(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{text!r} holds an unpaired surrogate") from None

@@ -37,6 +37,7 @@ import torch
 import xxhash
 
 from .commit import read_manifest
+from .manifest import valid_name
 from .config import ConfigError, check_writable_dir
 from .files import atomic_write_json
 from .jobs import CheckpointError, CheckpointJob
@@ -200,6 +201,10 @@ class _Sink:
     """Writes the files of an incoming bundle under ``dest``, checksumming on the way."""
 
     def __init__(self, dest: str, files: list[dict]):
+        for f in files:  # names come from a peer: only <checkpoint>/<basename>, as a validated manifest has them
+            parts = f["rel"].split("/") if isinstance(f.get("rel"), str) else []
+            if len(parts) != 2 or not all(valid_name(p) for p in parts):
+                raise CheckpointError(f"a peer sent a replica file named {f.get('rel')!r}; refused")
         self.dest, self.files = dest, files
         self._hashes = [xxhash.xxh3_64() for _ in files]
         self._sizes = [0] * len(files)

@@ -8,28 +8,50 @@ tensor's xxh3-64 checksum (and, for whole-file reads, the file's) is compared wi
 
 from __future__ import annotations
 
-import json
 import os
-from typing import Any, Iterable
+import stat
+from typing import Any, Iterable, Mapping
 
 import torch
 import xxhash
 
 from . import codec
 from .commit import REPORTS, report_name
-from .fast_read import MIN_STAGING_CHUNK, Staging, default_staging, read_into, read_tensors, to_device
+from .fast_read import MIN_STAGING_CHUNK, Staging, default_staging, open_regular, read_into, read_tensors, to_device
 from .jobs import CheckpointError
+from .layout import parse_json, read_header
+from .manifest import check_tensor_file
+
+SIDECAR_FORMAT = "megatron_ext.state"
+_MAX_SIDECAR_BYTES = 1 << 30
 
 
 def read_state_file(path: str, entry: dict | None, verify: bool = True) -> Any:
+    """A sidecar's ``state`` skeleton: the file's size and checksum checked against ``entry``."""
+    fd = open_regular(path)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
+        with os.fdopen(fd, "rb") as f:
+            limit = entry["state_size"] if entry is not None else _MAX_SIDECAR_BYTES
+            raw = f.read(limit + 1)
+    except OSError as exc:
+        raise CheckpointError(f"reading {path} failed: {exc.strerror or exc}") from None
+    if entry is not None and len(raw) != entry["state_size"]:
+        raise CheckpointError(f"{path} has {len(raw)}{'+' if len(raw) > limit else ''} bytes, the manifest says "
+                              f"{entry['state_size']}")
     if verify and entry is not None and xxhash.xxh3_64_hexdigest(raw) != entry["state_xxh3_64"]:
         raise CheckpointError(f"{path} fails its checksum")
-    return json.loads(raw)
+    return parse_sidecar(raw, path)
+
+
+def parse_sidecar(raw: bytes, where: str) -> Any:
+    """The ``state`` of a sidecar document ``{"format": "megatron_ext.state", "state": ...}``."""
+    try:
+        doc = parse_json(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    if type(doc) is not dict or doc.get("format") != SIDECAR_FORMAT or set(doc) != {"format", "state"}:
+        raise CheckpointError(f"{where}: not a {SIDECAR_FORMAT} document")
+    return doc["state"]
 
 
 def local_copy_complete(local_root: str, checkpoint: str, manifest: dict, rank: int) -> bool:
@@ -41,8 +63,11 @@ def local_copy_complete(local_root: str, checkpoint: str, manifest: dict, rank: 
         if entry["rank"] != rank:
             continue
         for key, size_key in (("tensor_file", "size"), ("state_file", "state_size")):
-            path = os.path.join(local_root, entry[key])
-            if not os.path.exists(path) or os.path.getsize(path) != entry[size_key]:
+            try:
+                st = os.lstat(os.path.join(local_root, entry[key]))
+            except OSError:
+                return False
+            if not stat.S_ISREG(st.st_mode) or st.st_size != entry[size_key]:
                 return False
     return True
 
@@ -55,89 +80,113 @@ class FileReader:
 
     def __init__(self, base: str, entry: dict, verify: bool = True, level: str = "shared", *,
                  threads: int = 4, o_direct: bool | str = "auto", timeout_s: float = 1800.0,
-                 staging: Staging | None = None):
+                 staging: Staging | None = None, run_id: str | None = None,
+                 classes: Mapping[codec.ClassKey, type] | None = None):
         self.level = level  # the storage level it reads from
-        self.entry = entry
+        self.entry = entry  # from a validated manifest (manifest.read_manifest)
+        self.run_id = run_id  # the manifest's: the file's header must name it
+        self.classes = classes  # allowed classes beyond the process-wide ones
         self.verify = verify
         self.threads, self.o_direct, self.timeout_s = threads, o_direct, timeout_s
         self.staging = staging  # resident slots for ``read_into``; a process-wide default if None
         self.tensor_path = os.path.join(base, entry["tensor_file"])
         self.state_path = os.path.join(base, entry["state_file"])
         self._skeleton: Any = None
-        self._size_checked = False
+        self._file_checked = False
 
     def skeleton(self) -> Any:
         if self._skeleton is None:
-            doc = read_state_file(self.state_path, self.entry, self.verify)
-            self._skeleton = doc["state"] if isinstance(doc, dict) and doc.get("format") == "megatron_ext.state" else doc
+            self._skeleton = read_state_file(self.state_path, self.entry, self.verify)
         return self._skeleton
 
     def tensors(self, names: Iterable[str], whole_file: bool = False, pin: bool = False) -> dict[str, torch.Tensor]:
         """Several tensors in one parallel read (neighbouring ones share requests)."""
-        self._check_size()
+        self._check_file()
         return read_tensors(self.tensor_path, self.entry, names, verify=self.verify, whole_file=whole_file,
                             o_direct=self.o_direct, threads=self.threads, pin=pin, timeout_s=self.timeout_s)
 
     def read_into(self, targets: dict[str, torch.Tensor]) -> None:
         """Fill existing tensors (name -> tensor of the saved dtype and shape) in place, in parallel."""
-        self._check_size()
+        self._check_file()
         staging = self.staging
         if staging is None or staging.chunk_bytes < MIN_STAGING_CHUNK:  # tiny slots: too many requests
             staging = default_staging(self.threads)
         read_into(self.tensor_path, self.entry, targets, staging,
                   verify=self.verify, o_direct=self.o_direct, threads=self.threads, timeout_s=self.timeout_s)
 
-    def state_into(self, template: Any, allow_pickle: bool = False, object_modules: tuple[str, ...] = ()) -> Any:
-        """The saved state, its tensors read into the matching tensors of ``template`` (same structure)."""
-        encoder = codec.Encoder(pickle_fallback=True, object_modules=object_modules)
+    def state_into(self, template: Any, allow_pickle: bool = False) -> Any:
+        """The saved state, its tensors read into the matching tensors of ``template`` (same structure).
+
+        Every tensor the sidecar refers to must be in the manifest; those the template lacks are
+        read fresh, and template tensors the sidecar does not refer to are left alone.
+        """
+        encoder = codec.Encoder(pickle_fallback=True, classes=self.classes)
         encoder.encode(template)
         targets = dict(encoder.tensors)
-        self.read_into({n: t for n, t in targets.items() if n in self.entry["tensors"]})
-        skeleton = self.skeleton()
-        missing = [n for n in codec.tensor_refs(skeleton) if n not in targets]
-        tensors = dict(targets)
-        if missing:  # tensors the template lacks are read fresh
-            tensors.update(self.tensors(missing))
-        return self._decode(skeleton, tensors, allow_pickle, object_modules)
+        refs = self._refs(self.skeleton())
+        self.read_into({n: targets[n] for n in refs if n in targets})
+        tensors = {n: targets[n] for n in refs if n in targets}
+        fresh = [n for n in refs if n not in targets]
+        if fresh:
+            tensors.update(self.tensors(fresh))
+        return self._decode(self.skeleton(), tensors, allow_pickle)
 
     def tensor(self, name: str) -> torch.Tensor:
         return self.tensors([name])[name]
 
-    def state(self, map_location: Any = None, allow_pickle: bool = False,
-              object_modules: tuple[str, ...] = ()) -> Any:
+    def state(self, map_location: Any = None, allow_pickle: bool = False) -> Any:
         """The whole saved state; all tensors read in one pass with the whole-file checksum."""
+        self._refs(self.skeleton())
         tensors = self.tensors(self.entry["tensors"], whole_file=True, pin=_wants_cuda(map_location))
         if map_location is not None:
             tensors = to_device(tensors, map_location)
-        return self._decode(self.skeleton(), tensors, allow_pickle, object_modules)
+        return self._decode(self.skeleton(), tensors, allow_pickle)
 
-    def part(self, *keys: str, allow_pickle: bool = False, object_modules: tuple[str, ...] = ()) -> Any:
+    def part(self, *keys: str, allow_pickle: bool = False) -> Any:
         """One sub-tree of the saved state (top-level str keys), reading only the tensors it refers to."""
         node = self.skeleton()
         for key in keys:
+            if type(node) is not dict or key not in node:
+                raise CheckpointError(f"{self.state_path} has no {'/'.join(keys)!r} in its state")
             node = node[key]
-        return self._decode(node, self.tensors(codec.tensor_refs(node)), allow_pickle, object_modules)
+        return self._decode(node, self.tensors(self._refs(node)), allow_pickle)
 
-    def _decode(self, node: Any, tensors: dict[str, torch.Tensor], allow_pickle: bool,
-                object_modules: tuple[str, ...]) -> Any:
+    def _refs(self, node: Any) -> list[str]:
+        """The tensors ``node`` refers to, each of which the manifest must list."""
+        refs = codec.tensor_refs(node)
+        for name in refs:
+            if type(name) is not str or name not in self.entry["tensors"]:
+                raise CheckpointError(f"{self.state_path} refers to tensor {name!r}, which the manifest does not "
+                                      f"list for {self.entry['tensor_file']}")
+        return refs
+
+    def _decode(self, node: Any, tensors: dict[str, torch.Tensor], allow_pickle: bool) -> Any:
         def tensor_for(name: str) -> torch.Tensor:
             try:
                 return tensors[name]
             except KeyError:
                 raise CheckpointError(f"{self.entry['tensor_file']} lacks tensor {name!r}") from None
 
-        return codec.decode(node, tensor_for, allow_pickle=allow_pickle, object_modules=object_modules)
+        return codec.decode(node, tensor_for, allow_pickle=allow_pickle, classes=self.classes, where=self.state_path)
 
-    def _check_size(self) -> None:
-        if self._size_checked:
+    def _check_file(self) -> None:
+        """Once per reader: a regular file of the manifest's size whose header matches the manifest."""
+        if self._file_checked:
             return
+        fd = open_regular(self.tensor_path)
         try:
-            size = os.path.getsize(self.tensor_path)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint file {self.tensor_path} is missing") from None
-        if size != self.entry["size"]:
-            raise CheckpointError(f"{self.tensor_path} has {size} bytes, the manifest says {self.entry['size']}")
-        self._size_checked = True
+            size = os.fstat(fd).st_size
+            if size != self.entry["size"]:
+                raise CheckpointError(f"{self.tensor_path} has {size} bytes, the manifest says {self.entry['size']}")
+            try:
+                header = read_header(fd, size)
+            except (ValueError, OSError) as exc:
+                raise CheckpointError(f"{self.tensor_path}: bad safetensors header: {exc}") from None
+        finally:
+            os.close(fd)
+        if self.run_id is not None:
+            check_tensor_file(self.entry, header, self.run_id, self.tensor_path)
+        self._file_checked = True
 
 
 def _wants_cuda(map_location: Any) -> bool:

@@ -1,4 +1,8 @@
-"""Telemetry: one JSON line per checkpoint and level, and one short human line in the log."""
+"""Telemetry: one JSON line per checkpoint and level, and one short human line in the log.
+
+A telemetry file that cannot be written is logged, never a checkpoint failure: the engine probes
+its directory at start-up, and a disk that fills later must not cost the checkpoint itself.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,8 @@ class Telemetry:
         self.rank = rank
         self._lock = threading.Lock()
         self.records: collections.deque[dict] = collections.deque(maxlen=10_000)  # the latest, for benchmarks and tests
+        self.write_errors = 0  # records that could not be written to ``path``
+        self._reported: set[int | None] = set()
 
     def emit(self, event: str, checkpoint: str, level: str, nbytes: int, seconds: float | None = None,
              **extra) -> dict:
@@ -36,9 +42,17 @@ class Telemetry:
         with self._lock:
             self.records.append(record)
             if self.path:
-                os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-                with open(self.path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(record, sort_keys=True) + "\n")
+                try:
+                    os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+                    with open(self.path, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(record, sort_keys=True) + "\n")
+                except OSError as exc:  # telemetry never costs a checkpoint; say so once per kind of failure
+                    self.write_errors += 1
+                    if exc.errno not in self._reported:
+                        self._reported.add(exc.errno)
+                        log.warning("[datastates] rank %d cannot write telemetry to %s: %s (checkpoints go on; "
+                                    "further failures like this one are counted, not logged)",
+                                    self.rank, self.path, exc.strerror or exc)
         rate = f", {record['gbps']:.2f} GB/s" if record.get("gbps") else ""
         took = f" in {seconds:.3f}s" if seconds is not None else ""
         log.info("[datastates] rank %d %s %s %s: %.1f MB%s%s%s", self.rank, checkpoint, event, level,

@@ -1,7 +1,12 @@
-"""Integrity checks of committed checkpoints: manifest, sizes, headers and checksums.
+"""Integrity checks of committed checkpoints, as strict as a loader.
 
-Used by ``megatron-ext verify`` and available to loaders. Each problem names the file it is
-about; the first one is what the command reports.
+Used by ``megatron-ext verify`` and available to loaders. Whatever passes here loads with the
+engine and with the ``safetensors`` library; whatever either would reject fails here, naming the
+file and the reason: the manifest is validated (manifest.py), every tensor file is a regular file
+of the manifest's size whose safetensors header is checked as strictly as the library checks it
+and matches the manifest exactly, every sidecar is well-formed and refers only to listed tensors,
+and (unless ``deep=False``) every file's and every tensor's xxh3-64 equals the manifest's.
+Which classes a sidecar may rebuild is the loader's choice (its allow-list), not checked here.
 """
 
 from __future__ import annotations
@@ -11,9 +16,12 @@ import os
 
 import xxhash
 
-from .commit import read_manifest
+from . import codec
+from .fast_read import open_regular
 from .jobs import CheckpointError
 from .layout import read_header
+from .manifest import MANIFEST, check_tensor_file, read_manifest, valid_name
+from .restore import parse_sidecar
 
 _BLOCK = 16 << 20
 
@@ -28,66 +36,101 @@ class Problem:
         return f"{self.path}: {self.what}" if self.path.startswith(self.checkpoint + "/") else f"{self.checkpoint}/{self.path}: {self.what}"
 
 
-def _file_digest(path: str) -> str:
-    digest = xxhash.xxh3_64()
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            block = f.read(_BLOCK)
-            if not block:
-                return digest.hexdigest()
-            digest.update(block)
-
-
 def verify_checkpoint(root: str, checkpoint: str, deep: bool = True) -> list[Problem]:
     """Every problem of one checkpoint (empty if it is committed and intact)."""
     ckpt_dir = os.path.join(root, checkpoint)
     try:
         manifest = read_manifest(ckpt_dir)
     except CheckpointError as exc:
-        return [Problem(checkpoint, "manifest.json", str(exc))]
+        return [Problem(checkpoint, MANIFEST, str(exc).removeprefix(os.path.join(ckpt_dir, MANIFEST) + ": "))]
     if manifest is None:
-        return [Problem(checkpoint, "manifest.json", "missing: the checkpoint is not committed")]
+        return [Problem(checkpoint, MANIFEST, "missing: the checkpoint is not committed")]
     problems: list[Problem] = []
-    if manifest.get("checkpoint") not in (None, checkpoint):
-        problems.append(Problem(checkpoint, "manifest.json",
-                                f"belongs to checkpoint {manifest['checkpoint']!r}, not {checkpoint!r}"))
-    ranks = {entry["rank"] for entry in manifest["files"].values()}
-    world = manifest.get("world_size", 0)
-    if world and not ranks <= set(range(world)):
-        problems.append(Problem(checkpoint, "manifest.json", f"lists ranks {sorted(ranks)} outside world size {world}"))
     for name, entry in sorted(manifest["files"].items(), key=lambda kv: (kv[1]["rank"], kv[0])):
-        for key, size_key, hash_key in (("tensor_file", "size", "xxh3_64"), ("state_file", "state_size", "state_xxh3_64")):
-            rel = entry[key]
-            path = os.path.join(root, rel)
-            if not os.path.exists(path):
-                problems.append(Problem(checkpoint, rel, f"missing (rank {entry['rank']})"))
-                continue
-            size = os.path.getsize(path)
-            if size != entry[size_key]:
-                problems.append(Problem(checkpoint, rel, f"has {size} bytes, the manifest says {entry[size_key]}"))
-                continue
-            if key == "tensor_file":
-                try:
-                    header, _ = read_header(path)
-                except (ValueError, OSError) as exc:
-                    problems.append(Problem(checkpoint, rel, f"unreadable safetensors header: {exc}"))
-                    continue
-                run = header.get("__metadata__", {}).get("run_id")
-                if run != manifest["run_id"]:
-                    problems.append(Problem(checkpoint, rel, f"written by run {run}, the manifest is from run "
-                                                             f"{manifest['run_id']}"))
-                    continue
-            if deep and _file_digest(path) != entry[hash_key]:
-                problems.append(Problem(checkpoint, rel, "checksum mismatch (xxh3-64): the bytes changed"))
+        for check in (_check_tensor_file, _check_state_file):
+            try:
+                check(root, entry, manifest["run_id"], deep)
+            except CheckpointError as exc:
+                rel = entry["tensor_file" if check is _check_tensor_file else "state_file"]
+                what = str(exc)
+                for prefix in (os.path.join(root, rel) + ": ", os.path.join(root, rel) + " "):
+                    what = what.removeprefix(prefix)
+                problems.append(Problem(checkpoint, rel, f"{what} (rank {entry['rank']})"))
     return problems
+
+
+def _check_tensor_file(root: str, entry: dict, run_id: str, deep: bool) -> None:
+    path = os.path.join(root, entry["tensor_file"])
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size != entry["size"]:
+            raise CheckpointError(f"{path}: has {size} bytes, the manifest says {entry['size']}")
+        try:
+            header = read_header(fd, size)
+        except (ValueError, OSError) as exc:
+            raise CheckpointError(f"{path}: bad safetensors header: {exc}") from None
+        check_tensor_file(entry, header, run_id, path)
+        if deep:
+            _check_digests(fd, path, entry, header.data_start)
+    finally:
+        os.close(fd)
+
+
+def _check_digests(fd: int, path: str, entry: dict, data_start: int) -> None:
+    """One sequential pass: the whole file's xxh3-64 and every tensor's (tensors cover the data)."""
+    whole = xxhash.xxh3_64()
+    whole.update(_read(fd, path, 0, data_start))
+    spans = sorted((meta["offsets"][0], meta["offsets"][1], name) for name, meta in entry["tensors"].items())
+    for begin, end, name in spans:
+        digest = xxhash.xxh3_64()
+        for lo in range(begin, end, _BLOCK):
+            block = _read(fd, path, lo, min(_BLOCK, end - lo))
+            digest.update(block)
+            whole.update(block)
+        if digest.hexdigest() != entry["tensors"][name]["xxh3_64"]:
+            raise CheckpointError(f"{path}: checksum mismatch (xxh3-64) in tensor {name!r}: the bytes changed")
+    if whole.hexdigest() != entry["xxh3_64"]:
+        raise CheckpointError(f"{path}: checksum mismatch (xxh3-64): the bytes changed")
+
+
+def _read(fd: int, path: str, offset: int, length: int) -> bytes:
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise CheckpointError(f"{path}: truncated while being read")
+    return data
+
+
+def _check_state_file(root: str, entry: dict, run_id: str, deep: bool) -> None:
+    path = os.path.join(root, entry["state_file"])
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(entry["state_size"] + 1)
+    if len(raw) != entry["state_size"]:
+        raise CheckpointError(f"{path}: has {len(raw)}{'+' if len(raw) > entry['state_size'] else ''} bytes, "
+                              f"the manifest says {entry['state_size']}")
+    if deep and xxhash.xxh3_64_hexdigest(raw) != entry["state_xxh3_64"]:
+        raise CheckpointError(f"{path}: checksum mismatch (xxh3-64): the bytes changed")
+    codec.check(parse_sidecar(raw, path), entry["tensors"], where=path)
+
+
+def checkpoints_under(root: str) -> list[str]:
+    """Directories under ``root`` that hold a manifest (readable or not), by name."""
+    try:
+        names = os.listdir(root)
+    except OSError as exc:
+        raise CheckpointError(f"{root}: cannot be listed: {exc.strerror or exc}") from None
+    return sorted(n for n in names if not n.startswith(".") and os.path.isdir(os.path.join(root, n))
+                  and os.path.lexists(os.path.join(root, n, MANIFEST)))
 
 
 def verify_root(root: str, iteration_checkpoint: str | None = None, deep: bool = True) -> tuple[list[str], list[Problem]]:
     """(checkpoints checked, problems): one checkpoint if named, else every committed one."""
-    if iteration_checkpoint is not None:
-        names = [iteration_checkpoint]
-    else:  # every directory with a manifest, readable or not
-        names = sorted(n for n in os.listdir(root) if os.path.isfile(os.path.join(root, n, "manifest.json")))
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{root} is not a directory")
+    if iteration_checkpoint is not None and not valid_name(iteration_checkpoint):
+        raise CheckpointError(f"{iteration_checkpoint!r} is not a checkpoint name (one directory name under {root})")
+    names = [iteration_checkpoint] if iteration_checkpoint is not None else checkpoints_under(root)
     problems: list[Problem] = []
     for name in names:
         problems += verify_checkpoint(root, name, deep)

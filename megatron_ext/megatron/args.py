@@ -72,9 +72,6 @@ _OPTIONAL_FLAGS = (("datastates_chunk_size_mb", "chunk_size_mb"), ("datastates_t
                    ("datastates_ranks_per_node", "ranks_per_node"), ("datastates_replica_dir", "replica_dir"))
 
 
-RERUN_STATE_MODULE = "megatron.core.rerun_state_machine"
-
-
 def engine_config_from_args(args: Any) -> dict:
     """The engine configuration the flags describe.
 
@@ -82,9 +79,7 @@ def engine_config_from_args(args: Any) -> dict:
     is deleted unless its iteration is a multiple of R) is retention "newest 1 plus every R-th".
     """
     cfg = {"host_cache_size": getattr(args, "datastates_host_cache_size", None) or 1.0,
-           "save_dir": args.save, "local_dir": getattr(args, "datastates_local_dir", None),
-           # The rerun state machine's state holds its own named tuples (Call, Caller).
-           "object_modules": [RERUN_STATE_MODULE]}
+           "save_dir": args.save, "local_dir": getattr(args, "datastates_local_dir", None)}
     if getattr(args, "save_retain_interval", None):
         cfg.update(keep_last=1, keep_every=args.save_retain_interval)
     for flag, key in _OPTIONAL_FLAGS:

@@ -49,6 +49,7 @@ from megatron_ext.engine.commit import MANIFEST
 from megatron_ext.engine.files import atomic_write
 from megatron_ext.megatron import optimizer_state, sharding
 from megatron_ext.megatron.args import engine_config_from_args
+from megatron_ext.megatron.safe_classes import megatron_classes, megatron_safe_classes
 from megatron_ext.megatron.shard_assembly import SavedShards
 
 log = logging.getLogger("megatron_ext.megatron")
@@ -96,6 +97,7 @@ def get_engine(args: Any | None = None) -> CheckpointEngine:
     global _engine, _engine_key
     args = args or _get_args()
     cfg = engine_config_from_args(args)
+    cfg["safe_classes"] = list(megatron_safe_classes()) + list(cfg.get("safe_classes") or [])
     key = tuple(sorted((k, str(v)) for k, v in cfg.items()))
     if _engine is None:
         _engine = CheckpointEngine(cfg)
@@ -405,9 +407,9 @@ def _storable_args(args: Any) -> Any:
     plain = argparse.Namespace()
     for key, value in vars(args).items():
         try:
-            Encoder().encode(value)
+            Encoder(classes=megatron_classes()).encode(value)
         except EncodeError:
-            value = repr(value)
+            value = repr(value)  # inert: a class not on the allow-list is never rebuilt at load
         setattr(plain, key, value)
     return plain
 
@@ -603,7 +605,8 @@ def _load_engine(args: Any, load_dir: str) -> CheckpointEngine:
     """The run's engine when it saves too; else a small one that only reads (and never deletes)."""
     if getattr(args, "save", None):
         return get_engine(args)
-    return CheckpointEngine({"save_dir": load_dir, "host_cache_size": 0.01, "remove_partial_on_start": False})
+    return CheckpointEngine({"save_dir": load_dir, "host_cache_size": 0.01,
+                             "safe_classes": list(megatron_safe_classes())}, read_only=True)
 
 
 def _load_iteration(load_dir: str, iteration: int | str, ddp_model, optimizer, opt_param_scheduler, args,
@@ -813,15 +816,30 @@ def _read_own_shards(ckpt: Any, tensor_index: dict[str, tuple[str, str]], sharde
 
 
 def _index(manifest: dict) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
-    """Shard id -> (file, tensor name) for tensors and -> file for objects, over all ranks' files."""
+    """Shard id -> (file, tensor name) for tensors and -> file for objects, over all ranks' files.
+
+    ``manifest`` is validated (``read_manifest``); a shard id claimed twice is an error, never a
+    silent choice between two files.
+    """
     prefix = "shards/tensors/"
     tensors: dict[str, tuple[str, str]] = {}
     objects: dict[str, str] = {}
     for name, entry in manifest["files"].items():
         for tensor_name in entry["tensors"]:
             if tensor_name.startswith(prefix):
-                tensors[tensor_name[len(prefix):]] = (name, tensor_name)
-        for sid in (entry.get("extra") or {}).get("objects", []):
+                sid = tensor_name[len(prefix):]
+                if sid in tensors:
+                    raise CheckpointError(f"{manifest['checkpoint']}: shard {sid!r} is in files {tensors[sid][0]!r} "
+                                          f"and {name!r}")
+                tensors[sid] = (name, tensor_name)
+        extra = entry.get("extra") if entry.get("extra") is not None else {}
+        listed = extra.get("objects", []) if isinstance(extra, dict) else None
+        if type(listed) is not list or not all(type(sid) is str for sid in listed):
+            raise CheckpointError(f"{manifest['checkpoint']}: file {name!r} has a malformed extra.objects list")
+        for sid in listed:
+            if sid in objects:
+                raise CheckpointError(f"{manifest['checkpoint']}: object shard {sid!r} is in files {objects[sid]!r} "
+                                      f"and {name!r}")
             objects[sid] = name
     return tensors, objects
 

@@ -37,6 +37,7 @@ from megatron_ext.engine import CheckpointEngine, CheckpointError
 from megatron_ext.engine.files import atomic_write
 from megatron_ext.megatron import checkpointing
 from megatron_ext.megatron.export import open_iteration, saved_meta
+from megatron_ext.megatron.safe_classes import megatron_safe_classes
 from megatron_ext.megatron.shard_assembly import SavedShards
 
 MODEL_SPACE_STATE = "optimizer.state."  # + {fp32_param, exp_avg, exp_avg_sq}.<model key>
@@ -257,7 +258,8 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
     name = checkpointing.checkpoint_name(iteration)
     _new_checkpoint_dir(out, iteration)
     run_id = uuid.uuid4().hex[:12]
-    config = {"save_dir": out, "host_cache_size": host_cache_gib, "remove_partial_on_start": False}
+    config = {"save_dir": out, "host_cache_size": host_cache_gib, "remove_partial_on_start": False,
+              "safe_classes": list(megatron_safe_classes())}
     engines = [CheckpointEngine(config, rank=r, world_size=world, run_id=run_id) for r in range(world)]
     try:
         for rank, engine in enumerate(engines):

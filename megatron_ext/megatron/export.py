@@ -24,6 +24,7 @@ from megatron_ext.engine import CheckpointError
 from megatron_ext.engine.commit import read_manifest
 from megatron_ext.engine.engine import CommittedCheckpoint
 from megatron_ext.megatron import hf_gpt2
+from megatron_ext.megatron.safe_classes import megatron_classes
 from megatron_ext.megatron.shard_assembly import SavedShards
 
 INDEX = "model.safetensors.index.json"
@@ -51,7 +52,8 @@ def open_iteration(root: str, iteration: int) -> CommittedCheckpoint:
     if manifest is None:
         raise CheckpointError(f"{path} is not a committed datastates checkpoint (no manifest.json); "
                               f"`megatron-ext inspect {root}` lists the committed ones")
-    return CommittedCheckpoint(os.path.abspath(root), None, os.path.basename(path), manifest, True)
+    return CommittedCheckpoint(os.path.abspath(root), None, os.path.basename(path), manifest, True,
+                               classes=megatron_classes())
 
 
 def saved_meta(committed: CommittedCheckpoint) -> dict:

@@ -149,7 +149,7 @@ def test_resave_by_new_run_replaces_atomically_and_cleans_old_files(tmp_path, ma
     second.commit("A")
     assert entered.wait(30)
     # While the new run is writing, the committed checkpoint is still the old one, intact.
-    reader = make_engine(**TINY)
+    reader = make_engine(**TINY, read_only=True)
     assert read_manifest(str(root / "A"))["run_id"] == first.run_id
     assert_same(reader.load("A"), _state(1))
     go.set()
@@ -180,7 +180,7 @@ def test_resave_same_id_in_same_run_never_damages_the_committed_checkpoint(tmp_p
         engine.wait_persisted()
     except CheckpointError:
         pass
-    reader = make_engine(**TINY)
+    reader = make_engine(**TINY, read_only=True)
     assert_same(reader.load("A"), _state(1))
 
 

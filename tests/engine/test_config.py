@@ -34,8 +34,11 @@ from megatron_ext.engine import CheckpointEngine, ConfigError, EngineConfig
     ({"snapshot_timeout_s": 0}, r"snapshot_timeout_s must be > 0 seconds, got 0"),
     ({"persist_timeout_s": -1}, r"persist_timeout_s must be > 0 seconds, got -1"),
     ({"persist_timeout_s": "60"}, r"persist_timeout_s must be a number"),
-    ({"object_modules": "deepspeed."}, r"object_modules must be a list of module prefixes"),
-    ({"object_modules": ["ok.", ""]}, r"object_modules must be a list of module prefixes"),
+    ({"object_modules": ["deepspeed."]}, r"object_modules \(module prefixes\) was replaced by safe_classes"),
+    ({"safe_classes": "collections.OrderedDict"}, r"safe_classes must be a list of class names"),
+    ({"safe_classes": ["ok.Name", ""]}, r"safe_classes must be a list of class names"),
+    ({"safe_classes": ["subprocess.os.system"]}, r"safe class 'subprocess.os.system' is not a class defined under"),
+    ({"safe_classes": ["deepspeed.runtime.zero.config.subprocess.Popen"]}, r"is not a class defined under that exact"),
     ({"peer_replica": True, "overload_policy": "supersede"},
      r"peer_replica cannot be combined with overload_policy \"supersede\""),
 ], ids=lambda v: repr(v)[:40] if isinstance(v, dict) else None)
@@ -75,8 +78,8 @@ def test_read_only_directory(tmp_path):
 
 def test_good_config_and_deepspeed_compat_keys(tmp_path):
     cfg = EngineConfig.from_dict({"host_cache_size": 0.5, "parser_threads": 8, "save_dir": str(tmp_path / "new"),
-                                  "object_modules": ["deepspeed."], "o_direct": False})
-    assert cfg.host_cache_bytes == 1 << 29 and cfg.object_modules == ("deepspeed.",)
+                                  "safe_classes": ["collections.Counter"], "o_direct": False})
+    assert cfg.host_cache_bytes == 1 << 29 and cfg.safe_classes == ("collections.Counter",)
     assert (tmp_path / "new").is_dir()  # created, and proven writable
     assert not [p for p in (tmp_path / "new").iterdir()]  # the probe file is gone
     assert EngineConfig.from_dict(None) == EngineConfig()

@@ -54,8 +54,13 @@ def test_pickle_fallback_needs_allow_pickle_to_load(make_engine, tmp_path):
     assert torch.equal(loaded["w"], torch.arange(10.0))
 
 
+COLOR = f"{Color.__module__}.Color"
+OPAQUE = f"{Opaque.__module__}.Opaque"
+POINT = f"{Point.__module__}.Point"
+
+
 def test_known_values_need_no_pickle(make_engine, tmp_path):
-    engine = make_engine(**TINY)
+    engine = make_engine(**TINY, safe_classes=[COLOR])
     state = {"color": Color.BLUE, "red": Color.RED, "pt_plain": tuple(Point(1, 2))}
     engine.save(state, "c1")
     engine.commit("c1")
@@ -66,20 +71,28 @@ def test_known_values_need_no_pickle(make_engine, tmp_path):
     assert "$pickle" not in (tmp_path / "ckpt" / sidecar).read_text()
 
 
-def test_object_modules_store_plain_objects_field_by_field(make_engine, tmp_path):
-    module = Opaque.__module__
-    engine = make_engine(**TINY, object_modules=[module])
-    state = {"obj": Opaque(torch.full((3,), 2.0)), "pt": Point(torch.ones(2), "y")}
+def test_safe_classes_store_plain_objects_field_by_field(make_engine, tmp_path):
+    engine = make_engine(**TINY, safe_classes=[OPAQUE, POINT, COLOR])
+    state = {"obj": Opaque(torch.full((3,), 2.0)), "pt": Point(torch.ones(2), "y"), "c": Color.RED}
     engine.save(state, "c1")
     engine.commit("c1")
     engine.wait_persisted()
     loaded = engine.load("c1")
     assert type(loaded["obj"]) is Opaque and torch.equal(loaded["obj"].value, torch.full((3,), 2.0))
     assert type(loaded["pt"]) is Point and torch.equal(loaded["pt"].x, torch.ones(2)) and loaded["pt"].y == "y"
-    # A loader that does not allow the module refuses instead of building the object.
-    other = make_engine(**TINY)
-    with pytest.raises(UnsafeCheckpointError, match="object_modules"):
+    assert loaded["c"] is Color.RED
+    # A loader that does not allow the class refuses, naming it, instead of building the object.
+    other = make_engine(**TINY, read_only=True)
+    with pytest.raises(UnsafeCheckpointError, match=r"class test_sidecar\.Opaque, which this loader does not allow"):
         other.load("c1")
+
+
+def test_classes_off_the_allow_list_are_refused_at_save(make_engine):
+    engine = make_engine(**TINY, safe_classes=[OPAQUE])
+    with pytest.raises(EncodeError, match=r"cannot store test_sidecar\.Point at 'pt'.*safe_classes"):
+        engine.save({"pt": Point(1, 2)}, "c1")
+    with pytest.raises(EncodeError, match=r"cannot store test_sidecar\.Color at 'c'"):
+        engine.save({"c": Color.RED}, "c1")
 
 
 def test_sidecar_is_plain_json(make_engine, tmp_path):

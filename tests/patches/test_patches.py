@@ -200,7 +200,7 @@ def test_missing_save_and_unwritable_local_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(ValueError, match="local_dir .* is not writable"):
-        validate_datastates_args(_args("--use-datastates", "--save", str(tmp_path),
+        validate_datastates_args(_args("--use-datastates", "--save", str(tmp_path / "save"),
                                        "--datastates-local-dir", str(blocker / "sub")))
 
 

@@ -1,0 +1,265 @@
+"""The manifest: a checkpoint's commit marker and the only index of its files, validated before use.
+
+A checkpoint directory may be damaged, copied, written by another tool or crafted, and every
+reader (``load``, ``verify``, ``inspect``, ``export``, ``convert``, retention, peer-replica
+recovery) trusts the manifest to say which files to open and where each tensor lies. So
+``read_manifest`` checks the whole document against the format (docs/FORMAT.md) before anyone
+uses it: file paths are exactly ``<checkpoint>/<basename>`` of this checkpoint and unique, every
+tensor's bytes lie inside its file with a known dtype and a length that matches its shape, and the
+checkpoint id is the directory's own name. ``check_tensor_file`` then holds a tensor file's own
+safetensors header to the manifest, so the file and its index cannot disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from typing import Any
+
+from .jobs import CheckpointError
+from .layout import TORCH_DTYPES, SafetensorsHeader, parse_json as strict_json
+
+MANIFEST = "manifest.json"
+FORMAT_NAME = "megatron_ext.datastates"
+FORMAT_VERSION = 1
+#: Run ids: 12 lowercase hex digits (rank 0 draws them); they appear in every file name.
+RUN_ID = re.compile(r"[0-9a-f]{12}")
+_HASH = re.compile(r"[0-9a-f]{16}")
+_MAX_MANIFEST_BYTES = 1 << 30
+
+log = logging.getLogger("megatron_ext.engine")
+
+
+class _Invalid(Exception):
+    pass
+
+
+def valid_name(name: Any) -> bool:
+    """A single path component the engine may create: not empty, no '/', not hidden, no NUL, UTF-8."""
+    if type(name) is not str:
+        return False
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:  # an unpaired surrogate would become arbitrary bytes in the file name
+        return False
+    return 0 < size <= 255 and "/" not in name and "\0" not in name and not name.startswith(".")
+
+
+def read_manifest(checkpoint_dir: str) -> dict | None:
+    """The validated manifest of a committed checkpoint, or None if the directory has none.
+
+    A manifest that is unreadable, not ours, or fails validation raises ``CheckpointError``
+    naming the file and the first problem.
+    """
+    path = os.path.join(checkpoint_dir, MANIFEST)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be opened: {exc.strerror or exc}") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not _is_regular(os.fstat(f.fileno())):
+                raise CheckpointError(f"{path}: not a regular file")
+            raw = f.read(_MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    if len(raw) > _MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{path}: larger than {_MAX_MANIFEST_BYTES} bytes")
+    doc = parse_json(raw, path)
+    return validate_manifest(doc, os.path.basename(os.path.normpath(checkpoint_dir)), path)
+
+
+def parse_json(raw: bytes, where: str) -> Any:
+    """Strict JSON (``layout.parse_json``); errors are ``CheckpointError`` naming ``where``."""
+    try:
+        return strict_json(raw)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+
+
+def validate_manifest(doc: Any, checkpoint: str, where: str) -> dict:
+    """``doc`` if it is a well-formed manifest of checkpoint ``checkpoint``, else ``CheckpointError``."""
+    try:
+        _validate(doc, checkpoint)
+    except _Invalid as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    return doc
+
+
+def _validate(doc: Any, checkpoint: str) -> None:
+    if type(doc) is not dict:
+        raise _Invalid("not a JSON object")
+    if doc.get("format") != FORMAT_NAME:
+        raise _Invalid(f"not a {FORMAT_NAME} manifest (format {doc.get('format')!r})")
+    version = doc.get("format_version")
+    if not _is_int(version) or version < 1:
+        raise _Invalid(f"format_version {version!r} is not a version number")
+    if version > FORMAT_VERSION:
+        raise _Invalid(f"written by a newer format (version {version}; this reader knows {FORMAT_VERSION})")
+    run_id = doc.get("run_id")
+    if type(run_id) is not str or not RUN_ID.fullmatch(run_id):
+        raise _Invalid(f"run_id {run_id!r} is not 12 hex digits")
+    attempt_of = doc.get("attempt_of")
+    if attempt_of is not None and (type(attempt_of) is not str or not RUN_ID.fullmatch(attempt_of)):
+        raise _Invalid(f"attempt_of {attempt_of!r} is not 12 hex digits")
+    if doc.get("checkpoint") != checkpoint:
+        raise _Invalid(f"belongs to checkpoint {doc.get('checkpoint')!r}, not to its directory {checkpoint!r} "
+                       "(a copied or moved checkpoint keeps its original name)")
+    if doc.get("version") is not None and not _is_int(doc.get("version")):
+        raise _Invalid(f"version {doc.get('version')!r} is not a whole number")
+    world = doc.get("world_size")
+    if not _is_int(world) or world < 1:
+        raise _Invalid(f"world_size {world!r} is not a whole number >= 1")
+    committed_at = doc.get("committed_at")
+    if not _is_number(committed_at):
+        raise _Invalid(f"committed_at {committed_at!r} is not a time")
+    files = doc.get("files")
+    if type(files) is not dict:
+        raise _Invalid("files is not an object")
+    paths: set[str] = set()
+    for name, entry in files.items():
+        try:
+            _validate_file(name, entry, checkpoint, world, paths)
+        except _Invalid as exc:
+            raise _Invalid(f"file {name!r}: {exc}") from None
+
+
+def _validate_file(name: str, entry: Any, checkpoint: str, world: int, paths: set[str]) -> None:
+    if not valid_name(name):
+        raise _Invalid("not a valid file name")
+    if type(entry) is not dict or entry.get("name") != name:
+        raise _Invalid("its entry is not an object naming it")
+    rank = entry.get("rank")
+    if not _is_int(rank) or not 0 <= rank < world:
+        raise _Invalid(f"rank {rank!r} is outside world size {world}")
+    for key in ("tensor_file", "state_file"):
+        rel = entry.get(key)
+        parts = rel.split("/") if type(rel) is str else []
+        if len(parts) != 2 or parts[0] != checkpoint or not valid_name(parts[1]):
+            raise _Invalid(f"{key} {rel!r} is not <checkpoint>/<file name> inside {checkpoint}")
+        if rel in paths:
+            raise _Invalid(f"{key} {rel!r} is listed twice")
+        paths.add(rel)
+    size, state_size = entry.get("size"), entry.get("state_size")
+    if not _is_int(size) or size < 8:
+        raise _Invalid(f"size {size!r} is not a safetensors file size")
+    if not _is_int(state_size) or state_size < 0:
+        raise _Invalid(f"state_size {state_size!r} is not a size")
+    for key in ("xxh3_64", "state_xxh3_64"):
+        if type(entry.get(key)) is not str or not _HASH.fullmatch(entry[key]):
+            raise _Invalid(f"{key} {entry.get(key)!r} is not an xxh3-64 checksum")
+    tensors = entry.get("tensors")
+    if type(tensors) is not dict:
+        raise _Invalid("tensors is not an object")
+    spans = []
+    for tensor, meta in tensors.items():
+        if not tensor or tensor == "__metadata__":
+            raise _Invalid(f"tensor name {tensor!r} is reserved")
+        if type(meta) is not dict:
+            raise _Invalid(f"tensor {tensor!r}: not an object")
+        dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("offsets")
+        if dtype not in TORCH_DTYPES:
+            raise _Invalid(f"tensor {tensor!r}: unknown dtype {dtype!r}")
+        if type(shape) is not list or not all(_is_int(n) and n >= 0 for n in shape):
+            raise _Invalid(f"tensor {tensor!r}: shape {shape!r} is not a list of whole numbers >= 0")
+        if type(offsets) is not list or len(offsets) != 2 or not all(_is_int(n) for n in offsets):
+            raise _Invalid(f"tensor {tensor!r}: offsets {offsets!r} are not [begin, end]")
+        begin, end = offsets
+        if not 8 <= begin <= end <= size:
+            raise _Invalid(f"tensor {tensor!r}: offsets {offsets} lie outside the file's {size} bytes")
+        if end - begin != math.prod(shape) * TORCH_DTYPES[dtype].itemsize:
+            raise _Invalid(f"tensor {tensor!r}: {end - begin} bytes do not hold shape {shape} of {dtype}")
+        if type(meta.get("xxh3_64")) is not str or not _HASH.fullmatch(meta["xxh3_64"]):
+            raise _Invalid(f"tensor {tensor!r}: xxh3_64 {meta.get('xxh3_64')!r} is not a checksum")
+        spans.append((begin, end, tensor))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise _Invalid(f"tensors {first!r} and {second!r} overlap")
+
+
+def check_tensor_file(entry: dict, header: SafetensorsHeader, run_id: str, where: str) -> None:
+    """The file's safetensors header must describe exactly the manifest's tensors (and its run)."""
+    if header.metadata.get("run_id") != run_id:
+        raise CheckpointError(f"{where}: written by run {header.metadata.get('run_id')}, the manifest is of run {run_id}")
+    if header.size != entry["size"]:
+        raise CheckpointError(f"{where}: the header describes {header.size} bytes, the manifest {entry['size']}")
+    listed = entry["tensors"]
+    if set(header.tensors) != set(listed):
+        extra = sorted(set(header.tensors) - set(listed))[:3]
+        lacking = sorted(set(listed) - set(header.tensors))[:3]
+        raise CheckpointError(f"{where}: its tensors differ from the manifest's (only in the file: {extra}, "
+                              f"only in the manifest: {lacking})")
+    for name, (dtype, shape, begin, end) in header.tensors.items():
+        meta = listed[name]
+        if (dtype, shape, [begin, end]) != (meta["dtype"], meta["shape"], meta["offsets"]):
+            raise CheckpointError(f"{where}: tensor {name!r} is {dtype}{shape} at {[begin, end]} in the file, "
+                                  f"{meta['dtype']}{meta['shape']} at {meta['offsets']} in the manifest")
+
+
+def run_of(manifest: dict) -> str:
+    """The run that committed ``manifest``: its ``run_id``, or for a checkpoint that run saved again, ``attempt_of``.
+
+    ``run_id`` names the attempt (its files, reports and headers carry it); a second save of the
+    same checkpoint id in one run is an attempt of its own, tied to the run by ``attempt_of``.
+    """
+    return manifest.get("attempt_of") or manifest["run_id"]
+
+
+def list_committed(root: str, cache: dict | None = None) -> list[tuple[str, dict]]:
+    """Committed checkpoints under ``root``, oldest first (by version, then commit time).
+
+    A directory whose manifest is unreadable, another tool's, or invalid is skipped with a
+    warning: one bad directory never hides the others or blocks later commits. ``cache`` (a dict
+    the caller keeps) remembers validated manifests by file identity, so a caller that lists the
+    same root after every commit reads and validates each manifest once.
+    """
+    found = []
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for name in names:
+        path = os.path.join(root, name)
+        if name.startswith(".") or not os.path.isdir(path):
+            continue
+        if cache is not None:
+            try:
+                st = os.lstat(os.path.join(path, MANIFEST))
+            except OSError:
+                continue
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            hit = cache.get(path)
+            if hit is not None and hit[0] == key:
+                if hit[1] is not None:
+                    found.append((name, hit[1]))
+                continue
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError as exc:
+            log.warning("[datastates] skipping %s: %s", path, exc)
+            manifest = None
+        if cache is not None:
+            cache[path] = (key, manifest)
+        if manifest is not None:
+            found.append((name, manifest))
+    found.sort(key=lambda item: (item[1]["version"] is None, item[1]["version"] or 0, item[1]["committed_at"]))
+    return found
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _is_regular(st: os.stat_result) -> bool:
+    import stat
+
+    return stat.S_ISREG(st.st_mode)
