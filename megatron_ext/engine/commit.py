@@ -211,16 +211,21 @@ class Committer:
                 self.telemetry.emit("flush", job.checkpoint, level, job.nbytes, max(done) - first,
                                     blocked_s=job.blocked_s)
 
-    def _wait(self, what: str, ready: Callable[[], bool], reports_dir: str, job: CheckpointJob) -> None:
+    def _wait(self, what: str, ready: Callable[[], bool], reports_dir: str, job: CheckpointJob,
+              detail: Callable[[], str] = lambda: "") -> None:
         checkpoint = job.checkpoint
         deadline = time.monotonic() + self.timeout_s
-        while not ready():
-            _raise_peer_skip(reports_dir, job.tag, checkpoint)
-            _raise_peer_error(reports_dir, self.run_id, checkpoint)
-            self.check()
-            if time.monotonic() > deadline:
-                raise CheckpointError(f"checkpoint {checkpoint}: {what} within {self.timeout_s:.0f}s")
-            time.sleep(_POLL_S)
+        job.commit_waiting_for = lambda: f"{what}{detail()}"
+        try:
+            while not ready():
+                _raise_peer_skip(reports_dir, job.tag, checkpoint)
+                _raise_peer_error(reports_dir, self.run_id, checkpoint)
+                self.check()
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"checkpoint {checkpoint}: {what} within {self.timeout_s:.0f}s{detail()}")
+                time.sleep(_POLL_S)
+        finally:
+            job.commit_waiting_for = None
 
     def _write_manifest(self, job: CheckpointJob, ckpt_dir: str, reports_dir: str) -> dict:
         names = [report_name(r, job.tag) for r in range(self.world_size)]
@@ -230,14 +235,9 @@ class Committer:
             return all(os.path.exists(p) for p in paths)
 
         def missing() -> str:
-            return ", ".join(str(r) for r, p in enumerate(paths) if not os.path.exists(p))
+            return " (missing ranks: " + ", ".join(str(r) for r, p in enumerate(paths) if not os.path.exists(p)) + ")"
 
-        try:
-            self._wait("not every rank reported its files durable", all_reported, reports_dir, job)
-        except CheckpointError as exc:
-            if "not every rank" in str(exc):
-                raise CheckpointError(f"{exc} (missing ranks: {missing()})") from None
-            raise
+        self._wait("not every rank reported its files durable", all_reported, reports_dir, job, missing)
         files: dict[str, dict] = {}
         versions = set()
         for rank, path in enumerate(paths):

@@ -351,7 +351,8 @@ class CheckpointEngine:
             jobs = list(self._checkpoints.values())
         for job in jobs:
             if job.commit_requested:
-                self._wait_event(job.committed, deadline, f"commit of {job.checkpoint}")
+                self._wait_event(job.committed, deadline, f"commit of {job.checkpoint}",
+                                 lambda job=job: job.commit_waiting_for)
             else:
                 while not job.durable_on(LEVEL_SHARED) and not job.abandoned:
                     self._raise_if_failed()
@@ -363,11 +364,14 @@ class CheckpointEngine:
         self._raise_if_failed()
         self._forget_finished()
 
-    def _wait_event(self, event: threading.Event, deadline: float, what: str) -> None:
+    def _wait_event(self, event: threading.Event, deadline: float, what: str,
+                    waiting_for: Callable[[], Callable[[], str] | None] = lambda: None) -> None:
         while not event.wait(_POLL_S):
             self._raise_if_failed()
             if time.monotonic() > deadline:
-                raise CheckpointError(f"{what} did not finish in time (timeout)")
+                describe = waiting_for()
+                reason = f": {describe()}" if describe is not None else ""
+                raise CheckpointError(f"{what} did not finish in time (timeout){reason}")
         self._raise_if_failed()
 
     # ------------------------------------------------------------------ loading

@@ -104,6 +104,8 @@ class CheckpointJob:
     skipped: dict | None = None
     reported: bool = False  # this rank's report is written: a skip decided here is no longer allowed
     discard_sent: bool = False  # the writer was told to remove this rank's files of it
+    #: While the commit waits on other ranks: says for what (a timeout names it, whichever side times out first).
+    commit_waiting_for: Callable[[], str] | None = None
 
     @property
     def abandoned(self) -> bool:

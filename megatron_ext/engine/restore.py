@@ -142,6 +142,15 @@ class FileReader:
             tensors = to_device(tensors, map_location)
         return self._decode(self.skeleton(), tensors, allow_pickle)
 
+    def has_part(self, *keys: str) -> bool:
+        """Whether the saved state has the sub-tree ``keys`` (optional parts, such as a framework's extras)."""
+        node = self.skeleton()
+        for key in keys:
+            if type(node) is not dict or key not in node:
+                return False
+            node = node[key]
+        return True
+
     def part(self, *keys: str, allow_pickle: bool = False) -> Any:
         """One sub-tree of the saved state (top-level str keys), reading only the tensors it refers to."""
         node = self.skeleton()

@@ -753,10 +753,10 @@ def _load_rerun_state(ckpt: Any, rank: int) -> None:
     own = next((n for n, f in ckpt.manifest["files"].items() if f["rank"] == rank), None)
     if own is None:
         return
-    try:
-        saved = ckpt.reader(own).part("rerun_state_machine")
-    except KeyError:
+    reader = ckpt.reader(own)
+    if not reader.has_part("rerun_state_machine"):
         return
+    saved = reader.part("rerun_state_machine")
     machine = get_rerun_state_machine()
     if machine.validate_state_dict(saved):
         machine.load_state_dict(saved)

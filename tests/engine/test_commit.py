@@ -269,4 +269,4 @@ def test_saving_a_committed_id_again_in_the_same_run_replaces_it(tmp_path, make_
     engine.save(_state(3), "A", version=1)  # a third time, after the second was committed
     engine.commit("A")
     engine.wait_persisted()
-    assert_same(make_engine(**TINY).load("A"), _state(3))
+    assert_same(make_engine(read_only=True, **TINY).load("A"), _state(3))
