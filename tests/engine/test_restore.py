@@ -185,12 +185,15 @@ def test_all_ranks_agree_on_one_level(tmp_path, drop_rank, level):
 
 def test_bench_restore_json(tmp_path):
     cmd = [sys.executable, "-m", "megatron_ext", "bench", "restore", "--size-gb", "0.02", "--threads", "2",
-           "--json", "--dir", str(tmp_path / "bench")]
+           "--repeats", "2", "--megatron", "off", "--json", "--dir", str(tmp_path / "bench")]
     proc = subprocess.run(cmd, env=child_env(), cwd=str(REPO), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
+    reads = ("direct_read_gbps", "direct_read_parallel_gbps", "buffered_read_gbps", "buffered_read_parallel_gbps")
     for key in ("state_bytes", "datastates_restore_s", "datastates_restore_gbps", "torch_load_s", "dcp_load_s",
-                "direct_read_gbps", "datastates_vs_direct"):
+                "read_ceiling_gbps", "datastates_vs_ceiling", "datastates_vs_direct", *reads):
         assert result[key] > 0, key
-    assert result["datastates_bit_exact"] is True
+    assert result["read_ceiling_gbps"] == max(result[k] for k in reads)
+    assert len(result["rounds"]) == 2 and all(r["bit_exact"] for r in result["rounds"])
+    assert result["datastates_bit_exact"] is True and "megatron_load_s_datastates" not in result
 
