@@ -257,10 +257,11 @@ def format_table(r: dict) -> str:
         f" {r['datastates_vs_torch_load']:.1f}x faster than torch.load, {r['datastates_vs_dcp_load']:.1f}x than DCP",
     ]
     if "megatron_load_s_datastates" in r:
-        lines.append(f"  Megatron-LM load    datastates {r['megatron_load_s_datastates']:.2f}s vs torch_dist"
-                     f" {r['megatron_load_s_torch_dist']:.2f}s = {r['megatron_load_speedup']:.2f}x (target >= 3),"
-                     f" {r['megatron_nproc']} ranks, runs {r['megatron_load_s_datastates_runs']} vs"
-                     f" {r['megatron_load_s_torch_dist_runs']}")
+        gb = r["megatron_ckpt_bytes_datastates"] / 1e9
+        lines.append(f"  Megatron-LM load    {gb:.2f} GB on {r['megatron_nproc']} ranks: cold datastates"
+                     f" {r['megatron_load_s_datastates']:.2f}s vs torch_dist {r['megatron_load_s_torch_dist']:.2f}s"
+                     f" = {r['megatron_load_speedup']:.2f}x (target >= 3); warm {r['megatron_load_s_datastates_warm']:.2f}s"
+                     f" vs {r['megatron_load_s_torch_dist_warm']:.2f}s = {r['megatron_load_speedup_warm']:.2f}x")
     elif "megatron_load_skipped" in r:
         lines.append(f"  Megatron-LM load    skipped: {r['megatron_load_skipped']}")
     return "\n".join(lines)
