@@ -414,7 +414,7 @@ def read_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging:
     if not order:
         return
     size = entry["size"]
-    flat = {n: targets[n].reshape(-1).view(torch.uint8) for n in order}
+    flat = {n: targets[n].detach().reshape(-1).view(torch.uint8) for n in order}  # written in place
     deadline = time.monotonic() + timeout_s
     fd, direct = open_for_read(path, o_direct)
     ranges = [tuple(metas[n]["offsets"]) for n in order]

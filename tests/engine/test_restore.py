@@ -94,6 +94,18 @@ def test_load_into_fills_existing_tensors(make_engine, o_direct):
     assert_same(template["big"], expected["big"])
 
 
+def test_load_into_parameters_that_require_grad(make_engine, o_direct):
+    """A live model's parameters are filled in place (no autograd error), as the Megatron load does."""
+    engine = make_engine(host_cache_size=0.01, o_direct=o_direct)
+    saved = {"w": _random((3000,), torch.float32, 5), "b": _random((7, 5), torch.bfloat16, 6)}
+    engine.save_and_commit(saved, "c1", version=1)
+    engine.wait_persisted()
+    live = {k: torch.nn.Parameter(torch.zeros_like(v)) for k, v in saved.items()}
+    engine.load_into("c1", live)
+    for name, param in live.items():
+        assert param.requires_grad and torch.equal(param.detach().view(torch.uint8), saved[name].view(torch.uint8))
+
+
 def test_read_into_through_tiny_staging_slots(make_engine, tmp_path):
     """4 KiB staging slots, fewer than the threads: every tensor spans many pieces."""
     engine = make_engine(**TINY, restore_threads=4)
