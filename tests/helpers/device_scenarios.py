@@ -117,6 +117,9 @@ def abandoned_copy_lets_training_go_on(directory: Path, device: str) -> None:
             e.wait_snapshot()  # abandons A instead of waiting for the flush
             big.fill_(-1.0)  # training goes on; A's copy must not read this any more
             gate.set()
+            while e.cache.free_slots < e.cache.num_slots:  # A's chunks drain; else B would starve too
+                assert time.monotonic() < deadline, "the abandoned checkpoint's slots were never freed"
+                time.sleep(0.01)
             small = torch.full((100,), 3.0, device=device)
             e.save({"w": small}, "B", version=2)
             e.wait_snapshot()
