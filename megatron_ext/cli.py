@@ -68,6 +68,7 @@ def _bench_recovery(sub) -> None:
     p.add_argument("--nproc", type=int, default=2, help="CPU ranks (data parallel, default 2)")
     p.add_argument("--interval", type=int, default=None,
                    help="torch_dist's checkpoint interval (default: measured, the one of equal overhead)")
+    p.add_argument("--repeats", type=int, default=3, help="kills and restarts of each way (default 3)")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
     p.add_argument("--json", action="store_true")
 

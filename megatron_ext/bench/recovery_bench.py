@@ -11,15 +11,20 @@ each step in one invocation:
    ``cost / I`` per iteration. The *equal-overhead interval* is ``I = round(cost_torch_dist /
    overhead_datastates)`` (at least 1, at most ``max_interval``): checkpointing every ``I``
    iterations costs torch_dist what checkpointing every iteration costs datastates.
-2. **Crash and recovery**, once per way: datastates at interval 1, torch_dist at interval ``I``. The
-   job trains until iteration ``K`` is logged; then every process of the job (torchrun and both
-   ranks) gets SIGKILL, as when a node dies, mid-way through iteration ``K + 1``. ``K`` lies half an
-   interval after a torch_dist save (``I·ceil(4/I) + I//2``): the average case for a failure at a
-   random time (the worst case loses ``I - 1`` more iterations). The same command then restarts
-   with ``--load``; **recovery** = from the kill to the end of the first new iteration (process
-   start-up, load and one iteration, all in), **iterations lost** = last iteration finished before
-   the kill minus the iteration the restarted job resumed from. The overhead torch_dist actually had
-   at interval ``I`` (its iterations before the kill against the baseline) is reported as a check.
+2. **Crash and recovery**, ``repeats`` times each way (alternating which goes first): datastates
+   at interval 1, torch_dist at interval ``I``. The job trains until iteration ``K`` is logged;
+   then every process of the job (torchrun and both ranks) gets SIGKILL, as when a node dies,
+   mid-way through iteration ``K + 1``. ``K`` lies half an interval after a torch_dist save, and
+   after at least two saves (``I·max(2, ceil(4/I)) + I//2``): the average case for a failure at a
+   random time (the worst case loses ``I - 1`` more iterations), with the newest checkpoint a
+   steady-state one (a process's first async save also starts megatron-core's writer, seconds
+   more). The same command then restarts with ``--load``; **recovery** = from the kill to the end
+   of the first new iteration, split into restart (new processes, imports, model and optimizer
+   built: up to the load call), load, and the first iteration; **iterations lost** = last
+   iteration finished before the kill minus the iteration the restarted job resumed from. Medians
+   over repetitions; every repetition is reported. As a check, the overhead torch_dist actually
+   had at interval ``I`` (its iterations after its first save, before the kill, against the
+   baseline) is reported.
 """
 
 from __future__ import annotations
@@ -52,8 +57,9 @@ def equal_overhead_interval(cost_per_save_s: float, overhead_per_iter_s: float, 
 
 
 def kill_point(interval: int, first: int = 4) -> int:
-    """The iteration after which the job is killed: half an interval after a save, not before ``first``."""
-    return interval * math.ceil(first / interval) + interval // 2
+    """The iteration after which the job is killed: half an interval after a save, after two saves at
+    least and not before ``first``."""
+    return interval * max(2, math.ceil(first / interval)) + interval // 2
 
 
 def read_records(path: str) -> list[dict]:
@@ -124,27 +130,30 @@ def crash_and_recover(way: str, interval: int, kill_after: int, base: str, nproc
         kill_tree(proc)
     first = read_records(after)[0]
     resumed_from = first["iteration"] - 1
+    steady = [r["iter_time_s"] for r in records if r["iteration"] > max(interval, 3)]  # after the first save
     return {
         "way": way, "interval": interval, "kill_after": kill_after,
         "finished_before_kill": finished, "committed_at_kill": committed, "resumed_from": resumed_from,
         "lost_iters": finished - resumed_from,
         "recovery_s": first["wall_time"] - killed_at,
-        "load_s": first.get("load_s"), "first_iter_s": first["iter_time_s"],
-        "iter_s_mean_before_kill": statistics.mean(r["iter_time_s"] for r in records[2:] or records),
+        "restart_s": first["load_started_at"] - killed_at,
+        "load_s": first["load_s"], "first_iter_s": first["iter_time_s"],
+        "iter_s_mean_after_first_save": statistics.mean(steady) if steady else None,
     }
 
 
 def run(iters: int = 12, nproc: int = 2, warmup: int = 3, workdir: str | None = None,
         model: list[str] = train_bench.MODEL, max_interval: int = 50, interval: int | None = None,
-        host_cache_gb: float = 0.5) -> dict:
+        host_cache_gb: float = 0.5, repeats: int = 3) -> dict:
     """Both steps of the module docstring; ``interval`` skips step 1 and uses that torch_dist interval."""
     base = workdir or tempfile.mkdtemp(prefix="megatron-ext-bench-recovery-", dir=os.getcwd())
     os.makedirs(base, exist_ok=True)
-    result: dict = {"nproc": nproc, "load_avg_start": os.getloadavg()[0]}
+    result: dict = {"nproc": nproc, "repeats": repeats, "load_avg_start": os.getloadavg()[0]}
+    steps = 2 * repeats + (3 if interval is None else 0)
     if interval is None:
         runs = {}
         for i, mode in enumerate(train_bench.MODES, 1):
-            _progress(f"{i}/5 overhead: {mode}, {iters} iterations, a checkpoint every iteration")
+            _progress(f"{i}/{steps} overhead: {mode}, {iters} iterations, a checkpoint every iteration")
             runs[mode] = train_bench.run_mode(mode, base, iters, nproc, 1, warmup, host_cache_gb, model)
         baseline = runs["baseline"]["iter_s_mean"]
         result["baseline_iter_s"] = baseline
@@ -155,16 +164,22 @@ def run(iters: int = 12, nproc: int = 2, warmup: int = 3, workdir: str | None = 
     result["torch_dist_interval"] = interval
     kill_after = kill_point(interval)
     result["kill_after_iteration"] = kill_after
-    for step, (way, every) in enumerate((("datastates", 1), ("torch_dist", interval)), 4):
-        _progress(f"{step}/5 {way} every {every}: SIGKILL after iteration {kill_after}, restart with --load")
-        got = crash_and_recover(way, every, kill_after, base, nproc, model, host_cache_gb)
-        result[f"run_{way}"] = got
-        result[f"recovery_s_{way}"] = got["recovery_s"]
-        result[f"lost_iters_{way}"] = got["lost_iters"]
-        result[f"load_s_{way}"] = got["load_s"]
+    ways = (("datastates", 1), ("torch_dist", interval))
+    got: dict[str, list[dict]] = {way: [] for way, _ in ways}
+    step = steps - 2 * repeats
+    for rep in range(repeats):
+        for way, every in (ways if rep % 2 == 0 else ways[::-1]):
+            step += 1
+            _progress(f"{step}/{steps} {way} every {every}: SIGKILL after iteration {kill_after}, restart with --load")
+            got[way].append(crash_and_recover(way, every, kill_after, base, nproc, model, host_cache_gb))
+    for way, runs_ in got.items():
+        result[f"runs_{way}"] = runs_
+        for key in ("recovery_s", "restart_s", "load_s", "first_iter_s", "lost_iters"):
+            result[f"{key}_{way}"] = statistics.median(r[key] for r in runs_)
     if "baseline_iter_s" in result:
-        result["overhead_s_per_iter_torch_dist_at_interval"] = (result["run_torch_dist"]["iter_s_mean_before_kill"]
-                                                                - result["baseline_iter_s"])
+        steady = [r["iter_s_mean_after_first_save"] for r in got["torch_dist"] if r["iter_s_mean_after_first_save"]]
+        result["overhead_s_per_iter_torch_dist_at_interval"] = (statistics.median(steady) - result["baseline_iter_s"]
+                                                                if steady else None)
     result["recovery_ratio_torch_dist_vs_datastates"] = result["recovery_s_torch_dist"] / result["recovery_s_datastates"]
     result["load_avg_end"] = os.getloadavg()[0]
     if workdir is None:
@@ -173,25 +188,24 @@ def run(iters: int = 12, nproc: int = 2, warmup: int = 3, workdir: str | None = 
 
 
 def format_table(r: dict) -> str:
-    lines = [f"{r['nproc']} CPU ranks (DP {r['nproc']}); load average {r['load_avg_start']:.1f} -> {r['load_avg_end']:.1f}"]
+    lines = [f"{r['nproc']} CPU ranks (DP {r['nproc']}), medians of {r['repeats']}; load average"
+             f" {r['load_avg_start']:.1f} -> {r['load_avg_end']:.1f}"]
     if "baseline_iter_s" in r:
-        lines.append(f"  overhead            datastates every iteration {r['overhead_s_per_iter_datastates'] * 1000:.0f} ms/iter;"
-                     f" torch_dist {r['cost_s_per_save_torch_dist'] * 1000:.0f} ms per save"
+        lines.append(f"  overhead            datastates every iteration {r['overhead_s_per_iter_datastates'] * 1000:.0f}"
+                     f" ms/iter; torch_dist {r['cost_s_per_save_torch_dist'] * 1000:.0f} ms per save"
                      f" (baseline iteration {r['baseline_iter_s'] * 1000:.0f} ms)")
+    check = r.get("overhead_s_per_iter_torch_dist_at_interval")
     lines.append(f"  equal overhead      torch_dist every {r['torch_dist_interval']} iterations"
-                 + (f" (measured at that interval: {r['overhead_s_per_iter_torch_dist_at_interval'] * 1000:.0f} ms/iter)"
-                    if "overhead_s_per_iter_torch_dist_at_interval" in r else ""))
+                 + (f" (measured there: {check * 1000:.0f} ms/iter)" if check is not None else ""))
     for way in ("datastates", "torch_dist"):
-        run_ = r[f"run_{way}"]
-        load = f"{run_['load_s']:.2f}s" if run_["load_s"] is not None else "?"
-        lines.append(f"  {way:<19} killed after iteration {run_['finished_before_kill']}, resumed from"
-                     f" {run_['resumed_from']}: {run_['lost_iters']} iterations lost; recovery {run_['recovery_s']:.1f}s"
-                     f" (load {load}, first iteration {run_['first_iter_s']:.2f}s)")
+        lines.append(f"  {way:<19} killed after iteration {r['kill_after_iteration']}: {r[f'lost_iters_{way}']}"
+                     f" iterations lost; recovery {r[f'recovery_s_{way}']:.1f}s = restart {r[f'restart_s_{way}']:.1f}s"
+                     f" + load {r[f'load_s_{way}']:.2f}s + first iteration {r[f'first_iter_s_{way}']:.2f}s (and the rest)")
     lines.append(f"  ratio               torch_dist / datastates recovery {r['recovery_ratio_torch_dist_vs_datastates']:.2f}x")
     return "\n".join(lines)
 
 
 def main(args) -> int:
-    result = run(args.iters, args.nproc, workdir=args.dir, interval=args.interval)
+    result = run(args.iters, args.nproc, workdir=args.dir, interval=args.interval, repeats=args.repeats)
     print(json.dumps(result, indent=1, sort_keys=True) if args.json else format_table(result))
     return 0

@@ -643,6 +643,7 @@ def train(args: argparse.Namespace) -> List[float]:
 
     iteration = 0
     load_s = None  # the slowest rank's load time, logged with the first iteration after it
+    load_started_at = time.time()
     if args.load:
         started = time.perf_counter()
         iteration = load_checkpoint_fn(model, optimizer, scheduler, args)
@@ -685,7 +686,8 @@ def train(args: argparse.Namespace) -> List[float]:
                                           "lr": scheduler.get_lr(optimizer.param_groups[0]).hex(),
                                           "loss_float": loss, "iter_time_s": elapsed,
                                           "ckpt_blocked_s": blocked.item(), "wall_time": time.time(),
-                                          **({"load_s": load_s} if load_s is not None else {})}) + "\n")
+                                          **({"load_s": load_s, "load_started_at": load_started_at}
+                                             if load_s is not None else {})}) + "\n")
                     load_s = None
                     log.flush()
             if args.crash_at_iteration == iteration:
