@@ -33,6 +33,8 @@ def _bench_engine(sub) -> None:
     p.add_argument("--cache-gb", type=POSITIVE, default=None, help="host cache in GiB (default: the state size)")
     p.add_argument("--compute-s", type=NONNEG, default=1.0,
                    help="seconds the caller computes between save and wait_snapshot (default 1)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the state lives (cuda: on the current GPU, copied by the CUDA copy stream)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -48,6 +50,11 @@ def _bench_restore(sub) -> None:
     p = sub.add_parser("restore", help="engine restore vs torch.load, DCP load and an O_DIRECT read (cold)")
     p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
     p.add_argument("--threads", type=POSITIVE_INT, default=4, help="restore_threads of the engine (default 4)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3,
+                   help="rounds of the engine's restore and the reads it is compared with (default 3)")
+    p.add_argument("--megatron", default="auto", choices=("auto", "on", "off"),
+                   help="also time Megatron-LM's load_checkpoint, datastates vs torch_dist (auto: when the "
+                        "Megatron-LM checkout is available)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -70,6 +77,25 @@ def _bench_train(sub) -> None:
         from megatron_ext.bench import train_bench
 
         return train_bench.main(args)
+
+    p.set_defaults(func=run)
+
+
+def _bench_recovery(sub) -> None:
+    p = sub.add_parser("recovery", help="SIGKILL a training job and restart it: recovery time and iterations lost, "
+                                        "datastates vs megatron-core torch_dist")
+    p.add_argument("--iters", type=POSITIVE_INT, default=12, help="iterations of each overhead run (default 12)")
+    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel, default 2)")
+    p.add_argument("--interval", type=POSITIVE_INT, default=None,
+                   help="torch_dist's checkpoint interval (default: measured, the one of equal overhead)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="kills and restarts of each way (default 3)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
+
+    def run(args) -> int:
+        from megatron_ext.bench import recovery_bench
+
+        return recovery_bench.main(args)
 
     p.set_defaults(func=run)
 
@@ -324,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_deepspeed(benches)
     _bench_overload(benches)
     _bench_replica(benches)
+    _bench_recovery(benches)
     _bench_suite(benches)
     return parser
 

@@ -3,6 +3,11 @@
 All four write the same in-memory state of G GB to the same file system, one after the other, in
 one process. The figures that matter are ratios measured in this run (blocking vs. DCP's,
 flush GB/s vs. the direct write's), since absolute numbers drift between machines and runs.
+
+``--device cuda`` puts the state on the current GPU (the engine then copies it device-to-host on
+its own stream into its pinned host cache while the caller's matmuls run on the GPU) and adds the
+device-to-host limit, ``d2h_gbps`` (copies into pinned memory); the JSON keys are the same on both
+devices (``d2h_gbps`` is null on the CPU).
 """
 
 from __future__ import annotations
@@ -26,16 +31,48 @@ def _progress(msg: str) -> None:
     print(f"[bench engine] {msg}", file=sys.stderr, flush=True)
 
 
-def _ensure_process_group(workdir: str) -> None:
+def _ensure_process_group(workdir: str, device: str = "cpu") -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(workdir, 'pg-store')}",
+        backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{os.path.join(os.path.abspath(workdir), 'pg-store')}",
                                 rank=0, world_size=1)
 
 
+def compute(seconds: float, device: str) -> int:
+    """The caller's forward/backward stand-in: matmuls on ``device`` for about ``seconds`` (GPU: then synchronised)."""
+    if device == "cpu":
+        return busy_compute(seconds)
+    a = torch.randn(4096, 4096, device=device)
+    b = torch.randn(4096, 4096, device=device)
+    steps = 0
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(8):
+            a = torch.tanh(a @ b)
+        torch.cuda.synchronize()
+        steps += 8
+    return steps
+
+
+def d2h_gbps(device: str, nbytes: int = 256 << 20) -> float | None:
+    """Device-to-host copies into pinned memory: the snapshot's physical limit on a GPU (None on CPU)."""
+    if device == "cpu":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(4):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return 4 * nbytes / (time.perf_counter() - start) / 1e9
+
+
 def measure_datastates(state: dict[str, torch.Tensor], directory: str, cache_gb: float | None = None,
-                       compute_s: float = 1.0) -> dict:
+                       compute_s: float = 1.0, device: str = "cpu") -> dict:
     """One lazy save of ``state`` while the caller computes for ``compute_s``: blocked, snapshot, flush."""
     nbytes = state_bytes(state)
     cache_gb = cache_gb if cache_gb is not None else max(nbytes / 2**30 * 1.02, 0.01)
@@ -46,7 +83,7 @@ def measure_datastates(state: dict[str, torch.Tensor], directory: str, cache_gb:
         t0 = time.perf_counter()
         engine.save(state, "step1")
         t_save = time.perf_counter() - t0
-        steps = busy_compute(compute_s)
+        steps = compute(compute_s, device)
         blocked_wait = engine.wait_snapshot()
         t_snapshot = time.perf_counter() - t0
         engine.commit("step1")
@@ -83,7 +120,8 @@ def measure_torch_save(state: dict[str, torch.Tensor], directory: str) -> float:
     return time.perf_counter() - t0
 
 
-def measure_dcp_async(state: dict[str, torch.Tensor], directory: str, executor: str = "thread") -> dict:
+def measure_dcp_async(state: dict[str, torch.Tensor], directory: str, executor: str = "thread",
+                      device: str = "cpu") -> dict:
     """``torch.distributed.checkpoint.async_save`` with the ``thread`` or ``process`` executor.
 
     Returns the seconds the call blocked (staging) and until the future resolved (on disk).
@@ -91,7 +129,7 @@ def measure_dcp_async(state: dict[str, torch.Tensor], directory: str, executor: 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    _ensure_process_group(os.path.dirname(os.path.abspath(directory)))
+    _ensure_process_group(os.path.dirname(os.path.abspath(directory)), device)
     kind = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}[executor]
     dcp_dir = fresh_dir(directory)
     t0 = time.perf_counter()
@@ -102,22 +140,28 @@ def measure_dcp_async(state: dict[str, torch.Tensor], directory: str, executor: 
 
 
 def run(size_gb: float, directory: str | None = None, cache_gb: float | None = None,
-        compute_s: float = 1.0) -> dict:
+        compute_s: float = 1.0, device: str = "cpu") -> dict:
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda needs a CUDA device (none is visible to torch here)")
     base = directory or tempfile.mkdtemp(prefix="megatron-ext-bench-", dir=os.getcwd())
     os.makedirs(base, exist_ok=True)
     torch.manual_seed(0)
-    _progress(f"building a {size_gb} GB state")
-    state = make_state(int(size_gb * 1e9))
+    _progress(f"building a {size_gb} GB state on {device}")
+    state = {k: v.to(device) for k, v in make_state(int(size_gb * 1e9)).items()}
+    gc.collect()
     nbytes = state_bytes(state)
     rss_state = PeakRss().peak
-    result: dict = {"state_bytes": nbytes, "rss_with_state_bytes": rss_state}
+    result: dict = {"state_bytes": nbytes, "rss_with_state_bytes": rss_state, "device": device}
 
-    _progress("physical limits: memcpy and O_DIRECT write of the same bytes")
+    _progress("physical limits: memcpy, device-to-host copy (GPU) and O_DIRECT write of the same bytes")
     result["memcpy_gbps"] = memcpy_gbps()
+    result["d2h_gbps"] = d2h_gbps(device)
     direct_before = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
 
     _progress("datastates engine")
-    result.update(measure_datastates(state, os.path.join(base, "datastates"), cache_gb, compute_s))
+    result.update(measure_datastates(state, os.path.join(base, "datastates"), cache_gb, compute_s, device))
     # The disk's speed drifts: the limit is the mean of direct writes just before and just after.
     direct_after = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
     result["direct_write_gbps_before"] = direct_before
@@ -128,7 +172,7 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
     result["torch_save_s"] = measure_torch_save(state, os.path.join(base, "torch_save"))
 
     _progress("torch.distributed.checkpoint.async_save")
-    dcp_result = measure_dcp_async(state, os.path.join(base, "dcp"))
+    dcp_result = measure_dcp_async(state, os.path.join(base, "dcp"), device=device)
     result["dcp_async_blocking_s"] = dcp_result["blocking_s"]
     result["dcp_async_done_s"] = dcp_result["done_s"]
 
@@ -143,9 +187,10 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
 
 def format_table(r: dict) -> str:
     gb = r["state_bytes"] / 1e9
+    d2h = f", device-to-host {r['d2h_gbps']:.2f} GB/s" if r.get("d2h_gbps") else ""
     lines = [
-        f"state {gb:.2f} GB, host cache {r['host_cache_bytes'] / 2**30:.2f} GiB",
-        f"  physical limits     memcpy {r['memcpy_gbps']:.2f} GB/s, O_DIRECT write {r['direct_write_gbps']:.2f} GB/s",
+        f"state {gb:.2f} GB on {r['device']}, host cache {r['host_cache_bytes'] / 2**30:.2f} GiB",
+        f"  physical limits     memcpy {r['memcpy_gbps']:.2f} GB/s{d2h}, O_DIRECT write {r['direct_write_gbps']:.2f} GB/s",
         f"  datastates          blocked {r['datastates_blocking_s']:.4f}s (save() {r['datastates_save_call_s']:.4f}s),"
         f" snapshot {r['datastates_snapshot_s']:.2f}s, persisted {r['datastates_persisted_s']:.2f}s,"
         f" flush {r['datastates_flush_gbps']:.2f} GB/s",
@@ -159,6 +204,10 @@ def format_table(r: dict) -> str:
 
 
 def main(args) -> int:
-    result = run(args.size_gb, args.dir, args.cache_gb, args.compute_s)
+    device = getattr(args, "device", "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("bench engine --device cuda: no CUDA device is visible to torch here", file=sys.stderr)
+        return 2
+    result = run(args.size_gb, args.dir, args.cache_gb, args.compute_s, device)
     print(json.dumps(result, indent=1, sort_keys=True) if args.json else format_table(result))
     return 0

@@ -82,6 +82,7 @@ def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interva
         "mode": mode, "nproc": nproc, "save_interval": save_interval, "iterations": iters,
         "iterations_measured": len(measured),
         "iter_s": statistics.median(r["iter_time_s"] for r in measured),
+        "iter_s_mean": statistics.mean(r["iter_time_s"] for r in measured),
         "blocked_s": statistics.mean(r["ckpt_blocked_s"] for r in measured),
         "end_to_end_s": end - start,
     }

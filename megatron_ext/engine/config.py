@@ -47,7 +47,8 @@ class EngineConfig:
     save_dir: str | None = None
     #: Optional node-local directory: ranks flush here first, a background stage copies to the root.
     local_dir: str | None = None
-    #: "auto" probes each directory, True requires O_DIRECT, False never uses it.
+    #: "auto" probes each directory, True requires O_DIRECT, False never uses it (writes). Restore
+    #: reads are buffered with kernel read-ahead unless True (``fast_read``).
     o_direct: bool | str = "auto"
     #: Seconds any single wait may take before it fails with an error instead of hanging.
     snapshot_timeout_s: float = 600.0

@@ -35,6 +35,7 @@ from) and ``--ckpt-convert-format`` are handed to Megatron-LM's own functions.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import sys
@@ -47,6 +48,7 @@ import torch
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
 from megatron_ext.engine.commit import MANIFEST
 from megatron_ext.engine.files import atomic_write
+from megatron_ext.engine.layout import torch_dtype
 from megatron_ext.megatron import optimizer_state, sharding
 from megatron_ext.megatron.args import engine_config_from_args
 from megatron_ext.megatron.safe_classes import megatron_classes, megatron_safe_classes
@@ -656,7 +658,7 @@ def _load_iteration(load_dir: str, iteration: int | str, ddp_model, optimizer, o
         raise CheckpointError(f"{ckpt.checkpoint} holds the optimizer in bucket space (dp_reshardable), which loads "
                               "on the saved TP/PP/DP layout only")
     if with_optimizer and not optimizer_state.saved_before_first_step(common.get("optimizer")):
-        optimizer_state.ensure_state(optimizer)  # else the template holds main params only, as the checkpoint
+        optimizer_state.allocate_state(optimizer)  # every value is read into it below; else main params only
     sharded, nonpersistent, factories = load_preprocess(_sharded_state(model, optimizer, with_optimizer,
                                                                        optimizer_format, is_loading=True))
     sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"
@@ -797,22 +799,45 @@ def _load_rngs(ckpt: Any, saved_args: Any, saved: dict, current: dict, args: Any
 
 
 def _read_own_shards(ckpt: Any, tensor_index: dict[str, tuple[str, str]], sharded: Any) -> dict[str, torch.Tensor]:
-    """Every tensor shard this rank loads, by shard id: one batched parallel read per file."""
+    """Every tensor shard this rank loads, by shard id: one batched parallel read per file.
+
+    Where the load template's tensor is the live one (the model's parameters, the optimizer's
+    main params and moments) and matches the saved dtype and size, the bytes are read straight
+    into it, checksums verified there: no fresh memory to fault in, and the later
+    ``load_state_dict`` copies find the values already in place. Other shards are read fresh.
+    """
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     wanted: dict[str, dict[str, str]] = {}  # file -> tensor name -> shard id
+    live: dict[str, dict[str, torch.Tensor]] = {}  # file -> tensor name -> live tensor (saved shape)
+    found: dict[str, torch.Tensor] = {}
     for leaf in nested_values(sharded):
         if isinstance(leaf, ShardedTensor):
             sid = sharding.shard_id(leaf)
             if sid in tensor_index:
                 file_name, tensor_name = tensor_index[sid]
-                wanted.setdefault(file_name, {})[tensor_name] = sid
-    found: dict[str, torch.Tensor] = {}
+                target = _live_target(ckpt.manifest["files"][file_name]["tensors"][tensor_name], leaf.data)
+                if target is not None:
+                    live.setdefault(file_name, {})[tensor_name] = target
+                    found[sid] = leaf.data
+                else:
+                    wanted.setdefault(file_name, {})[tensor_name] = sid
+    for file_name, targets in live.items():
+        ckpt.reader(file_name).read_into(targets)
     for file_name, names in wanted.items():
         for tensor_name, tensor in ckpt.reader(file_name).tensors(names).items():
             found[names[tensor_name]] = tensor
     return found
+
+
+def _live_target(meta: dict, data: Any) -> torch.Tensor | None:
+    """``data`` shaped as the saved tensor when the saved bytes can be read straight into it, else None."""
+    if not isinstance(data, torch.Tensor) or not data.is_contiguous() or data.dtype != torch_dtype(meta["dtype"]):
+        return None
+    if data.numel() != math.prod(meta["shape"]) or data.numel() == 0:
+        return None
+    return data.view(meta["shape"])
 
 
 def _index(manifest: dict) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:

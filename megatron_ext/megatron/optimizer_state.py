@@ -172,6 +172,32 @@ def ensure_state(optimizer: Any) -> None:
             opt._init_optimizer_states_with_dummy_values()
 
 
+def allocate_state(optimizer: Any) -> None:
+    """Like ``ensure_state``, for a load that overwrites every value: torch Adam's state allocated, not computed.
+
+    ``ensure_state`` runs a whole zero-gradient Adam step (gradients allocated, moments zeroed,
+    then the update's arithmetic over every parameter), which costs more than reading the moments
+    on CPUs. A datastates load reads every moment straight into these tensors (``step`` comes from
+    the param groups), so uninitialised memory is enough. Other optimizers (fused, capturable,
+    amsgrad, not torch's Adam/AdamW) take ``ensure_state``.
+    """
+    for opt in _distributed(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or len(inner.state) or not hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+            continue
+        if type(inner) not in (torch.optim.Adam, torch.optim.AdamW) or any(
+                g.get("fused") or g.get("capturable") or g.get("amsgrad") for g in inner.param_groups):
+            opt._init_optimizer_states_with_dummy_values()
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if param.numel() == 0:
+                    continue
+                inner.state[param] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                      "exp_avg": torch.empty_like(param, memory_format=torch.preserve_format),
+                                      "exp_avg_sq": torch.empty_like(param, memory_format=torch.preserve_format)}
+
+
 def restore_adam_steps(optimizer: Any) -> None:
     for opt in _distributed(optimizer):
         inner = getattr(opt, "optimizer", None)

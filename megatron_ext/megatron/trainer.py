@@ -638,8 +638,14 @@ def train(args: argparse.Namespace) -> List[float]:
     optimizer, scheduler = build_optimizer(args, model, config)
 
     iteration = 0
+    load_s = None  # the slowest rank's load time, logged with the first iteration after it
+    load_started_at = time.time()
     if args.load:
+        started = time.perf_counter()
         iteration = load_checkpoint_fn(model, optimizer, scheduler, args)
+        load_s = torch.tensor([time.perf_counter() - started])
+        dist.all_reduce(load_s, op=dist.ReduceOp.MAX)
+        load_s = load_s.item()
         if args.resave_on_load and iteration > 0:
             save_checkpoint_fn(iteration, model, optimizer, scheduler, args)
         if args.eval_fixed_batch and iteration > 0:
@@ -675,7 +681,10 @@ def train(args: argparse.Namespace) -> List[float]:
                                           "consumed_samples": args.consumed_train_samples,
                                           "lr": scheduler.get_lr(optimizer.param_groups[0]).hex(),
                                           "loss_float": loss, "iter_time_s": elapsed,
-                                          "ckpt_blocked_s": blocked.item(), "wall_time": time.time()}) + "\n")
+                                          "ckpt_blocked_s": blocked.item(), "wall_time": time.time(),
+                                          **({"load_s": load_s, "load_started_at": load_started_at}
+                                             if load_s is not None else {})}) + "\n")
+                    load_s = None
                     log.flush()
             if args.crash_at_iteration == iteration:
                 os.kill(os.getpid(), signal.SIGKILL)

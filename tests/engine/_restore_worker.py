@@ -1,8 +1,9 @@
 """torchrun worker for test_restore.py: 2 gloo ranks, each with its own node-local directory.
 
-Usage: torchrun --nproc-per-node 2 _restore_worker.py ROOT OUT DROP_RANK
+Usage: torchrun --nproc-per-node 2 _restore_worker.py ROOT OUT DROP_RANK [BACKEND]
 Every rank saves and commits one file; rank DROP_RANK (-1: none) then deletes its node-local
-copy; all ranks agree on one level and load their file. Writes OUT/rank-R.json.
+copy; all ranks agree on one level and load their file. Writes OUT/rank-R.json. BACKEND is
+gloo (default) or nccl (tests/gpu: one GPU per rank, the agreement's all_reduce on the GPU).
 """
 
 import json
@@ -23,7 +24,10 @@ def rank_state(rank: int) -> dict:
 
 def main() -> None:
     root, out, drop_rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    dist.init_process_group("gloo")
+    backend = sys.argv[4] if len(sys.argv) > 4 else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
     rank = dist.get_rank()
     local = os.path.join(root, f"local-node{rank}")  # one "node" per rank
     config = {"save_dir": os.path.join(root, "shared"), "local_dir": local, "host_cache_size": 0.001,
@@ -42,7 +46,7 @@ def main() -> None:
         exact = all(torch.equal(loaded[k], want[k]) for k in ("w", "ids")) and loaded["rank"] == rank
         with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
             json.dump({"own_complete": own_complete, "level": level, "levels_used": sorted(ckpt.levels_used),
-                       "exact": exact}, f)
+                       "exact": exact, "backend": dist.get_backend()}, f)
         dist.barrier()
     dist.destroy_process_group()
 

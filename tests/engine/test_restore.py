@@ -94,6 +94,18 @@ def test_load_into_fills_existing_tensors(make_engine, o_direct):
     assert_same(template["big"], expected["big"])
 
 
+def test_load_into_parameters_that_require_grad(make_engine, o_direct):
+    """A live model's parameters are filled in place (no autograd error), as the Megatron load does."""
+    engine = make_engine(host_cache_size=0.01, o_direct=o_direct)
+    saved = {"w": _random((3000,), torch.float32, 5), "b": _random((7, 5), torch.bfloat16, 6)}
+    engine.save_and_commit(saved, "c1", version=1)
+    engine.wait_persisted()
+    live = {k: torch.nn.Parameter(torch.zeros_like(v)) for k, v in saved.items()}
+    engine.load_into("c1", live)
+    for name, param in live.items():
+        assert param.requires_grad and torch.equal(param.detach().view(torch.uint8), saved[name].view(torch.uint8))
+
+
 def test_read_into_through_tiny_staging_slots(make_engine, tmp_path):
     """4 KiB staging slots, fewer than the threads: every tensor spans many pieces."""
     engine = make_engine(**TINY, restore_threads=4)
@@ -185,12 +197,15 @@ def test_all_ranks_agree_on_one_level(tmp_path, drop_rank, level):
 
 def test_bench_restore_json(tmp_path):
     cmd = [sys.executable, "-m", "megatron_ext", "bench", "restore", "--size-gb", "0.02", "--threads", "2",
-           "--json", "--dir", str(tmp_path / "bench")]
+           "--repeats", "2", "--megatron", "off", "--json", "--dir", str(tmp_path / "bench")]
     proc = subprocess.run(cmd, env=child_env(), cwd=str(REPO), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
+    reads = ("direct_read_gbps", "direct_read_parallel_gbps", "buffered_read_gbps", "buffered_read_parallel_gbps")
     for key in ("state_bytes", "datastates_restore_s", "datastates_restore_gbps", "torch_load_s", "dcp_load_s",
-                "direct_read_gbps", "datastates_vs_direct"):
+                "read_ceiling_gbps", "datastates_vs_ceiling", "datastates_vs_direct", *reads):
         assert result[key] > 0, key
-    assert result["datastates_bit_exact"] is True
+    assert result["read_ceiling_gbps"] == max(result[k] for k in reads)
+    assert len(result["rounds"]) == 2 and all(r["bit_exact"] for r in result["rounds"])
+    assert result["datastates_bit_exact"] is True and "megatron_load_s_datastates" not in result
 

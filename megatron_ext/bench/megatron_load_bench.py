@@ -1,0 +1,141 @@
+"""Megatron-LM's ``load_checkpoint``, datastates vs megatron-core ``torch_dist``: same state, same ranks, one run.
+
+Measured through Megatron-LM's own ``pretrain_gpt.py`` (on CPU ranks, ``testing/megatron_lm.py``),
+not the reference trainer: its ``load-checkpoint`` timer brackets exactly the call a user's job
+makes at start-up (Megatron-LM's own ``torch_dist`` loader on one side, the patched route into
+``megatron_ext.megatron.checkpointing`` on the other, with barriers on both ends) and it logs the
+slowest rank's time. The reference trainer's torch_dist load is this project's re-implementation of
+that path, so it would compare us with ourselves.
+
+1. Two training runs with the same seed and flags write iteration ``ITERS`` once with
+   ``--use-datastates`` and once with ``--ckpt-format torch_dist``. Megatron-LM's training is
+   deterministic on CPU and both ways resume bit-identically (tests/megatron_lm), so the two
+   checkpoints hold the same state; the recorded losses of the two runs are compared to show it.
+2. ``repeats`` rounds, each loading both checkpoints (order alternating between rounds) in a fresh
+   job with ``--load`` and ``--train-iters ITERS`` (nothing left to train), twice per checkpoint:
+   **cold**, its pages evicted from the page cache first (a restart on another node, or long
+   after the save: the bytes come from the disk), and **warm**, its files read once just before
+   (the bytes come from memory: what each format costs on the CPU). The figures are medians over
+   rounds; every run is reported.
+
+The default model (8 layers, hidden 1024, vocab 16384, bf16, distributed optimizer) makes a
+1.65 GB checkpoint, 0.8 GB per rank, so that bytes rather than fixed costs dominate.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from megatron_ext.bench.common import drop_page_cache
+from megatron_ext.procs import run_logged
+from megatron_ext.testing import megatron_lm
+
+ITERS = 2
+MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "128",
+         "--max-position-embeddings", "128", "--micro-batch-size", "2", "--global-batch-size", "4",
+         "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "1",
+         "--lr-decay-iters", "16", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "16384",
+         "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234",
+         "--bf16", "--use-distributed-optimizer"]
+FORMATS = {"datastates": ["--use-datastates", "--datastates-host-cache-size", "0.25"],
+           "torch_dist": ["--ckpt-format", "torch_dist"]}
+_TIMER = re.compile(r"load-checkpoint \.*: \(([\d.]+), ([\d.]+)\)")
+RUN_TIMEOUT_S = 1200
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench megatron-load] {msg}", file=sys.stderr, flush=True)
+
+
+def load_timer_s(log: str) -> float:
+    """The slowest rank's ``load-checkpoint`` time from a Megatron-LM log, in seconds."""
+    found = _TIMER.findall(log)
+    if not found:
+        raise RuntimeError("no load-checkpoint timer in the Megatron-LM log")
+    return float(found[-1][1]) / 1000
+
+
+def _run(checkout: Path, nproc: int, args: list[str], workdir: str, name: str, record: str | None = None) -> str:
+    log_path = os.path.join(workdir, f"{name}.log")
+    cmd = megatron_lm.torchrun_command(nproc, args, checkout, record=record)
+    code = run_logged(cmd, megatron_lm.environment(), log_path, RUN_TIMEOUT_S)
+    with open(log_path, errors="replace") as f:
+        log = f.read()
+    if code != 0:
+        tail = "\n".join(line for line in log.splitlines() if "....." not in line)[-4000:]
+        raise RuntimeError(f"{name}: Megatron-LM exited with {code}\n$ {' '.join(cmd)}\n{tail}")
+    return log
+
+
+def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = MODEL,
+            checkout: Path | None = None) -> dict:
+    """Save once per format, then time ``repeats`` cold and warm loads of each; medians and every run."""
+    if checkout is None:
+        checkout, reason = megatron_lm.find_checkout()
+        if checkout is None:
+            return {"megatron_load_skipped": reason}
+    os.makedirs(workdir, exist_ok=True)
+    saved: dict[str, str] = {}
+    losses: dict[str, list] = {}
+    for fmt, flags in FORMATS.items():
+        _progress(f"training {ITERS} iterations on {nproc} ranks and saving with {fmt}")
+        saved[fmt] = os.path.join(workdir, f"ckpt-{fmt}")
+        record = os.path.join(workdir, f"train-{fmt}.jsonl")
+        if os.path.exists(record):
+            os.unlink(record)
+        _run(checkout, nproc, [*model, *flags, "--train-iters", str(ITERS), "--save", saved[fmt],
+                               "--save-interval", str(ITERS)], workdir, f"train-{fmt}", record)
+        losses[fmt] = [(r["iteration"], r["loss"], r["grad_norm"]) for r in megatron_lm.read_records(record)]
+    seconds: dict[str, list[float]] = {f"{fmt}_{temp}": [] for fmt in FORMATS for temp in ("cold", "warm")}
+    for rep in range(repeats):
+        for fmt in (list(FORMATS) if rep % 2 == 0 else list(FORMATS)[::-1]):
+            for temp in ("cold", "warm"):
+                _progress(f"round {rep + 1}/{repeats}: Megatron-LM load_checkpoint of the {fmt} checkpoint ({temp})")
+                # --use-datastates needs --save: a scratch directory, so nothing is written next to the checkpoint.
+                extra = (["--save", os.path.join(workdir, "scratch"), "--save-interval", str(ITERS)]
+                         if fmt == "datastates" else [])
+                drop_page_cache(saved[fmt])
+                if temp == "warm":
+                    read_tree(saved[fmt])
+                log = _run(checkout, nproc, [*model, *FORMATS[fmt], "--train-iters", str(ITERS), "--load", saved[fmt],
+                                             *extra], workdir, f"load-{fmt}-{temp}-{rep}")
+                seconds[f"{fmt}_{temp}"].append(load_timer_s(log))
+    result = {
+        "megatron_nproc": nproc,
+        "megatron_ckpt_bytes_datastates": _tree_bytes(saved["datastates"]),
+        "megatron_ckpt_bytes_torch_dist": _tree_bytes(saved["torch_dist"]),
+        "megatron_same_training": losses["datastates"] == losses["torch_dist"] and bool(losses["datastates"]),
+    }
+    for key, runs in seconds.items():
+        fmt, temp = key.rsplit("_", 1)
+        suffix = "" if temp == "cold" else "_warm"
+        result[f"megatron_load_s_{fmt}{suffix}"] = statistics.median(runs)
+        result[f"megatron_load_s_{fmt}{suffix}_runs"] = runs
+    result["megatron_load_speedup"] = result["megatron_load_s_torch_dist"] / result["megatron_load_s_datastates"]
+    result["megatron_load_speedup_warm"] = (result["megatron_load_s_torch_dist_warm"]
+                                            / result["megatron_load_s_datastates_warm"])
+    return result
+
+
+def read_tree(root: str) -> None:
+    """Read every file under ``root`` once, so that its pages are in the page cache."""
+    buf = bytearray(16 << 20)
+    for parent, _, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(parent, name), "rb", buffering=0) as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                while f.readinto(buf):
+                    pass
+
+
+def _tree_bytes(root: str) -> int:
+    """Bytes of the checkpoint files under ``root`` (telemetry logs excluded)."""
+    total = 0
+    for parent, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "datastates_telemetry"]
+        total += sum(os.path.getsize(os.path.join(parent, n)) for n in names)
+    return total

@@ -1,0 +1,38 @@
+"""``bench engine`` prints the same JSON keys for ``--device cpu`` and (on a GPU node, tests/gpu) ``cuda``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+KEYS = {"state_bytes", "rss_with_state_bytes", "device", "memcpy_gbps", "d2h_gbps", "host_cache_bytes",
+        "datastates_save_call_s", "datastates_blocking_s", "datastates_snapshot_s", "datastates_compute_s",
+        "datastates_compute_steps", "datastates_persisted_s", "datastates_flush_s", "datastates_flush_gbps",
+        "peak_rss_bytes", "direct_write_gbps_before", "direct_write_gbps_after", "direct_write_gbps", "torch_save_s",
+        "dcp_async_blocking_s", "dcp_async_done_s", "ratio_blocking_vs_dcp", "ratio_flush_vs_direct",
+        "ratio_rss_vs_state_plus_cache", "workdir"}
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatron_ext", "bench", "engine", *args], cwd=str(REPO),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bench_engine_json_keys_on_cpu(tmp_path):
+    proc = _bench("--size-gb", "0.01", "--compute-s", "0.05", "--json", "--dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert set(result) == KEYS
+    assert result["device"] == "cpu" and result["d2h_gbps"] is None and result["datastates_blocking_s"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu runs --device cuda on a GPU")
+def test_bench_engine_cuda_without_a_gpu_says_so():
+    proc = _bench("--device", "cuda", "--size-gb", "0.01")
+    assert proc.returncode == 2 and "no CUDA device" in proc.stderr and not proc.stdout

@@ -1,0 +1,73 @@
+"""``bench recovery`` and the Megatron-LM load figure of ``bench restore``: their arithmetic and parsing
+here; whole runs (minutes: several torchrun jobs) behind ``--run-slow``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_ext.bench import megatron_load_bench, recovery_bench
+
+TINY_TRAINER = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "2", "--seq-length", "32",
+                "--vocab-size", "256", "--micro-batch-size", "2", "--hidden-dropout", "0.0",
+                "--attention-dropout", "0.0", "--bf16", "--use-distributed-optimizer"]
+
+
+def test_equal_overhead_interval():
+    assert recovery_bench.equal_overhead_interval(0.300, 0.030) == 10  # 300 ms per save vs 30 ms per iteration
+    assert recovery_bench.equal_overhead_interval(0.010, 0.030) == 1  # cheaper than ours: every iteration
+    assert recovery_bench.equal_overhead_interval(0.300, 0.001) == 50  # capped
+    assert recovery_bench.equal_overhead_interval(0.300, -0.002) == 50  # ours below the noise
+
+
+def test_kill_point_is_half_an_interval_after_a_save():
+    assert recovery_bench.kill_point(1) == 4
+    assert recovery_bench.kill_point(2) == 5
+    assert recovery_bench.kill_point(10) == 25  # saves at 10 and 20, killed half an interval later
+    assert recovery_bench.kill_point(3) == 7  # saves at 3, 6: killed after 7, one after the save at 6
+
+
+def test_read_records_skips_a_line_being_written(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"iteration": 1}\n{"iteration": 2}\n{"iterat')
+    assert [r["iteration"] for r in recovery_bench.read_records(str(log))] == [1, 2]
+    assert recovery_bench.read_records(str(tmp_path / "missing.jsonl")) == []
+
+
+def test_megatron_load_timer_parsing():
+    log = ("(min, max) time across ranks (ms):\n    load-checkpoint ................................: "
+           "(972.72, 981.54)\n")
+    assert megatron_load_bench.load_timer_s(log) == pytest.approx(0.98154)
+    with pytest.raises(RuntimeError, match="no load-checkpoint timer"):
+        megatron_load_bench.load_timer_s("nothing")
+
+
+@pytest.mark.slow
+def test_recovery_run_reports_both_ways(tmp_path):
+    r = recovery_bench.run(iters=4, warmup=1, workdir=str(tmp_path), model=TINY_TRAINER, max_interval=3, repeats=1)
+    for key in ("recovery_s_datastates", "recovery_s_torch_dist", "lost_iters_datastates", "lost_iters_torch_dist",
+                "torch_dist_interval", "overhead_s_per_iter_datastates", "cost_s_per_save_torch_dist"):
+        assert r[key] is not None, key
+    assert r["recovery_s_datastates"] > 0 and r["recovery_s_torch_dist"] > 0
+    assert 1 <= r["torch_dist_interval"] <= 3
+    for way in ("datastates", "torch_dist"):
+        (got,) = r[f"runs_{way}"]
+        assert got["resumed_from"] >= 1 and 0 <= got["lost_iters"] <= got["finished_before_kill"]
+        assert got["load_s"] > 0 and 0 < got["restart_s"] < got["recovery_s"]
+    json.dumps(r)
+
+
+@pytest.mark.slow
+def test_megatron_load_cold_and_warm(tmp_path):
+    """Megatron-LM's own pretrain_gpt.py on 2 CPU ranks, a tiny GPT saved both ways and loaded cold and warm."""
+    from megatron_ext.testing.megatron_lm import TINY_GPT
+
+    r = megatron_load_bench.measure(str(tmp_path), repeats=1, model=[*TINY_GPT, "--bf16", "--use-distributed-optimizer"])
+    if "megatron_load_skipped" in r:
+        pytest.skip(r["megatron_load_skipped"])
+    for key in ("megatron_load_s_datastates", "megatron_load_s_torch_dist", "megatron_load_s_datastates_warm",
+                "megatron_load_s_torch_dist_warm", "megatron_load_speedup", "megatron_load_speedup_warm"):
+        assert r[key] > 0, key
+    assert r["megatron_same_training"] is True and len(r["megatron_load_s_datastates_runs"]) == 1
+    json.dumps(r)

@@ -1,0 +1,79 @@
+"""Every CUDA-only line of the engine, on a real GPU (skipped elsewhere).
+
+docs/ARCHITECTURE.md ("What no test here executes") lists them: ``CudaCopier`` (event after the
+compute stream, private copy stream, ``.contiguous()`` temporaries kept until synchronised, the
+stream synchronised for an abandoned copy), the pinned host cache, pinned restore buffers and
+``non_blocking`` host-to-GPU copies in ``fast_read``, ``restore._wants_cuda``, and the NCCL branch of
+``engine.agree_load_level``. The scenarios are shared with the CPU suite (``helpers.device_scenarios``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import device_scenarios
+from megatron_ext.engine import fast_read, restore
+from megatron_ext.engine.copier import CudaCopier
+from megatron_ext.procs import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("scenario", device_scenarios.SCENARIOS, ids=lambda s: s.__name__)
+def test_scenario_on_cuda(scenario, tmp_path):
+    scenario(tmp_path, "cuda")
+
+
+def test_engine_uses_the_cuda_copier_and_a_pinned_cache(tmp_path):
+    with device_scenarios.engine(tmp_path, host_cache_size=0.01) as engine:
+        assert isinstance(engine.scheduler.copier, CudaCopier)
+        engine.cache.wait_allocated(120)
+        assert engine.cache.pinned and engine.cache.view(0).is_pinned()
+        x = torch.arange(1000.0, device="cuda")
+        mark = engine.scheduler.copier.mark([x])
+        assert isinstance(mark, torch.cuda.Event)
+        assert engine.scheduler.copier.mark([torch.zeros(3)]) is None  # host tensors need no event
+
+
+def test_restore_buffers_are_pinned_for_the_gpu():
+    assert restore._wants_cuda("cuda") and restore._wants_cuda({"cpu": "cuda:0"})
+    assert not restore._wants_cuda("cpu") and not restore._wants_cuda(None)
+    buf = fast_read.aligned_buffer(3 * 4096 + 5, pin=True)
+    assert buf.is_pinned() and buf.data_ptr() % 4096 == 0
+    host = {"a": fast_read.aligned_buffer(4096, pin=True).fill_(7)}
+    moved = fast_read.to_device(host, "cuda")
+    assert moved["a"].is_cuda and torch.equal(moved["a"].cpu(), host["a"])
+
+
+def test_bench_engine_on_cuda_prints_the_cpu_keys(tmp_path):
+    from megatron_ext.bench import engine_bench
+
+    cpu = engine_bench.run(0.01, str(tmp_path / "cpu"), compute_s=0.05, device="cpu")
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext", "bench", "engine", "--device", "cuda", "--size-gb",
+                           "0.01", "--compute-s", "0.05", "--json", "--dir", str(tmp_path / "cuda")],
+                          cwd=str(REPO), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    gpu = json.loads(proc.stdout)
+    assert set(gpu) == set(cpu) and gpu["device"] == "cuda" and gpu["d2h_gbps"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL branch needs two GPUs")
+@pytest.mark.parametrize("drop_rank, level", [(-1, "local"), (1, "shared")])
+def test_all_ranks_agree_on_one_level_over_nccl(tmp_path, drop_rank, level):
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = REPO / "tests" / "engine" / "_restore_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(worker), str(tmp_path / "root"), str(out), str(drop_rank), "nccl"]
+    proc = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for r in range(2):
+        result = json.loads((out / f"rank-{r}.json").read_text())
+        assert result["backend"] == "nccl"
+        assert result["level"] == level and result["levels_used"] == [level] and result["exact"], result
