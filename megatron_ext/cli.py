@@ -184,7 +184,7 @@ def _demo(sub) -> None:
     p.add_argument("--host-cache-size", type=POSITIVE, default=0.25, help="GiB")
 
     def run(args) -> int:
-        from megatron_ext import demo
+        from megatron_ext.testing import demo
 
         return demo.main(args)
 

@@ -164,10 +164,11 @@ case "$TRAINER" in
         ;;
     reference)
         [[ -z "$FIRST" ]] || die "the reference trainer has no uneven pipeline split"
-        PROGRAM=(-m megatron_ext.megatron.trainer)
+        PROGRAM=(-m megatron_ext.testing.reference_trainer)
         TRAINER_ARGS=("${COMMON_ARGS[@]}" --exit-signal-handler)
         ;;
-    *) die "TRAINER must be 'megatron' (pretrain_gpt.py in MEGATRON_LM_DIR) or 'reference' (megatron_ext.megatron.trainer), not '$TRAINER'" ;;
+    *) die "TRAINER must be 'megatron' (pretrain_gpt.py in MEGATRON_LM_DIR)" \
+           "or 'reference' (megatron_ext.testing.reference_trainer), not '$TRAINER'" ;;
 esac
 read -r -a CONFIG_EXTRA <<< "${EXTRA_TRAINER_ARGS:-}"
 TRAINER_ARGS+=("${CONFIG_EXTRA[@]}" "${EXTRA[@]}")

@@ -21,7 +21,7 @@ from megatron_ext.procs import torchrun_command
 
 
 def _run(args: list[str], log_json: str) -> list[dict]:
-    cmd = torchrun_command(2, "-m", "megatron_ext.deepspeed_harness", *args, "--log-json", log_json)
+    cmd = torchrun_command(2, "-m", "megatron_ext.testing.deepspeed_harness", *args, "--log-json", log_json)
     # DeepSpeed JIT-builds its CPU ops under TORCH_EXTENSIONS_DIR; one per environment, so that two
     # environments on one machine do not rebuild over each other's build behind a shared lock.
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")

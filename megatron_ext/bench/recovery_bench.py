@@ -108,7 +108,8 @@ def crash_and_recover(way: str, interval: int, kill_after: int, base: str, nproc
             os.unlink(path)
 
     def launch(extra: list[str], log_json: str):
-        cmd = torchrun_command(nproc, "-m", "megatron_ext.megatron.trainer", *args, *extra, "--log-json", log_json)
+        cmd = torchrun_command(nproc, "-m", "megatron_ext.testing.reference_trainer", *args, *extra,
+                               "--log-json", log_json)
         return start_logged(cmd, env, log_json.replace(".jsonl", ".log"))
 
     proc = launch([], before)

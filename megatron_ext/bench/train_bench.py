@@ -34,7 +34,7 @@ def _progress(msg: str) -> None:
 
 
 def _run(nproc: int, args: list[str], log_json: str, model: list[str] = MODEL) -> list[dict]:
-    cmd = torchrun_command(nproc, "-m", "megatron_ext.megatron.trainer", *model, *args, "--log-json", log_json)
+    cmd = torchrun_command(nproc, "-m", "megatron_ext.testing.reference_trainer", *model, *args, "--log-json", log_json)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if proc.returncode != 0:

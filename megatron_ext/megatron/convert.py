@@ -49,10 +49,10 @@ RNG_KEY = "rng_state"
 @contextlib.contextmanager
 def single_process_group() -> Iterator[None]:
     """A gloo world of one process for megatron-core's dist_checkpointing (unless one exists)."""
-    from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation
+    from megatron_ext.megatron.cpu_device import enable_cpu_device
     from megatron_ext.procs import free_port
 
-    enable_cpu_emulation()  # a no-op where CUDA is available
+    enable_cpu_device()  # a no-op where CUDA is available
     if dist.is_initialized():
         yield
         return

@@ -3,7 +3,7 @@
 The trainer is Megatron-LM's own ``pretrain_gpt.py`` (the patched checkout of the pin that
 ``megatron_lm.find_checkout()`` provides) on 8 CPU ranks through the test harness
 ``megatron_ext.testing.megatron_lm``. Without that checkout the job falls back to the reference
-trainer ``megatron_ext.megatron.trainer`` (a megatron-core GPT, same layout) and says so in its
+trainer ``megatron_ext.testing.reference_trainer`` (a megatron-core GPT, same layout) and says so in its
 first line and in its summary. Either way: TP=2 x PP=2 x DP=2, bf16, distributed optimizer, and
 three runs of the same job:
 
@@ -84,7 +84,7 @@ def reference_trainer(iters: int) -> Trainer:
 
     def command(args: list[str], record: Path, kill_at: int | None) -> list[str]:
         crash = [] if kill_at is None else ["--crash-at-iteration", str(kill_at)]
-        return procs.torchrun_command(RANKS, "-m", "megatron_ext.megatron.trainer", *model, *args, *crash,
+        return procs.torchrun_command(RANKS, "-m", "megatron_ext.testing.reference_trainer", *model, *args, *crash,
                                       "--log-json", str(record))
 
     def read(record: Path) -> list[Step]:
@@ -94,7 +94,7 @@ def reference_trainer(iters: int) -> Trainer:
         return [Step(r["iteration"], float.fromhex(r["loss"]), None, float.fromhex(r["lr"])) for r in rows]
 
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return Trainer("the reference trainer megatron_ext.megatron.trainer (a megatron-core GPT), on CPU ranks",
+    return Trainer("the reference trainer megatron_ext.testing.reference_trainer (a megatron-core GPT), on CPU ranks",
                    command, env, read, "loss and learning rate")
 
 

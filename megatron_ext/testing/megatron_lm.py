@@ -6,7 +6,7 @@
 
 The script runs in-process, unchanged, from a patched checkout of the pin (``find_checkout``).
 What a CPU run of ``megatron/training`` needs beyond the megatron-core emulation layer
-(``megatron_ext.megatron.cpu_emulation``), each found by running it:
+(``megatron_ext.testing.cpu_emulation``), each found by running it:
 
 * ``initialize_megatron(allow_no_cuda=True)``;
 * a device count of 1 (with 0 Megatron skips model-parallel initialisation and seeding) and a
@@ -403,7 +403,7 @@ def read_records(path: str | Path) -> list[dict]:
 def run(script: Path, argv: list[str], record: str | None = None, kill_at: int | None = None,
         signal_at: int | None = None, expire_at: int | None = None) -> None:
     """Run ``script`` (a checkout's ``pretrain_gpt.py``) as ``__main__`` with ``argv`` on CPU ranks."""
-    from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation
+    from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
 
     checkout = str(script.resolve().parent)
     # After site-packages: megatron.core comes from the wheel (with its prebuilt helpers),

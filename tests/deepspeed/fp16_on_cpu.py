@@ -12,7 +12,7 @@ from deepspeed.accelerator import get_accelerator
 
 get_accelerator().is_fp16_supported = lambda: True
 
-from megatron_ext import deepspeed_harness  # noqa: E402
+from megatron_ext.testing import deepspeed_harness  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(deepspeed_harness.main())

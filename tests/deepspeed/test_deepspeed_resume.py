@@ -30,9 +30,9 @@ COMPARED = ("rank_losses", "rank_param_sums")
 
 
 def run_harness(args: list[str], log_json: Path, expect_crash: bool = False, script: Path | None = None) -> list[dict]:
-    """Run ``megatron_ext.deepspeed_harness`` (or ``script``, which wraps it) on 2 CPU ranks; return
+    """Run ``megatron_ext.testing.deepspeed_harness`` (or ``script``, which wraps it) on 2 CPU ranks; return
     the JSON lines logged so far."""
-    entry = [str(script)] if script is not None else ["-m", "megatron_ext.deepspeed_harness"]
+    entry = [str(script)] if script is not None else ["-m", "megatron_ext.testing.deepspeed_harness"]
     cmd = torchrun_command(2, *entry, *args, "--log-json", str(log_json))
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))

@@ -26,7 +26,8 @@ def run_trainer(nproc: int, args: list[str], log_json: Path, expect_crash: bool 
     With ``expect_crash`` the run must end in failure (the trainer SIGKILLs itself). ``common``
     replaces the shared defaults (e.g. to train in fp32).
     """
-    cmd = torchrun_command(nproc, "-m", "megatron_ext.megatron.trainer", *common, *args, "--log-json", str(log_json))
+    cmd = torchrun_command(nproc, "-m", "megatron_ext.testing.reference_trainer", *common, *args,
+                           "--log-json", str(log_json))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if (proc.returncode != 0) != expect_crash:

@@ -13,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_ext.megatron import trainer
+from megatron_ext.testing import reference_trainer as trainer
 
 
 def main() -> None:

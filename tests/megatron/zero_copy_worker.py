@@ -5,7 +5,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_ext.megatron import checkpointing, sharding, trainer
+from megatron_ext.megatron import checkpointing, sharding
+from megatron_ext.testing import reference_trainer as trainer
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ def _killed_run(tmp: Path, rng: random.Random) -> float:
     """Start the trainer, wait until it trains, SIGKILL the whole process group at a random moment."""
     log = tmp / "crashed.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "megatron_ext.megatron.trainer", *COMMON, *PARALLEL,
+           "--master-port", str(free_port()), "-m", "megatron_ext.testing.reference_trainer", *COMMON, *PARALLEL,
            *_datastates(tmp), "--log-json", str(log)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -28,7 +28,7 @@ def _datastates(root: Path, interval: int = 1) -> list[str]:
 def test_sigusr1_checkpoints_commits_and_exits(tmp_path):
     log = tmp_path / "run.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "megatron_ext.megatron.trainer", *COMMON,
+           "--master-port", str(free_port()), "-m", "megatron_ext.testing.reference_trainer", *COMMON,
            "--train-iters", "100000", *_datastates(tmp_path / "ckpt", interval=1000), "--exit-signal-handler",
            "--log-json", str(log)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
@@ -59,7 +59,7 @@ def test_damaged_newest_checkpoint_falls_back_only_when_asked(tmp_path):
     # Without the flag every rank stops with one message that names the file and the remedy.
     failed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                              "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                             "-m", "megatron_ext.megatron.trainer", *COMMON, *resume],
+                             "-m", "megatron_ext.testing.reference_trainer", *COMMON, *resume],
                             cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                             timeout=300)
     assert failed.returncode != 0

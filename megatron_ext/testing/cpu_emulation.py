@@ -10,19 +10,21 @@ it names the CUDA device or calls a CUDA-only API:
 * the RNG tracker (``tensor_parallel.random``) saves and restores the CUDA generator;
 * the distributed optimizer reduce-scatters gradients, which gloo does not implement.
 
-``enable_cpu_emulation()`` answers each of these for CPU tensors. It is meant for tests and the CPU
-demo: when a GPU is present it does nothing, so the production path never sees it.
+``enable_cpu_emulation()`` answers each of these for CPU tensors; the device placement part is the
+product's ``megatron_ext.megatron.cpu_device`` (what ``megatron-ext convert`` needs on a CPU node),
+the rest is here. It is meant for tests and the CPU demo: when a GPU is present it does nothing, so
+the production path never sees it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
+
+from megatron_ext.megatron.cpu_device import CudaToCpuMode, enable_cpu_device
 
 __all__ = ["enable_cpu_emulation", "is_cpu_emulation_enabled"]
 
@@ -37,41 +39,15 @@ _CUDA_TYPE_NAMES = {
 }
 
 
-def _is_cuda_device(device: Any) -> bool:
-    """True for every spelling of a CUDA device megatron uses: 'cuda', 'cuda:0', an int index."""
-    if isinstance(device, bool):
-        return False
-    if isinstance(device, int):
-        return True
-    if isinstance(device, str):
-        return device.startswith("cuda")
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    return False
+class _CudaTrainingMode(CudaToCpuMode):
+    """The CPU device mode, plus ``Tensor.type()`` answering the CUDA names the optimizer expects."""
 
-
-class _CudaToCpuMode(TorchFunctionMode):
-    """Rewrites CUDA device arguments to CPU on every torch call made while the mode is active.
-
-    A function mode sees factory functions (``torch.empty(..., device='cuda')``) and tensor
-    methods (``t.cuda()``, ``t.to('cuda')``, ``t.type()``) alike, so no megatron module needs
-    to be patched for device placement.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if _is_cuda_device(kwargs.get("device")):
-            kwargs["device"] = "cpu"
-
-        if func is torch.Tensor.cuda:
-            return args[0]
+    def answer(self, func, args, kwargs):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = _CUDA_TYPE_NAMES.get(args[0].dtype)
             if name is not None:
                 return name
-        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        return func(*args, **kwargs)
+        return NotImplemented
 
 
 def _reduce_scatter_via_all_reduce(output, input, op=dist.ReduceOp.SUM, group=None,
@@ -99,12 +75,9 @@ class _CompletedWork:
         return True
 
 
-def _patch_torch_cuda() -> None:
-    """Send the CUDA device, seed and RNG-state helpers megatron calls to their CPU equivalents."""
+def _patch_torch_cuda_rng() -> None:
+    """Send the CUDA seed and RNG-state helpers megatron calls to their CPU equivalents."""
     cuda = torch.cuda
-    cuda.current_device = lambda: 0
-    cuda.synchronize = lambda device=None: None
-    cuda.empty_cache = lambda: None
     # Seed only the CPU generator: ``torch.manual_seed`` itself calls ``cuda.manual_seed_all``.
     cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
     cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
@@ -156,11 +129,11 @@ def enable_cpu_emulation() -> bool:
     with _lock:
         if _enabled:
             return True
-        _patch_torch_cuda()
+        enable_cpu_device(_CudaTrainingMode())  # torch.cuda's device helpers and the device mode
+        _patch_torch_cuda_rng()
         dist.reduce_scatter_tensor = _reduce_scatter_via_all_reduce
         dist._reduce_scatter_base = _reduce_scatter_via_all_reduce
         _patch_megatron()
-        _CudaToCpuMode().__enter__()
         _enabled = True
         return True
 

@@ -9,7 +9,7 @@ and a crashed-and-resumed run can be compared bit for bit.
 Run (2 CPU ranks, gloo)::
 
     DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc-per-node 2 \\
-        -m megatron_ext.deepspeed_harness --zero-stage 1 --steps 6 --save-dir /tmp/ck \\
+        -m megatron_ext.testing.deepspeed_harness --zero-stage 1 --steps 6 --save-dir /tmp/ck \\
         [--load] [--engine torch|datastates] [--pipeline] [--log-json PATH] [--kill-at-step K]
 
 Determinism: fp32 everywhere (no autocast), DeepSpeed's ``torch_adam`` with ``adam_w_mode: false``

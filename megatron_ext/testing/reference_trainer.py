@@ -1,10 +1,10 @@
 """Reference trainer: a small megatron-core GPT with TP/PP/DP, deterministic data and checkpoints.
 
-Run with ``torchrun --nproc-per-node N -m megatron_ext.megatron.trainer [args]``. It uses the real
-megatron-core building blocks (``GPTModel``, ``DistributedDataParallel``, the distributed
+Run with ``torchrun --nproc-per-node N -m megatron_ext.testing.reference_trainer [args]``. It uses
+the real megatron-core building blocks (``GPTModel``, ``DistributedDataParallel``, the distributed
 optimizer, the pipeline schedules, ``OptimizerParamScheduler``) so checkpointing code exercised
 here sees the same objects it sees inside Megatron-LM. On a machine without GPUs it switches on
-``cpu_emulation`` and runs over gloo.
+``megatron_ext.testing.cpu_emulation`` and runs over gloo.
 
 Checkpointing goes through exactly two functions chosen at start-up by ``select_checkpointing``:
 ``save_checkpoint_fn(iteration, model, optimizer, scheduler, args)`` and
@@ -37,7 +37,7 @@ from megatron_ext.engine import faults
 from megatron_ext.megatron.args import add_datastates_args, validate_datastates_args
 from megatron_ext.megatron import optimizer_state
 from megatron_ext.megatron.checkpointing import from_megatron_lm_rng
-from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation
+from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 # Per-rank bucket-space optimizer state, no gathers or copies (``DistributedOptimizer.

@@ -16,7 +16,7 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine
 
-log = logging.getLogger("megatron_ext.demo")
+log = logging.getLogger(__name__)
 
 
 def _model_and_optimizer(seed: int = 1234):
