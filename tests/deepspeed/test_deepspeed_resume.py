@@ -14,16 +14,14 @@ never stopping, e.g. with ZeRO-3, and what this project owes is exactly DeepSpee
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_ext.procs import torchrun_command
+from helpers.procs import REPO, child_env, torchrun_command
 
-REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 240
 STEPS, KILL_AT = 6, 3
 COMPARED = ("rank_losses", "rank_param_sums")
@@ -34,9 +32,8 @@ def run_harness(args: list[str], log_json: Path, expect_crash: bool = False, scr
     the JSON lines logged so far."""
     entry = [str(script)] if script is not None else ["-m", "megatron_ext.testing.deepspeed_harness"]
     cmd = torchrun_command(2, *entry, *args, "--log-json", str(log_json))
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    proc = subprocess.run(cmd, cwd=REPO, env=child_env(DS_ACCELERATOR="cpu", CUDA_VISIBLE_DEVICES=""),
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if (proc.returncode != 0) != expect_crash:
         pytest.fail(f"harness exit code {proc.returncode} (expected {'a crash' if expect_crash else 0}): "
                     f"{' '.join(cmd)}\n--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")

@@ -14,16 +14,7 @@ import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, read_manifest
 
-
-def rank_state(rank: int, part: str) -> dict:
-    g = torch.Generator().manual_seed(1000 * rank + (1 if part == "model" else 2))
-    return {
-        "w": torch.randn(3000 + rank, generator=g),
-        "t": torch.randn(40, 30, generator=g).t(),
-        "ids": torch.arange(rank, rank + 17),
-        "half": torch.randn(33, generator=g).to(torch.bfloat16),
-        "rank": rank, "part": part,
-    }
+from helpers.states import rank_state
 
 
 def same(a: dict, b: dict) -> bool:

@@ -12,15 +12,11 @@ import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, faults
 
-
-def step_state(rank: int, i: int) -> dict:
-    g = torch.Generator().manual_seed(7919 * rank + i)
-    return {"w": torch.randn(6000, generator=g), "t": torch.randn(20, 30, generator=g).t(), "step": i}
+from helpers.states import step_state
 
 
 def main() -> None:

@@ -15,29 +15,21 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed, read_manifest
 
-from engine_testlib import FAST, TINY, assert_same, clone_state, committed_names, run_python
+from helpers.damage import flip_bits
+from helpers.procs import run_worker
+from helpers.states import FAST, TINY, assert_same, clone_state, committed_names, seeded_state
+
+LIFECYCLE = Path(__file__).resolve().parent / "_lifecycle_worker.py"
 
 
 def _state(i: int) -> dict:
-    g = torch.Generator().manual_seed(i)
-    return {"w": torch.randn(20_000, generator=g), "i": torch.arange(i, i + 50), "step": i}
+    return seeded_state(i, i=torch.arange(i, i + 50))
 
 
 # ---------------------------------------------------------------------------- uncommitted
 def test_uncommitted_checkpoint_of_a_killed_process_is_never_loaded(tmp_path):
     root = tmp_path / "ckpt"
-    run_python(f"""
-        import os, signal, torch
-        from megatron_ext.engine import CheckpointEngine
-        def state(i):
-            g = torch.Generator().manual_seed(i)
-            return {{"w": torch.randn(20_000, generator=g), "i": torch.arange(i, i + 50), "step": i}}
-        e = CheckpointEngine({{"save_dir": {str(root)!r}, "host_cache_size": 0.0001, "chunk_size_mb": 0.004}})
-        e.save(state(1), "A", version=1); e.commit("A"); e.wait_persisted()
-        e.save(state(2), "B", version=2)
-        e.wait_persisted("B")   # B's files are durable, but commit() was never called
-        os.kill(os.getpid(), signal.SIGKILL)
-    """, check_rc=-9)
+    run_worker(LIFECYCLE, "killed-before-commit", str(root), check_rc=-9)
     files = sorted(p.name for p in (root / "B").iterdir())
     assert any(f.endswith(".safetensors") for f in files) and "manifest.json" not in files
     with CheckpointEngine({"save_dir": str(root), **TINY, **FAST}) as engine:
@@ -52,18 +44,7 @@ def test_reported_but_unmanifested_checkpoint_is_removed_at_start(tmp_path):
     # Rank 0 of a 2-rank world whose peer never reports: the rank report exists, the manifest
     # never does. A killed run leaves exactly that; the next run's rank 0 removes it at start-up.
     root = tmp_path / "ckpt"
-    run_python(f"""
-        import os, signal, time, torch
-        from megatron_ext.engine import CheckpointEngine
-        e = CheckpointEngine({{"save_dir": {str(root)!r}, "host_cache_size": 0.0001, "chunk_size_mb": 0.004}},
-                             rank=0, world_size=2, run_id="0123456789ab")
-        e.save({{"w": torch.ones(1000)}}, "P", version=5); e.commit("P")
-        deadline = time.monotonic() + 30
-        while not os.path.exists({str(root / "P" / ".reports" / "rank-00000.0123456789ab.json")!r}):
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        os.kill(os.getpid(), signal.SIGKILL)
-    """, check_rc=-9)
+    run_worker(LIFECYCLE, "killed-after-rank-report", str(root), check_rc=-9)
     assert (root / "P" / ".reports").is_dir() and not (root / "P" / "manifest.json").exists()
     with CheckpointEngine({"save_dir": str(root), **TINY, **FAST}) as engine:
         assert not (root / "P").exists()
@@ -90,9 +71,7 @@ def test_corrupted_data_file_is_detected_at_load(make_engine, tmp_path):
     engine.wait_persisted()
     manifest = read_manifest(str(tmp_path / "ckpt" / "A"))
     path = tmp_path / "ckpt" / manifest["files"]["rank00000"]["tensor_file"]
-    raw = bytearray(path.read_bytes())
-    raw[-5] ^= 0xFF
-    path.write_bytes(bytes(raw))
+    flip_bits(path, -5, 0xFF)
     with pytest.raises(CheckpointError, match="checksum"):
         engine.load("A")
 
@@ -201,19 +180,7 @@ def test_context_manager_commits_what_was_saved(tmp_path):
 @pytest.mark.parametrize("commit", [True, False], ids=["committed", "never_committed"])
 def test_interpreter_exit_commits_pending_checkpoint(tmp_path, commit):
     root = tmp_path / "ckpt"
-    run_python(f"""
-        import torch
-        from megatron_ext.engine import CheckpointEngine
-        def state(i):
-            g = torch.Generator().manual_seed(i)
-            return {{"w": torch.randn(20_000, generator=g), "i": torch.arange(i, i + 50), "step": i}}
-        e = CheckpointEngine({{"save_dir": {str(root)!r}, "host_cache_size": 0.0001, "chunk_size_mb": 0.004}})
-        e.save(state(1), "A", version=1); e.commit("A"); e.wait_persisted()
-        e.save(state(7), "B", version=7)
-        if {commit!r}:
-            e.commit("B")
-        # exit now: no wait_snapshot, no wait_persisted, no shutdown
-    """)
+    run_worker(LIFECYCLE, "exit-without-shutdown", str(root), "commit" if commit else "no-commit")
     assert committed_names(root) == ["A", "B"]
     with CheckpointEngine({"save_dir": str(root), **TINY, **FAST}) as engine:
         assert engine.latest() == "B"

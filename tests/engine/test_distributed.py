@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
+
+from pathlib import Path
 
 import pytest
 
 from megatron_ext.engine import CheckpointEngine, read_manifest
 
-from engine_testlib import FAST, HERE, REPO, TINY, assert_same, child_env, free_port
+from helpers.procs import REPO, child_env, torchrun_command
+from helpers.states import FAST, TINY, assert_same, rank_state
 
-sys.path.insert(0, str(HERE))
-from _dist_worker import rank_state  # noqa: E402
+HERE = Path(__file__).resolve().parent
+
 
 WORLD = 4
 
@@ -23,9 +25,7 @@ WORLD = 4
 def test_four_gloo_ranks_save_commit_and_load(tmp_path):
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(HERE / "_dist_worker.py"), str(root), str(out)]
+    cmd = torchrun_command(WORLD, str(HERE / "_dist_worker.py"), str(root), str(out))
     proc = subprocess.run(cmd, env=child_env(), cwd=str(REPO), capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stderr[-6000:]
     outcomes = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORLD)]

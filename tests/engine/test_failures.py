@@ -7,18 +7,20 @@ from __future__ import annotations
 import errno
 import threading
 import json
+from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, read_manifest
 
-from engine_testlib import FAST, TINY, assert_same, committed_names, run_python
+from helpers.procs import run_worker
+from helpers.states import FAST, TINY, assert_same, committed_names, seeded_state
+
+LIFECYCLE = Path(__file__).resolve().parent / "_lifecycle_worker.py"
 
 
 def _state(i: int, n: int = 20_000) -> dict:
-    g = torch.Generator().manual_seed(i)
-    return {"w": torch.randn(n, generator=g), "t": torch.randn(30, 40, generator=g).t(), "step": i}
+    return seeded_state(i, n, (30, 40))
 
 
 def _enospc_for(checkpoint: str):
@@ -30,22 +32,7 @@ def _enospc_for(checkpoint: str):
 
 def test_sigkill_in_the_middle_of_a_flush_keeps_previous_checkpoint(tmp_path):
     root = tmp_path / "ckpt"
-    run_python(f"""
-        import os, signal, torch
-        from megatron_ext.engine import CheckpointEngine, faults
-        def state(i, n=20_000):
-            g = torch.Generator().manual_seed(i)
-            return {{"w": torch.randn(n, generator=g), "t": torch.randn(30, 40, generator=g).t(), "step": i}}
-        e = CheckpointEngine({{"save_dir": {str(root)!r}, "host_cache_size": 0.0001, "chunk_size_mb": 0.004}})
-        e.save(state(1), "A", version=1); e.commit("A"); e.wait_persisted()
-        def die(level, path, offset, nbytes):
-            if "/B/" in path and offset == 2 * 4096:   # B's third chunk
-                os.kill(os.getpid(), signal.SIGKILL)
-        faults.arm(die)
-        e.save(state(2, 200_000), "B", version=2); e.commit("B")
-        e.wait_persisted()
-        raise SystemExit("not killed")
-    """, check_rc=-9)
+    run_worker(LIFECYCLE, "killed-mid-flush", str(root), check_rc=-9)
     assert committed_names(root) == ["A"]
     partial = [p for p in (root / "B").iterdir() if p.name.endswith(".safetensors")]
     assert len(partial) == 1 and partial[0].stat().st_size <= 2 * 4096  # killed before chunk 3 landed

@@ -9,7 +9,7 @@ import threading
 
 import torch
 
-from engine_testlib import TINY, assert_same, clone_state
+from helpers.states import TINY, assert_same, clone_state
 
 
 def _gate(fault):

@@ -11,13 +11,12 @@ import torch
 
 from megatron_ext.engine import CheckpointError, read_manifest
 
-from engine_testlib import TINY, assert_same, clone_state, committed_names
+from helpers.damage import truncate_to
+from helpers.states import TINY, assert_same, clone_state, committed_names, seeded_state
 
 
 def _state(i: int) -> dict:
-    g = torch.Generator().manual_seed(i)
-    return {"w": torch.randn(60_000, generator=g), "t": torch.randn(70, 90, generator=g).t(),
-            "b": torch.arange(100, dtype=torch.int16), "step": i}
+    return seeded_state(i, 60_000, (70, 90), b=torch.arange(100, dtype=torch.int16))
 
 
 def test_files_on_both_levels_manifest_on_shared_load_prefers_local(make_engine, tmp_path):
@@ -60,8 +59,7 @@ def test_truncated_local_copy_falls_back_to_shared(make_engine, tmp_path):
     engine.commit("c1")
     engine.wait_persisted()
     entry = read_manifest(str(shared / "c1"))["files"]["rank00000"]
-    with open(local / entry["tensor_file"], "r+b") as f:
-        f.truncate(entry["size"] // 2)
+    truncate_to(local / entry["tensor_file"], entry["size"] // 2)
     assert_same(engine.load("c1"), _state(2))
     assert engine.last_load_level == "shared"
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import threading
 import time
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +22,11 @@ from megatron_ext.engine import CheckpointEngine, ConfigError, EngineConfig
 from megatron_ext.engine.inspect import describe
 from megatron_ext.engine.verify import verify_root
 
-from engine_testlib import FAST, HERE, REPO, TINY, assert_same, child_env, committed_names, free_port
+from helpers.procs import REPO, child_env, torchrun_command
+from helpers.states import FAST, TINY, assert_same, committed_names, step_state
 
-sys.path.insert(0, str(HERE))
-from _overload_worker import step_state  # noqa: E402
+HERE = Path(__file__).resolve().parent
+
 
 WORLD = 2
 
@@ -32,9 +34,7 @@ WORLD = 2
 def _run(tmp_path, policy: str, iters: int, *extra: str) -> tuple[list[dict], list[str]]:
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(HERE / "_overload_worker.py"), str(root), str(out), policy, str(iters), *extra]
+    cmd = torchrun_command(WORLD, str(HERE / "_overload_worker.py"), str(root), str(out), policy, str(iters), *extra)
     proc = subprocess.run(cmd, env=child_env(), cwd=str(REPO), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]
     outcomes = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(WORLD)]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -22,16 +21,17 @@ import torch
 from megatron_ext.engine import ConfigError, EngineConfig, read_manifest
 from megatron_ext.engine.replica import ReplicaStore, holder_of, resolve_ranks_per_node, source_of
 
-from engine_testlib import HERE, REPO, TINY, child_env, free_port
+from helpers.procs import REPO, child_env, torchrun_command
+from helpers.states import TINY
+
+HERE = Path(__file__).resolve().parent
 
 WORLD = 4
 SAVE_UNTIL, STEPS = 4, 6
 
 
 def _torchrun(phase: str, work: Path, replica_dir: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(HERE / "_replica_worker.py"), phase, str(work), str(replica_dir)]
+    cmd = torchrun_command(WORLD, str(HERE / "_replica_worker.py"), phase, str(work), str(replica_dir))
     return subprocess.run(cmd, env=child_env(), cwd=str(REPO), capture_output=True, text=True, timeout=300)
 
 

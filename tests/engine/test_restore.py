@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -16,7 +18,11 @@ from megatron_ext.engine import fast_read
 from megatron_ext.engine.files import supports_o_direct
 from megatron_ext.engine.host_cache import HostCache
 
-from engine_testlib import HERE, REPO, TINY, assert_same, child_env, clone_state, free_port
+from helpers.damage import cut_tail, flip_bits, overwrite
+from helpers.procs import REPO, child_env, torchrun_command
+from helpers.states import TINY, assert_same, clone_state
+
+HERE = Path(__file__).resolve().parent
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
@@ -38,7 +44,7 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tens
     return raw.view(dtype).reshape(shape)
 
 
-def _state() -> dict:
+def _every_dtype_state() -> dict:
     state = {f"d/{str(dtype)}": _random((3, 1001 + i), dtype, i) for i, dtype in enumerate(DTYPES)}
     state["scalar"] = torch.tensor(2.5, dtype=torch.float64)
     state["empty"] = torch.empty(0, 7)
@@ -61,7 +67,7 @@ def o_direct(request, tmp_path):
 
 def _saved(make_engine, o_direct, **config) -> tuple[CheckpointEngine, dict]:
     engine = make_engine(host_cache_size=0.02, chunk_size_mb=1, o_direct=o_direct, restore_threads=3, **config)
-    state = _state()
+    state = _every_dtype_state()
     expected = clone_state(state)
     engine.save_and_commit(state, "c1", "model", version=1)
     engine.wait_persisted()
@@ -128,17 +134,6 @@ def test_read_into_through_tiny_staging_slots(make_engine, tmp_path):
         engine.load_into("c1", {"a": torch.zeros(5), "b": strided["b"]})
 
 
-def _damage(path: str, how: str) -> None:
-    if how == "flip":
-        with open(path, "r+b") as f:
-            f.seek(os.path.getsize(path) - 3)
-            byte = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([byte[0] ^ 0x01]))
-    else:
-        os.truncate(path, os.path.getsize(path) - 100)
-
-
 @pytest.mark.parametrize("how", ["flip", "truncate"])
 def test_damage_raises_naming_the_file(make_engine, tmp_path, how):
     engine = make_engine(host_cache_size=0.01, restore_threads=2)
@@ -148,7 +143,10 @@ def test_damage_raises_naming_the_file(make_engine, tmp_path, how):
     entry = read_manifest(str(tmp_path / "ckpt" / "c1"))["files"]["f"]
     path = str(tmp_path / "ckpt" / entry["tensor_file"])
     last = max(entry["tensors"], key=lambda n: entry["tensors"][n]["offsets"][1])  # holds the damaged end
-    _damage(path, how)
+    if how == "flip":
+        flip_bits(path, -3)
+    else:
+        cut_tail(path, 100)
     base = os.path.basename(path)
     with pytest.raises(CheckpointError, match=base):
         engine.load("c1", "f")
@@ -164,9 +162,7 @@ def test_flip_in_a_middle_tensor_names_it(make_engine, tmp_path):
     engine.wait_persisted()
     entry = read_manifest(str(tmp_path / "ckpt" / "c1"))["files"]["f"]
     lo, hi = entry["tensors"]["x"]["offsets"]
-    with open(tmp_path / "ckpt" / entry["tensor_file"], "r+b") as f:
-        f.seek((lo + hi) // 2)
-        f.write(b"\x07")
+    overwrite(tmp_path / "ckpt" / entry["tensor_file"], (lo + hi) // 2, b"\x07")
     with pytest.raises(CheckpointError, match="tensor 'x' fails its checksum"):
         engine.load("c1", "f")
     assert torch.equal(engine.open_checkpoint("c1").reader("f").tensor("y"), torch.ones(40_000))
@@ -184,9 +180,7 @@ def test_restore_threads_is_validated():
 def test_all_ranks_agree_on_one_level(tmp_path, drop_rank, level):
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(HERE / "_restore_worker.py"), str(tmp_path / "root"), str(out),
-           str(drop_rank)]
+    cmd = torchrun_command(2, str(HERE / "_restore_worker.py"), str(tmp_path / "root"), str(out), str(drop_rank))
     proc = subprocess.run(cmd, env=child_env(), cwd=str(REPO), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]

@@ -8,13 +8,11 @@ import torch
 
 from megatron_ext.engine import read_manifest
 
-from engine_testlib import TINY, assert_same, clone_state, committed_names
+from helpers.states import TINY, assert_same, clone_state, committed_names, seeded_state
 
 
 def _state(i: int) -> dict:
-    g = torch.Generator().manual_seed(i)
-    return {"w": torch.randn(10_001, generator=g), "t": torch.randn(33, 65, generator=g).t(),
-            "b": torch.rand(77, generator=g) > 0.5, "step": i}
+    return seeded_state(i, 10_001, (33, 65), b=lambda g: torch.rand(77, generator=g) > 0.5)
 
 
 @pytest.mark.parametrize("o_direct", [True, False, "auto"], ids=["direct", "buffered", "auto"])

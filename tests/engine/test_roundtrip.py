@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from engine_testlib import FAST, TINY, assert_same, assert_tensor_exact, clone_state
+from helpers.states import TINY, assert_same, assert_tensor_exact, clone_state
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.float64, torch.uint8]
 

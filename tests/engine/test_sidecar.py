@@ -12,7 +12,7 @@ import torch
 
 from megatron_ext.engine import CheckpointError, EncodeError, UnsafeCheckpointError, read_manifest
 
-from engine_testlib import TINY, assert_same, committed_names
+from helpers.states import TINY, committed_names
 
 
 class Opaque:

@@ -9,7 +9,7 @@ import torch
 
 from megatron_ext.engine import read_manifest
 
-from engine_testlib import TINY
+from helpers.states import TINY
 
 
 def _lines(path) -> list[dict]:

@@ -20,7 +20,7 @@ import torch
 from helpers import device_scenarios
 from megatron_ext.engine import fast_read, restore
 from megatron_ext.engine.copier import CudaCopier
-from megatron_ext.procs import free_port
+from megatron_ext.procs import torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,8 +69,7 @@ def test_all_ranks_agree_on_one_level_over_nccl(tmp_path, drop_rank, level):
     out = tmp_path / "out"
     out.mkdir()
     worker = REPO / "tests" / "engine" / "_restore_worker.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(worker), str(tmp_path / "root"), str(out), str(drop_rank), "nccl"]
+    cmd = torchrun_command(2, str(worker), str(tmp_path / "root"), str(out), str(drop_rank), "nccl")
     proc = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-6000:]
     for r in range(2):

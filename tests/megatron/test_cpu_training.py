@@ -7,7 +7,6 @@ test is about resumption).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -15,13 +14,12 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from launch import COMMON, REPO, run_trainer  # noqa: E402
+from helpers.trainer_runs import REPO, run_trainer, trainer_env  # noqa: E402
 
 
 def run_python(code: str) -> None:
     """Run ``code`` in a fresh interpreter: the emulation is process-wide and must not leak."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=trainer_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -34,8 +32,25 @@ def test_emulation_does_nothing_when_cuda_is_available():
         "from megatron_ext.testing.cpu_emulation import enable_cpu_emulation, "
         "is_cpu_emulation_enabled\n"
         "assert enable_cpu_emulation() is False and not is_cpu_emulation_enabled()\n"
+        "from megatron_ext.megatron.cpu_device import enable_cpu_device\n"
+        "assert enable_cpu_device() is False\n"
         "assert torch.cuda.current_device is before\n"
         "assert torch.ones(1).type() == 'torch.FloatTensor'\n"
+    )
+
+
+def test_cpu_device_alone_places_on_the_cpu_and_the_emulation_adds_cuda_type_names():
+    # What ``megatron-ext convert`` switches on (product code), then the training emulation on top.
+    run_python(
+        "import torch\n"
+        "from megatron_ext.megatron.cpu_device import enable_cpu_device\n"
+        "assert enable_cpu_device() is True and enable_cpu_device() is True\n"
+        "x = torch.zeros(2, device=torch.cuda.current_device())\n"
+        "assert x.device.type == 'cpu' and x.cuda() is x and x.to('cuda').device.type == 'cpu'\n"
+        "torch.cuda.synchronize()\n"
+        "assert x.type() == 'torch.FloatTensor'\n"
+        "from megatron_ext.testing.cpu_emulation import enable_cpu_emulation\n"
+        "assert enable_cpu_emulation() is True and x.type() == 'torch.cuda.FloatTensor'\n"
     )
 
 

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,20 +21,17 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from launch import REPO, RUN_TIMEOUT_S, run_trainer, torchrun_command  # noqa: E402
+from helpers.procs import torchrun_command  # noqa: E402
+from helpers.trainer_runs import REPO, RUN_TIMEOUT_S, run_trainer, trainer_env  # noqa: E402
 
 FP32 = ["--use-distributed-optimizer", "--global-batch-size", "4", "--micro-batch-size", "2", "--seed", "7",
         "--hidden-dropout", "0", "--attention-dropout", "0"]
 LOGITS_ATOL = 1e-5
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-
-
 def cli(*args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "megatron_ext", *args], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT_S)
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext", *args], cwd=REPO, env=trainer_env(),
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if expect_ok:
         assert proc.returncode == 0, f"megatron-ext {' '.join(args)}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
     return proc
@@ -62,7 +58,7 @@ def test_export_hf_gpt2_matches_megatron_logits_and_megatron_names_are_consolida
     cmd = torchrun_command(2, str(Path(__file__).parent / "logits_worker.py"), str(logits_file), *parallel,
                            "--load", str(ckpt), "--save", str(tmp_path / "unused"), "--use-datastates",
                            "--datastates-host-cache-size", "0.05")
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    proc = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-6000:]
     reference = torch.load(logits_file)
 
@@ -162,7 +158,7 @@ def test_convert_to_torch_dist_and_back_resumes_bit_exact(tmp_path):
         "assert all(torch.equal(a[k], b[k]) for k in a)\n"
     )
     proc = subprocess.run([sys.executable, "-c", compare, str(td / "iter_0000003"), str(again / "iter_0000003")],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+                          cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     resumed = _losses(run_trainer(2, [*common_args, "--load", str(back), "--save", str(back), "--use-datastates",

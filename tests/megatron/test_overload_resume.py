@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import run_trainer
+from helpers.trainer_runs import run_trainer
 
 pytest.importorskip("megatron.core")
 

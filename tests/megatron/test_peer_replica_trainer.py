@@ -10,7 +10,6 @@ system, and every later loss must equal an uninterrupted run's.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import uuid
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import COMMON, REPO, RUN_TIMEOUT_S, run_trainer, torchrun_command
+from helpers.trainer_runs import COMMON, REPO, RUN_TIMEOUT_S, run_trainer, trainer_command, trainer_env
 
 pytest.importorskip("megatron.core")
 
@@ -43,9 +42,8 @@ def test_trainer_recovers_a_lost_node_from_peer_memory(tmp_path: Path):
         assert held == ["of-rank-00002", "of-rank-00003"], "node 0 did not hold the replicas one iteration later"
         shutil.rmtree(replica_dir / "node-00001")  # node 1's memory is gone
 
-        cmd = torchrun_command(4, "-m", "megatron_ext.testing.reference_trainer", *COMMON, *flags, "--load", str(ckpt),
-                               "--log-json", str(tmp_path / "resumed.jsonl"))
-        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        cmd = trainer_command(4, *COMMON, *flags, "--load", str(ckpt), "--log-json", str(tmp_path / "resumed.jsonl"))
+        proc = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         assert proc.returncode == 0, proc.stderr[-8000:]
         for rank, holder in ((2, 0), (3, 1)):
             assert f"recovered rank {rank} from peer memory (rank {holder})" in proc.stderr
@@ -60,7 +58,3 @@ def test_trainer_recovers_a_lost_node_from_peer_memory(tmp_path: Path):
         assert not replica_dir.exists()  # a normal end frees the replicas
     finally:
         shutil.rmtree(replica_dir, ignore_errors=True)
-
-
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import run_trainer
+from helpers.trainer_runs import run_trainer
 
 pytest.importorskip("megatron.core")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO
+from helpers.procs import REPO
 
 pytest.importorskip("megatron.core")
 

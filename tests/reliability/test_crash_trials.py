@@ -21,8 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "megatron"))
-from launch import COMMON, REPO, free_port, run_trainer  # noqa: E402
+from helpers.trainer_runs import COMMON, REPO, run_trainer, trainer_command, trainer_env
 
 pytest.importorskip("megatron.core")
 
@@ -40,11 +39,8 @@ def _datastates(tmp: Path) -> list[str]:
 def _killed_run(tmp: Path, rng: random.Random) -> float:
     """Start the trainer, wait until it trains, SIGKILL the whole process group at a random moment."""
     log = tmp / "crashed.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), "-m", "megatron_ext.testing.reference_trainer", *COMMON, *PARALLEL,
-           *_datastates(tmp), "--log-json", str(log)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    cmd = trainer_command(4, *COMMON, *PARALLEL, *_datastates(tmp), "--log-json", str(log))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=trainer_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.monotonic() + 180
     while not (log.exists() and log.read_text().count("\n") >= 2):

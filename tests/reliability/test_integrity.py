@@ -14,6 +14,8 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError
 
+from helpers.damage import cut_tail, flip_bits
+
 WORLD = 2
 
 
@@ -62,13 +64,9 @@ def test_verify_passes_an_intact_checkpoint(saved):
 def test_verify_and_load_catch_damage(saved, damage, expected):
     path = _tensor_file(saved, 2, 1)
     if damage == "flip":
-        with open(path, "r+b") as f:
-            f.seek(os.path.getsize(path) - 10)
-            byte = f.read(1)
-            f.seek(-1, 1)
-            f.write(bytes([byte[0] ^ 0x40]))
+        flip_bits(path, -10, 0x40)
     elif damage == "truncate":
-        os.truncate(path, os.path.getsize(path) - 4096)
+        cut_tail(path, 4096)
     else:
         path.unlink()
     result = _verify(saved, "--iteration", "2")

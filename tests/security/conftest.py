@@ -1,175 +1,14 @@
-"""Helpers for the hostile-checkpoint suite: genuine checkpoints to tamper with, re-sealing after a
-tamper (so only the attack, not a checksum, is what a reader must catch), and a process-wide audit
-hook that records every file opened, removed or renamed and every process started."""
+"""Fixtures of the hostile-checkpoint suite; its library is ``helpers.hostile``. The audit hook is
+installed once per process, here."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
-import subprocess
 import sys
-import threading
 from pathlib import Path
-from typing import Any, Iterator
 
 import pytest
-import torch
-import xxhash
 
-from megatron_ext.engine import CheckpointEngine
-
-sys.modules.setdefault("security_testlib", sys.modules[__name__])
-
-REPO = Path(__file__).resolve().parents[2]
-SMALL = {"host_cache_size": 0.001, "chunk_size_mb": 0.004, "snapshot_timeout_s": 30.0, "persist_timeout_s": 30.0}
-SPAWN_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-                "pty.spawn")
-CHANGE_EVENTS = ("os.remove", "os.rmdir", "os.rename", "shutil.rmtree", "os.truncate", "os.chmod")
-
-
-def genuine_state(i: int) -> dict:
-    g = torch.Generator().manual_seed(i)
-    return {"w": torch.randn(1000, generator=g), "b": torch.randint(0, 100, (7, 3), generator=g, dtype=torch.int64),
-            "h": torch.randn(5, generator=g).to(torch.bfloat16), "step": i, "lr": 0.5 / (i + 1),
-            "names": ["a", "b"], "pair": (i, "x")}
-
-
-def name_of(i: int) -> str:
-    return f"iter_{i:07d}"  # Megatron's layout, so export and convert take these too
-
-
-C1, C2 = name_of(1), name_of(2)
-
-
-def save_genuine(root: Path, steps: list[int], **config: Any) -> str:
-    """Committed checkpoints ``iter_000000<i>`` (one file, ``rank00000``) under ``root``; returns the run id."""
-    with CheckpointEngine({"save_dir": str(root), **SMALL, **config}, rank=0, world_size=1) as engine:
-        for i in steps:
-            engine.save(genuine_state(i), name_of(i), version=i)
-            engine.commit(name_of(i))
-        engine.wait_persisted()
-        return engine.run_id
-
-
-def manifest_path(root: Path, checkpoint: str) -> Path:
-    return root / checkpoint / "manifest.json"
-
-
-def read_json(path: Path) -> Any:
-    return json.loads(path.read_bytes())
-
-
-def write_json(path: Path, doc: Any) -> None:
-    path.write_text(json.dumps(doc))
-
-
-def files_of(root: Path, checkpoint: str, name: str = "rank00000") -> tuple[Path, Path]:
-    entry = read_json(manifest_path(root, checkpoint))["files"][name]
-    return root / entry["tensor_file"], root / entry["state_file"]
-
-
-def reseal(root: Path, checkpoint: str) -> None:
-    """Recompute the manifest's sizes and checksums from the files as they are now (an attacker who
-    writes the manifest too): whatever a reader rejects afterwards, it rejects for the attack itself."""
-    path = manifest_path(root, checkpoint)
-    doc = read_json(path)
-    for entry in doc["files"].values():
-        tensor, state = root / entry["tensor_file"], root / entry["state_file"]
-        if tensor.is_file() and not tensor.is_symlink():
-            data = tensor.read_bytes()
-            entry["size"], entry["xxh3_64"] = len(data), xxhash.xxh3_64_hexdigest(data)
-            for meta in entry["tensors"].values():
-                begin, end = meta["offsets"]
-                if 0 <= begin <= end <= len(data):
-                    meta["xxh3_64"] = xxhash.xxh3_64_hexdigest(data[begin:end])
-        if state.is_file() and not state.is_symlink():
-            data = state.read_bytes()
-            entry["state_size"], entry["state_xxh3_64"] = len(data), xxhash.xxh3_64_hexdigest(data)
-    write_json(path, doc)
-
-
-def rewrite_sidecar(root: Path, checkpoint: str, change) -> None:
-    """Apply ``change(state_doc)`` to the sidecar's JSON, then reseal."""
-    _, state_file = files_of(root, checkpoint)
-    doc = read_json(state_file)
-    change(doc["state"])
-    write_json(state_file, doc)
-    reseal(root, checkpoint)
-
-
-def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", "megatron_ext", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=str(REPO), env=env)
-
-
-def cli_in_process(capsys, *args: str) -> subprocess.CompletedProcess:
-    """``megatron-ext ARGS`` through ``megatron_ext.cli.main`` in this process (same code, no interpreter start)."""
-    from megatron_ext import cli
-
-    capsys.readouterr()
-    try:
-        code = cli.main(list(args))
-    except SystemExit as exc:  # argparse and explicit exits
-        code = exc.code if isinstance(exc.code, int) else 1
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(["megatron-ext", *args], code, out.out, out.err)
-
-
-def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
-    """A refused command: non-zero exit, exactly one line on stderr naming the problem, no traceback."""
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert len(lines) == 1, proc.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
-
-
-# ------------------------------------------------------------------------------- audit hook
-class Audit:
-    """Records audit events while ``recording``: files opened, files changed, processes started."""
-
-    def __init__(self):
-        self.events: list[tuple[str, tuple]] = []
-        self.recording = False
-        self._lock = threading.Lock()
-
-    def __call__(self, event: str, args: tuple) -> None:
-        if self.recording and (event == "open" or event.startswith(SPAWN_EVENTS) or event in CHANGE_EVENTS):
-            with self._lock:
-                self.events.append((event, args))
-
-    @contextlib.contextmanager
-    def watch(self) -> Iterator["Audit"]:
-        self.events.clear()
-        self.recording = True
-        try:
-            yield self
-        finally:
-            self.recording = False
-
-    def opened(self) -> list[str]:
-        return [os.path.abspath(os.fsdecode(args[0])) for event, args in self.events
-                if event == "open" and isinstance(args[0], (str, bytes, os.PathLike))]
-
-    def spawned(self) -> list[tuple[str, tuple]]:
-        return [(e, a) for e, a in self.events if e.startswith(SPAWN_EVENTS)]
-
-    def changed(self) -> list[tuple[str, tuple]]:
-        return [(e, a) for e, a in self.events if e in CHANGE_EVENTS]
-
-    def assert_confined(self, inside: Path, under: Path) -> None:
-        """No process started, nothing removed or renamed, and no file under ``under`` opened outside ``inside``."""
-        assert not self.spawned(), self.spawned()
-        assert not self.changed(), self.changed()
-        inside_s, under_s = str(inside.resolve()), str(under.resolve())
-        outside = [p for p in self.opened() if p.startswith(under_s + os.sep) and not p.startswith(inside_s + os.sep)]
-        assert not outside, f"opened outside {inside}: {outside}"
-
+from helpers.hostile import Audit, copy_checkpoint, save_genuine
 
 _AUDIT = Audit()
 sys.addaudithook(_AUDIT)
@@ -204,5 +43,3 @@ def genuine(tmp_path: Path, pristine: Path) -> Path:
     return root
 
 
-def copy_checkpoint(src: Path, dst: Path) -> None:
-    shutil.copytree(src, dst, symlinks=True)

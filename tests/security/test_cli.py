@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from security_testlib import C1, C2, assert_one_line_error, cli_in_process, files_of, manifest_path, run_cli
+from helpers.hostile import C1, C2, assert_one_line_error, cli_in_process, files_of, manifest_path, run_cli
 
 
 def test_verify_and_inspect_accept_one_checkpoint_directory(genuine, capsys):

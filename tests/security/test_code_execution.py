@@ -27,7 +27,8 @@ from megatron_ext.deepspeed_adapter import DEEPSPEED_SAFE_CLASSES  # noqa: E402
 from megatron_ext.engine import CheckpointEngine, CheckpointError, UnsafeCheckpointError, add_safe_classes  # noqa: E402
 from megatron_ext.engine import codec  # noqa: E402
 
-from security_testlib import C1, C2, REPO, SMALL, files_of, genuine_state, reseal, rewrite_sidecar  # noqa: E402
+from helpers.hostile import C1, C2, SMALL, files_of, genuine_state, reseal, rewrite_sidecar  # noqa: E402
+from helpers.procs import REPO  # noqa: E402
 
 
 class Finalizer:

@@ -13,7 +13,7 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, ConfigError, EngineConfig
 
-from security_testlib import SMALL
+from helpers.hostile import SMALL
 
 
 @pytest.mark.parametrize("values, message", [

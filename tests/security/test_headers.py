@@ -20,7 +20,7 @@ import torch
 from megatron_ext.engine import CheckpointEngine, CheckpointError
 from megatron_ext.engine.verify import verify_checkpoint
 
-from security_testlib import C2, SMALL, files_of, reseal
+from helpers.hostile import C2, SMALL, files_of, reseal
 
 
 def _split(data: bytes) -> tuple[dict, int, bytes]:

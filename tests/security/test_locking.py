@@ -20,21 +20,15 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
 from megatron_ext.engine import lock as dir_lock
-from megatron_ext.procs import torchrun_command
-
-from security_testlib import REPO, SMALL
+from helpers.hostile import SMALL
+from helpers.procs import REPO, child_env, torchrun_command
 
 WORKER = Path(__file__).with_name("lock_worker.py")
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-
-
 def _start(mode: str, save: Path, local: Path | None, status: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(WORKER), mode, str(save), str(local) if local else "-", str(status)],
-                            env=_env(), cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=child_env(), cwd=str(REPO), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _await(path: Path, proc: subprocess.Popen | None = None, timeout: float = 120) -> dict:
@@ -125,12 +119,12 @@ def test_every_rank_of_a_refused_job_stops_with_the_holder_named(tmp_path):
     when another job holds save_dir, both ranks fail at start-up with the holder's name."""
     save, local = tmp_path / "save", tmp_path / "local"
     job = torchrun_command(2, str(WORKER), "try", str(save), str(local), str(tmp_path / "job"))
-    ok = subprocess.run(job, env=_env(), cwd=str(REPO), capture_output=True, text=True, timeout=240)
+    ok = subprocess.run(job, env=child_env(), cwd=str(REPO), capture_output=True, text=True, timeout=240)
     assert ok.returncode == 0, ok.stderr[-3000:]
     first = [json.loads((tmp_path / f"job.{r}").read_text()) for r in (0, 1)]
     assert all(r["ok"] for r in first) and first[0]["run_id"] == first[1]["run_id"]
     with CheckpointEngine({"save_dir": str(save), **SMALL}) as holder:
-        refused = subprocess.run(job[:-1] + [str(tmp_path / "refused")], env=_env(), cwd=str(REPO),
+        refused = subprocess.run(job[:-1] + [str(tmp_path / "refused")], env=child_env(), cwd=str(REPO),
                                  capture_output=True, text=True, timeout=240)
         assert refused.returncode == 0, refused.stderr[-3000:]
         rank0, rank1 = (json.loads((tmp_path / f"refused.{r}").read_text()) for r in (0, 1))

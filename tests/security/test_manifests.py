@@ -19,8 +19,8 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed, read_manifest
 
-from security_testlib import (C1, C2, SMALL, files_of, genuine_state, manifest_path, name_of, read_json, reseal,
-                              save_genuine, write_json)
+from helpers.hostile import (C1, C2, SMALL, files_of, genuine_state, manifest_path, name_of, read_json, reseal,
+                             save_genuine, write_json)
 
 
 def _file(doc):

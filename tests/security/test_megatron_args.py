@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from security_testlib import REPO
+from helpers.procs import REPO
 
 PIN = "55ac708"
 CHECKOUT = Path(os.environ.get("MEGATRON_EXT_CACHE", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))

@@ -18,8 +18,8 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
 
-from security_testlib import (C1, C2, SMALL, assert_one_line_error, cli_in_process, files_of, genuine_state,
-                              manifest_path, read_json, reseal, write_json)
+from helpers.hostile import (C1, C2, SMALL, assert_one_line_error, cli_in_process, files_of, genuine_state,
+                             manifest_path, read_json, reseal, write_json)
 
 
 def _plant_secret(tmp_path: Path, root: Path) -> tuple[Path, Path]:

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from megatron_ext.engine import CheckpointEngine, CheckpointError, codec
 from megatron_ext.engine.verify import verify_checkpoint
 
-from security_testlib import C2, SMALL, files_of, genuine_state, manifest_path, reseal
+from helpers.hostile import C2, SMALL, files_of, genuine_state, manifest_path, reseal
 
 # Derandomized: CI runs the same examples every time (a failure is reproducible from the log).
 PROPERTY = settings(max_examples=250, deadline=None, database=None, derandomize=True,

@@ -1,4 +1,4 @@
-"""The Slurm templates and scripts/launch.sh against a real one-node Slurm (see cluster.py).
+"""The Slurm templates and scripts/launch.sh against a real one-node Slurm (see helpers/slurm_cluster.py).
 
 * every template's ``#SBATCH`` directives pass ``sbatch --test-only`` on this cluster (as written
   when it fits one node, otherwise the only complaint is the node count, and with ``--nodes=1``
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster import Cluster, ClusterUnavailable, ensure_installed  # noqa: E402
+from helpers.procs import free_port
+from helpers.slurm_cluster import Cluster, ClusterUnavailable, ensure_installed
 
 pytestmark = pytest.mark.slurm
 
@@ -209,14 +209,6 @@ def _wait(what: str, predicate, timeout: float, interval: float = 0.2, on_timeou
     pytest.fail(f"timed out after {timeout}s waiting for {what}\n{on_timeout()}")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class Job:
     """A batch job of this cluster: submit, follow, and explain itself when something goes wrong."""
 
@@ -310,7 +302,7 @@ def _signal_requeue_and_resume(cluster: Cluster, site: Path, tmp_path: Path, tem
     """
     ckpt_dir = tmp_path / "lustre" / config
     job = Job(cluster, REPO / "slurm" / f"{template}.sh", tmp_path / "job.out",
-              _env(cluster, site, TRAIN_ITERS=str(train_iters), STOP_GRACE_S="60", MASTER_PORT=str(_free_port()),
+              _env(cluster, site, TRAIN_ITERS=str(train_iters), STOP_GRACE_S="60", MASTER_PORT=str(free_port()),
                    **env_extra),
               ckpt_dir / "latest_checkpointed_iteration.txt")
     # 1. Let it commit a few checkpoints, then deliver the time-limit signal to the batch shell.
@@ -420,7 +412,7 @@ def test_megatron_job_is_signalled_requeued_and_resumes(cluster, megatron_site, 
     # The same job, never interrupted.
     plain_records = tmp_path / "uninterrupted.jsonl"
     plain = Job(cluster, REPO / "slurm" / "cpu_tiny_megatron.sh", tmp_path / "uninterrupted.out",
-                _env(cluster, megatron_site, TRAIN_ITERS=str(iters), MASTER_PORT=str(_free_port()),
+                _env(cluster, megatron_site, TRAIN_ITERS=str(iters), MASTER_PORT=str(free_port()),
                      RUN_NAME="uninterrupted", MEGATRON_RECORD=str(plain_records)),
                 tmp_path / "lustre" / "uninterrupted" / "latest_checkpointed_iteration.txt")
     assert plain.wait_finished() == "COMPLETED", plain.report()
@@ -451,7 +443,7 @@ def test_restart_waits_for_a_busy_port_and_retries_a_step_that_fails_to_start(cl
     import socket
 
     marker = tmp_path / "node-was-not-ready"
-    port = _free_port()
+    port = free_port()
     with socket.socket() as busy:
         busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         busy.bind(("", port))
@@ -484,7 +476,7 @@ def test_restart_waits_for_a_busy_port_and_retries_a_step_that_fails_to_start(cl
 
 def test_a_step_that_never_starts_is_retried_a_bounded_number_of_times(cluster, site, tmp_path):
     job = Job(cluster, REPO / "slurm" / "cpu_tiny.sh", tmp_path / "job.out",
-              _env(cluster, site, MASTER_PORT=str(_free_port()), STEP_RETRIES="2", STEP_RETRY_DELAY_S="1",
+              _env(cluster, site, MASTER_PORT=str(free_port()), STEP_RETRIES="2", STEP_RETRY_DELAY_S="1",
                    SITE_SETUP="echo 'node not ready (test)'; exit 3"),
               tmp_path / "lustre" / "cpu_tiny" / "latest_checkpointed_iteration.txt")
     assert job.wait_finished() == "FAILED", job.report()

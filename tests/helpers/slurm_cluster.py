@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_ext.procs import free_port
+
 PACKAGES = ["slurm-wlm", "munge"]
 BINARIES = ["munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo"]
 APT_TIMEOUT_S = 240
@@ -58,12 +60,6 @@ def ensure_installed() -> None:
     still = [b for b in BINARIES if shutil.which(b) is None and not Path("/usr/sbin", b).exists()]
     if still:
         raise ClusterUnavailable(f"installed {PACKAGES} but {still} are still missing")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _sbin(name: str) -> str:
@@ -159,11 +155,11 @@ class Cluster:
         real_mem = max(512, mem_mb - 1024)
         b = self.base
         self.conf.write_text(f"""\
-# Written by tests/slurm/cluster.py: one node, no cgroups, no systemd.
+# Written by tests/helpers/slurm_cluster.py: one node, no cgroups, no systemd.
 ClusterName=megatronext
 SlurmctldHost={self.hostname}
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket}
