@@ -1,7 +1,9 @@
 """The ``--use-datastates`` flags: defined here, added to Megatron-LM's parser by patch 0001.
 
 Megatron-LM's own parser and the reference trainer both call ``add_datastates_args`` and
-``validate_datastates_args``, so the flags, their help and their checks live in one place.
+``validate_datastates_args``, so the flags, their help and their checks live in one place. The
+flags split in two: those the engine takes (``engine_config_from_args``) and the adapter's own
+(``MegatronAdapterOptions``).
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def engine_config_from_args(args: Any) -> dict:
 
 def validate_datastates_args(args: Any) -> None:
     """Reject flag combinations the engine cannot honour, with one clear message, before training."""
-    if not getattr(args, "use_datastates", False):
+    if not MegatronAdapterOptions.from_args(args).enabled:
         return
     problems = []
     if getattr(args, "async_save", False):
@@ -142,7 +144,6 @@ def validate_datastates_args(args: Any) -> None:
     if problems:
         raise ValueError("invalid datastates configuration: " + "; ".join(problems))
     try:
-        MegatronAdapterOptions.from_args(args)
         EngineConfig.from_dict(engine_config_from_args(args))
     except ConfigError as exc:
         raise ValueError(f"invalid datastates configuration: {exc}") from exc
