@@ -36,9 +36,9 @@ import torch.distributed as dist
 from megatron_ext.engine import faults
 from megatron_ext.megatron.args import add_datastates_args, validate_datastates_args
 from megatron_ext.megatron import optimizer_state
-from megatron_ext.megatron.checkpoint_layout import (TRACKER_FILE as TRACKER_FILENAME, capture_rng_state,
-                                                     checkpoint_dir, from_megatron_lm_rng, megatron_lm_rng_object,
-                                                     restore_rng_state)
+from megatron_ext.megatron import checkpoint_layout
+from megatron_ext.megatron.checkpoint_layout import (capture_rng_state, checkpoint_dir, from_megatron_lm_rng,
+                                                     megatron_lm_rng_object, restore_rng_state, write_tracker)
 from megatron_ext.megatron.cpu_emulation import enable_cpu_emulation
 
 # Per-rank bucket-space optimizer state, no gathers or copies (``DistributedOptimizer.
@@ -283,30 +283,10 @@ def _forward_step(data_iterator, model, loss_func=_loss_func):
 # Baseline checkpointing: megatron-core dist_checkpointing, torch_dist format
 # --------------------------------------------------------------------------------------------
 
-def write_tracker(root: str, iteration: int) -> None:
-    """Publish ``iteration`` as the latest checkpoint: temp file, fsync, rename, fsync the dir."""
-    tmp = os.path.join(root, f".{TRACKER_FILENAME}.tmp")
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
-    dir_fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def read_tracker(root: str) -> Optional[int]:
-    """The iteration named by the tracker file, or None when there is no checkpoint yet."""
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.exists(path):
-        return None
-    text = open(path).read().strip()
-    if text == "release":
-        return 0
-    return int(text)
+    """The iteration named by the tracker file (0 for a release), or None when there is no checkpoint yet."""
+    iteration = checkpoint_layout.read_tracker(root)
+    return 0 if iteration == checkpoint_layout.RELEASE else iteration
 
 
 def unwrap_model(model):
