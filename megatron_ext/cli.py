@@ -238,8 +238,9 @@ def _verify(sub) -> None:
 
     def run(args) -> int:
         from megatron_ext.engine.verify import verify_root
+        from megatron_ext.megatron.checkpoint_layout import checkpoint_name
 
-        name = f"iter_{args.iteration:07d}" if args.iteration is not None else args.checkpoint
+        name = checkpoint_name(args.iteration) if args.iteration is not None else args.checkpoint
         root = args.dir
         if name is None:
             root, name = _one_checkpoint(args.dir)

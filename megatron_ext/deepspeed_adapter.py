@@ -1,6 +1,7 @@
-"""DeepSpeed adapter: the ``CheckpointEngine`` that DeepSpeed's ``datastates_ckpt`` section loads.
+"""DeepSpeed adapter: ``DeepSpeedDataStatesEngine``, what DeepSpeed's ``datastates_ckpt`` section loads.
 
-DeepSpeed 0.19 imports ``from datastates import CheckpointEngine`` and calls
+DeepSpeed 0.19 imports ``from datastates import CheckpointEngine`` (the top-level ``datastates``
+module names this class so) and calls
 ``CheckpointEngine(deepspeed_config, rank)``, ``save(state_dict, path)``,
 ``load(path, map_location)`` and ``wait(persist=True)``. It means to call ``wait`` at the next step
 boundary (its "decoupled" commit) and then write ``<save_dir>/latest``. At 0.19.8 that never
@@ -38,7 +39,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 
-from megatron_ext.engine import CheckpointEngine as _Engine, CheckpointError, list_committed, read_manifest
+from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed, read_manifest
 from megatron_ext.engine.config import ConfigError, EngineConfig
 from megatron_ext.engine.files import atomic_write
 
@@ -81,8 +82,8 @@ def _split(path: str) -> tuple[str, str, str]:
     return root, tag, name
 
 
-class CheckpointEngine:
-    """What DeepSpeed's ``DataStatesCheckpointEngine`` drives; backed by megatron_ext's engine."""
+class DeepSpeedDataStatesEngine:
+    """What DeepSpeed's ``DataStatesCheckpointEngine`` drives; backed by megatron_ext's ``CheckpointEngine``."""
 
     def __init__(self, deepspeed_config: Any, rank: int):
         section = _section(deepspeed_config)
@@ -98,7 +99,7 @@ class CheckpointEngine:
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = rank
-        self.engine = _Engine(config, rank=rank, world_size=world)
+        self.engine = CheckpointEngine(config, rank=rank, world_size=world)
         self._uncommitted: list[tuple[str, str]] = []  # (root, tag) saved here, commit not yet asked
         self._armed = False  # whether a save happened, so the step hook has something to do
         # With ZeRO every rank saves its optimizer partition, so no rank needs to learn tags from others.
@@ -201,4 +202,4 @@ class CheckpointEngine:
         self.engine.shutdown()
 
 
-__all__ = ["CheckpointEngine"]
+__all__ = ["DeepSpeedDataStatesEngine"]

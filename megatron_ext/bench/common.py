@@ -1,10 +1,13 @@
-"""Measuring helpers shared by the benchmarks: physical limits, memory, a stand-in for compute."""
+"""Helpers shared by the benchmarks: physical limits, memory, a stand-in for compute, runs of the
+reference trainer and a one-process group."""
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import shutil
+import subprocess
 import threading
 import time
 
@@ -12,6 +15,7 @@ import psutil
 import torch
 
 from megatron_ext.engine.files import ChunkFile, supports_o_direct
+from megatron_ext.procs import torchrun_command
 
 
 def make_state(total_bytes: int, tensor_bytes: int = 64 << 20, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -132,3 +136,24 @@ def fresh_dir(path: str) -> str:
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
     return path
+
+
+def run_reference_trainer(nproc: int, args: list[str], log_json: str) -> list[dict]:
+    """One torchrun of the reference trainer with ``args`` (model and run flags); its per-iteration records."""
+    cmd = torchrun_command(nproc, "-m", "megatron_ext.testing.reference_trainer", *args, "--log-json", log_json)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"trainer failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
+    with open(log_json) as f:
+        return [json.loads(line) for line in f]
+
+
+def ensure_process_group(workdir: str, device: str = "cpu") -> None:
+    """A world of this one process (gloo, plus NCCL for ``device="cuda"``) for DCP, unless one exists."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{os.path.join(os.path.abspath(workdir), 'pg-store')}",
+                                rank=0, world_size=1)

@@ -22,22 +22,13 @@ import time
 
 import torch
 
-from megatron_ext.bench.common import (PeakRss, busy_compute, direct_write_gbps, fresh_dir, make_state,
-                                       memcpy_gbps, state_bytes)
+from megatron_ext.bench.common import (PeakRss, busy_compute, direct_write_gbps, ensure_process_group, fresh_dir,
+                                       make_state, memcpy_gbps, state_bytes)
 from megatron_ext.engine import CheckpointEngine
 
 
 def _progress(msg: str) -> None:
     print(f"[bench engine] {msg}", file=sys.stderr, flush=True)
-
-
-def _ensure_process_group(workdir: str, device: str = "cpu") -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"file://{os.path.join(os.path.abspath(workdir), 'pg-store')}",
-                                rank=0, world_size=1)
 
 
 def compute(seconds: float, device: str) -> int:
@@ -129,7 +120,7 @@ def measure_dcp_async(state: dict[str, torch.Tensor], directory: str, executor: 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    _ensure_process_group(os.path.dirname(os.path.abspath(directory)), device)
+    ensure_process_group(os.path.dirname(os.path.abspath(directory)), device)
     kind = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}[executor]
     dcp_dir = fresh_dir(directory)
     t0 = time.perf_counter()

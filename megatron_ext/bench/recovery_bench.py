@@ -39,6 +39,7 @@ import tempfile
 import time
 
 from megatron_ext.bench import train_bench
+from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE
 from megatron_ext.procs import kill_tree, start_logged, torchrun_command
 
 WAYS = {"datastates": "datastates", "torch_dist": "megatron_async"}  # our name -> train_bench mode
@@ -86,7 +87,7 @@ def _wait_for(predicate, proc, what: str, log_path: str, timeout_s: float) -> No
 
 def _tracker(save: str) -> int | None:
     try:
-        with open(os.path.join(save, train_bench.TRACKER)) as f:
+        with open(os.path.join(save, TRACKER_FILE)) as f:
             return int(f.read().strip())
     except (FileNotFoundError, ValueError):
         return None

@@ -16,7 +16,9 @@ import sys
 import tempfile
 import uuid
 
-from megatron_ext.bench.train_bench import _run
+from megatron_ext.bench.common import run_reference_trainer
+from megatron_ext.bench.train_bench import MODEL
+from megatron_ext.megatron.checkpoint_layout import checkpoint_dir
 
 
 def _progress(msg: str) -> None:
@@ -39,7 +41,7 @@ def run(iters: int = 10, nproc: int = 4, ranks_per_node: int = 2, warmup: int = 
     try:
         for i, (mode, extra) in enumerate(modes.items(), 1):
             _progress(f"{i}/2 {mode}: {iters} iterations on {nproc} CPU ranks, {ranks_per_node} per node")
-            records[mode] = _run(nproc, [*common, *extra], f"{base}/{mode}.jsonl")[warmup:]
+            records[mode] = run_reference_trainer(nproc, [*MODEL, *common, *extra], f"{base}/{mode}.jsonl")[warmup:]
     finally:
         shutil.rmtree(replica_dir, ignore_errors=True)
 
@@ -49,7 +51,7 @@ def run(iters: int = 10, nproc: int = 4, ranks_per_node: int = 2, warmup: int = 
     def blocked_s(mode: str) -> float:
         return statistics.mean(r["ckpt_blocked_s"] for r in records[mode])
 
-    with open(os.path.join(base, "on", f"iter_{iters:07d}", "manifest.json")) as f:
+    with open(os.path.join(checkpoint_dir(os.path.join(base, "on"), iters), "manifest.json")) as f:
         files = json.load(f)["files"].values()
     result = {
         "nproc": nproc, "ranks_per_node": ranks_per_node, "iterations_measured": iters - warmup,

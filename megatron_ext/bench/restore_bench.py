@@ -30,8 +30,7 @@ import time
 
 import torch
 
-from megatron_ext.bench.common import drop_page_cache, fresh_dir, make_state, state_bytes
-from megatron_ext.bench.engine_bench import _ensure_process_group
+from megatron_ext.bench.common import drop_page_cache, ensure_process_group, fresh_dir, make_state, state_bytes
 from megatron_ext.engine import CheckpointEngine
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -181,7 +180,7 @@ def run(size_gb: float, directory: str | None = None, threads: int = 4, repeats:
         torch.save(state, f)
     import torch.distributed.checkpoint as dcp
 
-    _ensure_process_group(base)
+    ensure_process_group(base)
     dcp_dir = fresh_dir(os.path.join(base, "dcp"))
     dcp.save(state, checkpoint_id=dcp_dir)
 

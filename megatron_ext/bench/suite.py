@@ -32,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from megatron_ext.bench import deepspeed_bench, engine_bench, gpu_model, plots, telemetry_report, train_bench
-from megatron_ext.bench.common import direct_write_gbps, fresh_dir, make_state, memcpy_gbps, state_bytes
+from megatron_ext.bench.common import (direct_write_gbps, ensure_process_group, fresh_dir, make_state, memcpy_gbps,
+                                       state_bytes)
 
 DCP_EXECUTORS = {"DCP async (thread)": "thread", "DCP async (process)": "process"}
 SIZE_APPROACHES = ("datastates", "torch.save", *DCP_EXECUTORS)
@@ -81,7 +82,7 @@ def measure_limits(base: str, nbytes: int) -> dict:
 def run_sizes(sizes_mb: tuple[int, ...], base: str, progress: Progress | None = None) -> list[dict]:
     """Every approach at every size: time blocked, time until on disk, throughput = size / blocked."""
     os.makedirs(base, exist_ok=True)
-    engine_bench._ensure_process_group(base)
+    ensure_process_group(base)
     warm = make_state(4 << 20, 1 << 20)
     for executor in DCP_EXECUTORS.values():  # the process executor starts its daemon at the first save
         engine_bench.measure_dcp_async(warm, os.path.join(base, f"warmup-{executor}"), executor)

@@ -18,11 +18,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
-from megatron_ext.procs import torchrun_command
+from megatron_ext.bench.common import run_reference_trainer
+from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE, checkpoint_dir
 
 MODEL = ["--bf16", "--use-distributed-optimizer", "--num-layers", "4", "--hidden-size", "512",
          "--num-attention-heads", "8", "--seq-length", "128", "--vocab-size", "8192",
@@ -33,18 +33,7 @@ def _progress(msg: str) -> None:
     print(f"[bench train] {msg}", file=sys.stderr, flush=True)
 
 
-def _run(nproc: int, args: list[str], log_json: str, model: list[str] = MODEL) -> list[dict]:
-    cmd = torchrun_command(nproc, "-m", "megatron_ext.testing.reference_trainer", *model, *args, "--log-json", log_json)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"trainer failed: {' '.join(cmd)}\n{proc.stderr[-4000:]}")
-    with open(log_json) as f:
-        return [json.loads(line) for line in f]
-
-
 MODES = ("baseline", "datastates", "megatron_async")
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def save_dir(base: str, mode: str, nproc: int, save_interval: int) -> str:
@@ -71,10 +60,10 @@ def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interva
     log_json = f"{save}.jsonl"
     if os.path.exists(log_json):
         os.unlink(log_json)
-    records = _run(nproc, ["--train-iters", str(iters), *extra], log_json, model)
+    records = run_reference_trainer(nproc, [*model, "--train-iters", str(iters), *extra], log_json)
     start = records[0]["wall_time"] - records[0]["iter_time_s"]
     end = records[-1]["wall_time"]
-    tracker = os.path.join(save, TRACKER)
+    tracker = os.path.join(save, TRACKER_FILE)
     if mode != "baseline":
         end = max(end, os.stat(tracker).st_mtime)
     measured = records[warmup:]
@@ -87,7 +76,7 @@ def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interva
         "end_to_end_s": end - start,
     }
     if mode == "datastates":
-        with open(os.path.join(save, f"iter_{iters - iters % save_interval:07d}", "manifest.json")) as f:
+        with open(os.path.join(checkpoint_dir(save, iters - iters % save_interval), "manifest.json")) as f:
             files = list(json.load(f)["files"].values())
         result["ckpt_bytes_total"] = sum(f["size"] + f["state_size"] for f in files)
         result["ckpt_bytes_per_rank"] = result["ckpt_bytes_total"] / len(files)

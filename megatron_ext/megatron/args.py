@@ -1,12 +1,15 @@
 """The ``--use-datastates`` flags: defined here, added to Megatron-LM's parser by patch 0001.
 
 Megatron-LM's own parser and the reference trainer both call ``add_datastates_args`` and
-``validate_datastates_args``, so the flags, their help and their checks live in one place.
+``validate_datastates_args``, so the flags, their help and their checks live in one place. The
+flags split in two: those the engine takes (``engine_config_from_args``) and the adapter's own
+(``MegatronAdapterOptions``).
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.engine.config import ConfigError, EngineConfig
@@ -64,6 +67,31 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
+@dataclass(frozen=True)
+class MegatronAdapterOptions:
+    """The Megatron adapter's own options: the ``--datastates-*`` flags that are not engine keys.
+
+    The engine's keys go to ``EngineConfig`` (``engine_config_from_args``); these only change
+    what the drop-in ``checkpointing`` does around the engine.
+    """
+
+    enabled: bool = False
+    """``--use-datastates``: Megatron-LM's ``save_checkpoint``/``load_checkpoint`` route to this adapter."""
+    load_fallback: bool = False
+    """``--datastates-load-fallback``: a checkpoint that fails its checks makes every rank load the previous one."""
+
+    def __post_init__(self) -> None:
+        for name in ("enabled", "load_fallback"):
+            if type(getattr(self, name)) is not bool:
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_args(cls, args: Any) -> "MegatronAdapterOptions":
+        """The options the parsed flags describe (absent flags take their defaults)."""
+        return cls(enabled=bool(getattr(args, "use_datastates", False)),
+                   load_fallback=bool(getattr(args, "datastates_load_fallback", False)))
+
+
 # Flags whose value, when given, goes to the engine configuration key of the same meaning.
 _OPTIONAL_FLAGS = (("datastates_chunk_size_mb", "chunk_size_mb"), ("datastates_timeout", "persist_timeout_s"),
                    ("datastates_on_failure", "on_failure"), ("datastates_keep_last", "keep_last"),
@@ -90,7 +118,7 @@ def engine_config_from_args(args: Any) -> dict:
 
 def validate_datastates_args(args: Any) -> None:
     """Reject flag combinations the engine cannot honour, with one clear message, before training."""
-    if not getattr(args, "use_datastates", False):
+    if not MegatronAdapterOptions.from_args(args).enabled:
         return
     problems = []
     if getattr(args, "async_save", False):

@@ -3,20 +3,16 @@
 The signatures are those of ``megatron/training/checkpointing.py`` at the pinned commit, so the
 patch set only re-routes calls here, and the behaviour follows Megatron-LM's own functions
 (docs/MEGATRON.md lists each of their behaviours and how this module matches it). The layout
-stays Megatron's: ``<save>/iter_0000123/`` per checkpoint and
+stays Megatron's (``checkpoint_layout``: ``<save>/iter_0000123/`` per checkpoint and
 ``<save>/latest_checkpointed_iteration.txt``, which rank 0 writes (atomically) only once the
-checkpoint is committed, i.e. every rank's bytes are durable.
-
-What each rank writes (one file per rank and checkpoint):
+checkpoint is committed, i.e. every rank's bytes are durable), with one file per rank:
 
 * ``shards``: the model and distributed-optimizer shards this rank owns (``sharding.py``), as
   zero-copy views, with their global placement; the optimizer's state is described per parameter
   (``optimizer_state.py``, model space): each data-parallel rank's slices of the fp32 main params
   and Adam moments are its own shards (no gather);
-* ``rng``: this rank's Python, NumPy, torch, CUDA and model-parallel tracker RNG states;
-* ``rerun_state_machine``: this rank's state of Megatron-LM's rerun state machine, when it has one;
-* on global rank 0 only, ``common``: the non-sharded part of the state dict, and ``meta``: the
-  iteration, the scheduler, the args (copied at save time) and the parallel layout.
+* ``rng``, ``rerun_state_machine`` and, on global rank 0, ``common`` and ``meta``, as
+  ``checkpoint_layout`` lists them.
 
 Loading into the same TP/PP/DP layout reads each shard by id; into another layout, each shard
 is assembled from the saved shards that overlap it (``shard_assembly.py``).
@@ -24,6 +20,11 @@ is assembled from the saved shards that overlap it (``shard_assembly.py``).
 ``save_checkpoint`` returns as soon as the engine has recorded the tensors; the copies overlap
 with the next forward/backward, and ``install_lazy_wait`` makes the optimizer wait right before
 its inner step (``step_with_ready_grads``), after gradient preparation and clipping.
+
+A process's checkpointing state (its engine, the shard ownership plan, the args) lives in one
+``MegatronCheckpointer``; the module-level functions Megatron-LM's patched
+``megatron/training/checkpointing.py`` calls (``save_checkpoint``, ``load_checkpoint``,
+``load_base_checkpoint_rank0``, ``finalize_checkpoints``) hand over to the process's instance.
 
 Inside Megatron-LM (``megatron.training`` importable and the args are its own), the module also
 does what only Megatron-LM's loop needs: argument checks against the checkpoint, the loaded
@@ -37,82 +38,447 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 import sys
 import time
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
 from megatron_ext.engine.commit import MANIFEST
-from megatron_ext.engine.files import atomic_write
 from megatron_ext.engine.layout import torch_dtype
 from megatron_ext.megatron import optimizer_state, sharding
-from megatron_ext.megatron.args import engine_config_from_args
-from megatron_ext.megatron.safe_classes import megatron_classes, megatron_safe_classes
+from megatron_ext.megatron.args import MegatronAdapterOptions, engine_config_from_args
+from megatron_ext.megatron.checkpoint_layout import (CHECKPOINT_VERSION, COMMON, META, NON_PERSISTENT_SUBDIR, RELEASE,
+                                                     RERUN_STATE, RNG, TRACKER_FILE, capture_rng_state, checkpoint_dir,
+                                                     checkpoint_name, file_of_rank, is_datastates_checkpoint,
+                                                     is_megatron_lm_format, rank_extra, rank_file_name, rank_state,
+                                                     read_tracker, restore_rng_state, run_meta, tracker_writer)
+from megatron_ext.megatron.safe_classes import megatron_safe_classes
 from megatron_ext.megatron.shard_assembly import SavedShards
 
 log = logging.getLogger("megatron_ext.megatron")
 
-TRACKER = "latest_checkpointed_iteration.txt"
-RELEASE = "release"  # a tracker holding this names the checkpoint directory "release" (iteration 0)
-NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's default home of non-persistent checkpoints
-CHECKPOINT_VERSION = 3.0  # the Megatron-LM checkpoint version this layout answers to
 DP_RESHARDABLE = "dp_reshardable"
 
-_engine: CheckpointEngine | None = None
-_engine_key: tuple | None = None
-_plan: sharding.OwnershipPlan | None = None
-_args: Any = None
+
+class MegatronCheckpointer:
+    """One process's Megatron-LM checkpointing: its engine, shard ownership plan and args.
+
+    The engine is created at the first save (its host cache then allocates in the background)
+    and its configuration is fixed from then on; the ownership plan is made at the first save
+    and again whenever the set of shards changes.
+    """
+
+    def __init__(self) -> None:
+        self.args: Any = None  # set_args(), for trainers without ``megatron.training``
+        self.engine: CheckpointEngine | None = None
+        self.plan: sharding.OwnershipPlan | None = None
+        self._engine_key: tuple | None = None
+
+    # ------------------------------------------------------------------------ configuration
+    def get_args(self) -> Any:
+        if self.args is not None:
+            return self.args
+        try:
+            from megatron.training import get_args  # present in a Megatron-LM checkout only
+        except ImportError as exc:
+            raise RuntimeError("megatron_ext.megatron.checkpointing.set_args(args) was not called") from exc
+        return get_args()
+
+    def megatron_lm(self) -> Any:
+        """Megatron-LM's own ``megatron.training.checkpointing`` when its training loop is the caller, else None."""
+        if self.args is not None:
+            return None
+        from megatron.training import checkpointing as native
+
+        return native
+
+    def get_engine(self, args: Any | None = None) -> CheckpointEngine:
+        """The process's engine, created on first use (its host cache then allocates in the background)."""
+        args = args or self.get_args()
+        cfg = engine_config_from_args(args)
+        cfg["safe_classes"] = list(megatron_safe_classes()) + list(cfg.get("safe_classes") or [])
+        key = tuple(sorted((k, str(v)) for k, v in cfg.items()))
+        if self.engine is None:
+            self.engine = CheckpointEngine(cfg)
+            self._engine_key = key
+        elif key != self._engine_key:
+            raise CheckpointError("the datastates configuration changed during the run; it is fixed at the first save")
+        return self.engine
+
+    def ownership(self, shards: list) -> sharding.OwnershipPlan:
+        """Who writes which shard: planned at the first save with one all-gather over the data-parallel group.
+
+        Planned again (the same collective) when the set of shards changes, which happens on every
+        rank at the same save: the optimizer's first step adds its moments (fp16 runs skip their
+        first steps, saved before that).
+        """
+        signature = sharding.candidate_signature(shards)
+        if self.plan is None or self.plan.signature != signature:
+            layout = _parallel_layout()
+            if self.plan is not None:
+                log.info("[datastates] the sharded state changed (%d -> %d shards): planning ownership again",
+                         len(self.plan.signature), len(signature))
+            self.plan = sharding.plan_ownership(shards, layout["dp_rank"], layout["dp"], _dp_gather())
+            log.info("[datastates] shard ownership: bytes per data-parallel rank %s", self.plan.bytes_by_dp_rank)
+        return self.plan
+
+    # ------------------------------------------------------------------------ save
+    def save(self, iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+             checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
+             pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
+             train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False,
+             tp_group=None, pp_group=None, dp_cp_group=None):
+        """``save_checkpoint``."""
+        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+        args = self.get_args()
+        native = self.megatron_lm()
+        if native is not None and getattr(args, "ckpt_convert_format", None) is not None:
+            # --ckpt-convert-format: Megatron-LM writes the loaded state in the format asked for.
+            with _megatron_lm_formats(args):
+                return native.save_checkpoint(
+                    iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                    checkpointing_context, non_persistent_ckpt=non_persistent_ckpt,
+                    train_data_iterator=train_data_iterator,
+                    preprocess_common_state_dict_fn=preprocess_common_state_dict_fn, release=release,
+                    tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group)
+        started = time.monotonic()
+        root = save_root(args, non_persistent_ckpt)
+        model = _unwrap(model)
+        engine = self.get_engine(args)
+        install_lazy_wait(optimizer, engine, wait_after_step=bool(getattr(args, "qk_clip", False)))
+        if native is not None:  # Energon data loaders keep their own state (a no-op for Megatron's own)
+            native.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None))
+        with_optimizer = not getattr(args, "no_save_optim", False)
+        sharded, common = save_preprocess(_sharded_state(model, optimizer, with_optimizer),
+                                          validate_access_integrity=False)
+        shards = list(sharding.sharded_leaves(sharded))
+        plan = self.ownership(shards)
+        tensors, objects, meta = sharding.split_owned(shards, plan)
+        rank = torch.distributed.get_rank()
+        layout = _parallel_layout()
+        rng = None if getattr(args, "no_save_rng", False) else capture_rng_state()
+        rerun = _rerun_state(native, train_data_iterator)
+        run = None
+        if rank == 0:
+            # As Megatron-LM: the scheduler goes with the optimizer (none with --no-save-optim).
+            scheduler = (opt_param_scheduler.state_dict() if opt_param_scheduler is not None and with_optimizer
+                         else None)
+            run = run_meta(iteration, num_floating_point_operations_so_far, scheduler, args, layout)
+        state = rank_state({"tensors": tensors, "objects": objects, "meta": meta}, rng, rerun,
+                           common if rank == 0 else None, run)
+        name = checkpoint_name(RELEASE if release else iteration)
+        engine.save(state, name, rank_file_name(rank), root=root, version=iteration, extra=rank_extra(objects, layout))
+        engine.commit(name, root=root, on_committed=tracker_writer(root, RELEASE if release else iteration, rank),
+                      keep_last=1 if non_persistent_ckpt else None)
+        log.info("[datastates] iteration %d: %scheckpoint recorded in %.4fs (%d tensors, %d objects owned here)",
+                 iteration, "non-persistent " if non_persistent_ckpt else "", time.monotonic() - started,
+                 len(tensors), len(objects))
+
+    def finalize(self, blocking: bool = False, terminate: bool = False) -> None:
+        """``finalize_checkpoints``."""
+        if self.engine is None:
+            return
+        if terminate:
+            self.shutdown()
+        elif blocking:
+            self.engine.wait_persisted()
+        else:
+            self.engine.raise_if_failed()
+
+    def shutdown(self) -> None:
+        """Stop the engine's threads; the next save starts a new engine and plans ownership again."""
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.engine, self.plan = None, None
+
+    # ------------------------------------------------------------------------ load
+    def load(self, ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
+             checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None,
+             pp_group=None, dp_cp_group=None):
+        """``load_checkpoint``."""
+        args = self.get_args()
+        native = self.megatron_lm()
+        options = MegatronAdapterOptions.from_args(args)
+        load_dir = getattr(args, load_arg, None)
+        pretrained = getattr(args, "pretrained_checkpoint", None)
+        finetune_from_pretrained = pretrained is not None and (load_dir is None or read_tracker(load_dir) is None)
+        if finetune_from_pretrained:  # as Megatron-LM: no checkpoint of this run yet, so fine-tune from that one
+            log.warning("[datastates] no checkpoint in %s: fine-tuning from the pretrained checkpoint in %s",
+                        load_dir, pretrained)
+            load_dir = pretrained
+        chosen = _choose(load_dir, args)
+        if chosen is not None and native is not None and is_megatron_lm_format(checkpoint_dir(*chosen)):
+            log.warning("[datastates] %s holds a checkpoint in Megatron-LM's own format: Megatron-LM loads it; "
+                        "checkpoints saved from now on are datastates checkpoints", chosen[0])
+            with _megatron_lm_formats(args):
+                return native.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg=load_arg,
+                                              strict=strict, checkpointing_context=checkpointing_context,
+                                              skip_load_to_model_and_opt=skip_load_to_model_and_opt,
+                                              tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group)
+        if finetune_from_pretrained:
+            if chosen is None:
+                raise FileNotFoundError("No checkpoint found in load directory or pretrained directory")
+            args.finetune = True
+        if native is not None:  # what Megatron-LM records in _load_base_checkpoint
+            native.set_loaded_iteration(-1 if chosen is None else 0 if chosen[1] == RELEASE else chosen[1])
+        if chosen is None:
+            if getattr(args, "exit_on_missing_checkpoint", False):
+                log.warning("[datastates] no checkpoint in %s and --exit-on-missing-checkpoint: exiting", load_dir)
+                torch.distributed.barrier()
+                sys.exit()
+            log.warning("[datastates] no committed checkpoint in %s: training starts from scratch", load_dir)
+            return 0, 0
+        root, iteration = chosen
+        candidates = [iteration]
+        if options.load_fallback and iteration != RELEASE:
+            committed = [m["version"] for _, m in list_committed(root) if isinstance(m.get("version"), int)]
+            candidates += sorted((v for v in committed if v < iteration), reverse=True)
+        started = time.monotonic()
+        for n, candidate in enumerate(candidates):
+            error: BaseException | None = None
+            try:
+                *result, levels = self._load_iteration(root, candidate, ddp_model, optimizer, opt_param_scheduler,
+                                                       args, strict, skip_load_to_model_and_opt)
+            except CheckpointError as exc:
+                error = exc
+            failed = torch.tensor([0 if error is None else 1])
+            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+            if not failed.item():
+                log.warning("[datastates] loaded %s from %s (%s level) in %.2fs: iteration %d",
+                            checkpoint_name(candidate), root, levels, time.monotonic() - started, result[0])
+                return tuple(result)
+            reason = str(error) if error is not None else "damaged on another rank"
+            if n + 1 < len(candidates):
+                log.warning("[datastates] %s cannot be loaded (%s); falling back to %s", checkpoint_name(candidate),
+                            reason, checkpoint_name(candidates[n + 1]))
+                continue
+            hint = "" if len(candidates) > 1 else " (--datastates-load-fallback loads the previous one instead)"
+            raise CheckpointError(f"{checkpoint_name(candidate)} in {root} cannot be loaded: {reason}{hint}") from error
+        raise AssertionError("unreachable")
+
+    def _load_engine(self, args: Any, load_dir: str) -> CheckpointEngine:
+        """The run's engine when it saves too; else a small one that only reads (and never deletes)."""
+        if getattr(args, "save", None):
+            return self.get_engine(args)
+        return CheckpointEngine({"save_dir": load_dir, "host_cache_size": 0.01,
+                                 "safe_classes": list(megatron_safe_classes())}, read_only=True)
+
+    def _load_iteration(self, load_dir: str, iteration: int | str, ddp_model, optimizer, opt_param_scheduler, args,
+                        strict: bool, skip_load_to_model_and_opt: bool) -> tuple[int, Any, str]:
+        """Load one committed checkpoint as Megatron-LM's ``load_checkpoint`` does; also the levels read.
+
+        Which parts are loaded follows Megatron-LM: the optimizer and the scheduler unless
+        ``--no-load-optim``, ``--finetune`` or a release checkpoint (otherwise the fp32 main params
+        are refreshed from the loaded weights); RNGs unless ``--no-load-rng``, ``--finetune``, a
+        release, or another TP/PP layout; the rerun state machine only on the same world and layout.
+        """
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
+        from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+        from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+        native = self.megatron_lm()
+        model = _unwrap(ddp_model)
+        engine = self._load_engine(args, load_dir)
+        ckpt = engine.open_checkpoint(checkpoint_name(iteration), root=load_dir)
+        engine.agree_load_level(ckpt)  # every rank node-local, or every rank shared
+        tensor_index, object_index = _index(ckpt.manifest)
+        rank = torch.distributed.get_rank()
+        zero_name = file_of_rank(ckpt.manifest, 0)
+        if zero_name is None:
+            raise CheckpointError(f"{ckpt.checkpoint} has no file of rank 0 (its common state and args)")
+        meta = ckpt.reader(zero_name).part(META)
+        saved_args = meta.get("args")
+        layout = _parallel_layout()
+        saved_layout = meta["layout"]
+        saved_shards = _reshard_source(ckpt, saved_layout, layout)  # None: same layout, exact shard ids
+        release = iteration == RELEASE
+        finetune = bool(getattr(args, "finetune", False))
+        if native is not None:
+            native.set_checkpoint_version(meta.get("checkpoint_version", CHECKPOINT_VERSION))
+        if saved_args is not None and not finetune:  # before any weight is read: a wrong shape fails with its name
+            _carry_args(native, args, saved_args)
+
+        common = ckpt.reader(zero_name).part(COMMON)
+        optimizer_format = (common.get("optimizer") or {}).get("param_state_sharding_type")
+        with_optimizer = (optimizer is not None and not release and not finetune
+                          and not getattr(args, "no_load_optim", False))
+        if with_optimizer and "optimizer" not in common:
+            raise CheckpointError(f"{ckpt.checkpoint} holds no optimizer state (saved with --no-save-optim); "
+                                  "pass --no-load-optim or --finetune to load it without")
+        if with_optimizer and optimizer_format == DP_RESHARDABLE and saved_shards is not None:
+            raise CheckpointError(f"{ckpt.checkpoint} holds the optimizer in bucket space (dp_reshardable), which "
+                                  "loads on the saved TP/PP/DP layout only")
+        if with_optimizer and not optimizer_state.saved_before_first_step(common.get("optimizer")):
+            optimizer_state.allocate_state(optimizer)  # every value is read into it below; else main params only
+        sharded, nonpersistent, factories = load_preprocess(_sharded_state(model, optimizer, with_optimizer,
+                                                                           optimizer_format, is_loading=True))
+        sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"
+        missing: list[str] = []
+        prefetched = {} if saved_shards is not None else _read_own_shards(ckpt, tensor_index, sharded)
+
+        def fill(leaf: Any) -> Any:
+            if not isinstance(leaf, (ShardedTensor, ShardedObject)):
+                return leaf
+            sid = sharding.shard_id(leaf)
+            if isinstance(leaf, ShardedObject):
+                if sid not in object_index:
+                    missing.append(sid)
+                    return None
+                return ckpt.reader(object_index[sid]).part("shards", "objects", sid)
+            if saved_shards is not None:
+                return _assemble(saved_shards, leaf)
+            if sid not in prefetched:
+                missing.append(sid)
+                return None
+            tensor = prefetched[sid]
+            expected = tuple(leaf.data.shape) if leaf.data is not None else tuple(leaf.local_shape)
+            if tuple(tensor.shape) != expected:
+                # A shard converted from torch_dist keeps megatron-core's prepended axes of size 1.
+                if [n for n in tensor.shape if n != 1] != [n for n in expected if n != 1]:
+                    raise CheckpointError(f"shard {sid}: checkpoint has shape {tuple(tensor.shape)}, "
+                                          f"the model {expected}")
+                tensor = tensor.view(expected)
+            return tensor
+
+        dict_list_map_inplace(fill, sharded)
+        if missing:
+            raise CheckpointError(f"{len(missing)} shard(s) needed by this rank are not in the checkpoint, e.g. "
+                                  f"{missing[:3]}; was it saved from a different model or parallel layout?")
+        merge(common, nonpersistent)
+        merge(common, sharded)
+        state = apply_factory_merges(common, factories)
+
+        loaded_iteration = 0 if finetune or release else meta["iteration"]
+        if not skip_load_to_model_and_opt:
+            for key, chunk in zip(_model_keys(model), model):
+                _load_model_chunk(chunk, state[key], strict)
+        if with_optimizer:
+            if not skip_load_to_model_and_opt:
+                if optimizer_format == DP_RESHARDABLE:
+                    optimizer.load_state_dict(state["optimizer"])
+                    optimizer_state.restore_adam_steps(optimizer)
+                else:
+                    optimizer_state.check_param_groups(optimizer, state["optimizer"])
+                    optimizer_state.load_model_space_state_dict(optimizer, state["optimizer"])
+            if opt_param_scheduler is not None and meta.get("scheduler") is not None:
+                opt_param_scheduler.load_state_dict(meta["scheduler"])
+        elif optimizer is not None and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):
+            optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
+        same_run_layout = all(saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp", "dp"))
+        if native is not None and same_run_layout and not release and not finetune:
+            _load_rerun_state(ckpt, rank)
+        if not release and not finetune and not getattr(args, "no_load_rng", False):
+            _load_rngs(ckpt, saved_args, saved_layout, layout, args)
+        if optimizer is not None:  # as Megatron-LM, for optimizers of checkpoints that predate the field
+            for group in optimizer.param_groups:
+                group.setdefault("default_config", True)
+        # No barrier here: the caller's all-reduce of every rank's outcome is the synchronisation
+        # point, and a rank that failed is already waiting in it.
+        levels = "/".join(sorted(ckpt.levels_used)) or "no"
+        return loaded_iteration, meta.get("num_floating_point_operations_so_far", 0), levels
 
 
-# ---------------------------------------------------------------------------- configuration
+# ---------------------------------------------------------------------------- the entry points Megatron-LM calls
+_CHECKPOINTER = MegatronCheckpointer()
+
+
+def checkpointer() -> MegatronCheckpointer:
+    """This process's ``MegatronCheckpointer`` (the one the module-level functions use)."""
+    return _CHECKPOINTER
+
+
 def set_args(args: Any) -> None:
     """For trainers without ``megatron.training`` (the PyPI megatron-core has none)."""
-    global _args
-    _args = args
-
-
-def _get_args() -> Any:
-    if _args is not None:
-        return _args
-    try:
-        from megatron.training import get_args  # present in a Megatron-LM checkout only
-    except ImportError as exc:
-        raise RuntimeError("megatron_ext.megatron.checkpointing.set_args(args) was not called") from exc
-    return get_args()
-
-
-def _megatron_lm() -> Any:
-    """Megatron-LM's own ``megatron.training.checkpointing`` when its training loop is the caller, else None."""
-    if _args is not None:
-        return None
-    from megatron.training import checkpointing as native
-
-    return native
+    _CHECKPOINTER.args = args
 
 
 def get_engine(args: Any | None = None) -> CheckpointEngine:
     """The process's engine, created on first use (its host cache then allocates in the background)."""
-    global _engine, _engine_key
-    args = args or _get_args()
-    cfg = engine_config_from_args(args)
-    cfg["safe_classes"] = list(megatron_safe_classes()) + list(cfg.get("safe_classes") or [])
-    key = tuple(sorted((k, str(v)) for k, v in cfg.items()))
-    if _engine is None:
-        _engine = CheckpointEngine(cfg)
-        _engine_key = key
-    elif key != _engine_key:
-        raise CheckpointError("the datastates configuration changed during the run; it is fixed at the first save")
-    return _engine
+    return _CHECKPOINTER.get_engine(args)
 
 
 def current_engine() -> CheckpointEngine | None:
-    return _engine
+    return _CHECKPOINTER.engine
 
 
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                    checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
+                    pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
+                    train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False,
+                    tp_group=None, pp_group=None, dp_cp_group=None):
+    """Record iteration ``iteration``'s state and return; flush and commit happen in the background.
+
+    ``preprocess_common_state_dict_fn`` feeds only torch_dist's check that every rank holds the
+    same common state; here one copy of it (global rank 0's) is saved, so it is not called.
+    Saving an iteration that was already saved in this run (Megatron-LM does on a batch-size
+    ramp-up step and for its rerun state machine) replaces that checkpoint, as in Megatron-LM.
+    """
+    return _CHECKPOINTER.save(
+        iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+        checkpointing_context=checkpointing_context, pipeline_rank=pipeline_rank, expert_rank=expert_rank,
+        tensor_rank=tensor_rank, pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel,
+        non_persistent_ckpt=non_persistent_ckpt, train_data_iterator=train_data_iterator,
+        preprocess_common_state_dict_fn=preprocess_common_state_dict_fn, release=release,
+        tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group)
+
+
+def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
+                    checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None,
+                    pp_group=None, dp_cp_group=None):
+    """Load the checkpoint Megatron-LM would load; returns ``(iteration, num_floating_point_operations_so_far)``.
+
+    Every file read is checked against the manifest's sizes and checksums. If any rank finds
+    the checkpoint damaged, all ranks raise, or, with ``--datastates-load-fallback``, all move on
+    to the next older committed checkpoint together. A checkpoint Megatron-LM wrote in its own
+    format is loaded by Megatron-LM's own ``load_checkpoint``.
+    """
+    return _CHECKPOINTER.load(ddp_model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict,
+                              checkpointing_context=checkpointing_context,
+                              skip_load_to_model_and_opt=skip_load_to_model_and_opt, tp_group=tp_group,
+                              pp_group=pp_group, dp_cp_group=dp_cp_group)
+
+
+def finalize_checkpoints(blocking: bool = False, terminate: bool = False) -> None:
+    """Megatron's ``maybe_finalize_async_save`` hook, called every iteration and at the end.
+
+    Non-blocking calls surface background failures on the training thread; blocking ones wait
+    until every pending checkpoint is committed (end of training, exit signal); ``terminate``
+    also stops the engine's threads.
+    """
+    _CHECKPOINTER.finalize(blocking=blocking, terminate=terminate)
+
+
+def shutdown() -> None:
+    _CHECKPOINTER.shutdown()
+
+
+def load_base_checkpoint_rank0(load_dir: str | None, args: Any) -> tuple[dict | None, str, bool, None]:
+    """Megatron-LM's ``_load_base_checkpoint(rank0=True)``: args and iteration, before distributed start-up.
+
+    ``--use-checkpoint-args`` reads the saved args through it. Only rank 0's ``meta`` is read
+    (no process group exists yet); its checksums are verified.
+    """
+    from megatron_ext.megatron.export import open_iteration, saved_meta
+
+    chosen = _choose(load_dir, args)
+    if chosen is None:
+        return None, "", False, None
+    root, iteration = chosen
+    directory = checkpoint_dir(root, iteration)
+    if not is_datastates_checkpoint(directory):
+        raise CheckpointError(f"{directory} is not a committed datastates checkpoint (no {MANIFEST}); "
+                              "--use-checkpoint-args with --use-datastates reads datastates checkpoints only")
+    meta = saved_meta(open_iteration(root, iteration))
+    state = {"args": meta.get("args"), "iteration": meta["iteration"],
+             "checkpoint_version": meta.get("checkpoint_version", CHECKPOINT_VERSION)}
+    return state, directory, iteration == RELEASE, None
+
+
+# ---------------------------------------------------------------------------- save helpers
 def install_lazy_wait(optimizer: Any, engine: CheckpointEngine, wait_after_step: bool = False) -> None:
     """Make ``optimizer.step_with_ready_grads`` wait for pending snapshots first (idempotent).
 
@@ -138,72 +504,6 @@ def install_lazy_wait(optimizer: Any, engine: CheckpointEngine, wait_after_step:
 
         optimizer.step = step
     optimizer._datastates_lazy_wait = True
-
-
-def checkpoint_name(iteration: int | str) -> str:
-    return RELEASE if iteration == RELEASE else f"iter_{iteration:07d}"
-
-
-# ---------------------------------------------------------------------------- state pieces
-def rng_state() -> dict:
-    from megatron.core import tensor_parallel
-
-    state = {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    from megatron.core import tensor_parallel
-
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-# Megatron-LM's names for the RNG states in its ``rng_state`` entries, and ours.
-MEGATRON_LM_RNG_NAMES = {"random_rng_state": "random", "np_rng_state": "numpy", "torch_rng_state": "torch",
-                         "cuda_rng_state": "cuda", "rng_tracker_states": "tracker"}
-
-
-def megatron_lm_rng_object(rng: dict | None, layout: dict) -> Any:
-    """An ``rng_state`` ShardedObject as Megatron-LM's torch_dist checkpoints hold it.
-
-    One entry per (pipeline, tensor) coordinate, replicated over data parallelism (data-parallel
-    rank 0's is written), holding a one-element list of the states under Megatron-LM's names.
-    ``rng`` is ours (``rng_state()``), or None for a load template.
-    """
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    def theirs_from(ours: str) -> Any:
-        value = rng.get(ours)
-        # Without CUDA, Megatron-LM's "CUDA" state is the CPU generator's (its CPU runs save that).
-        return rng["torch"] if value is None and ours == "cuda" else value
-
-    data = None if rng is None else [{theirs: theirs_from(ours) for theirs, ours in MEGATRON_LM_RNG_NAMES.items()}]
-    return ShardedObject("rng_state", data, (layout["pp"], layout["tp"]), (layout["pp_rank"], layout["tp_rank"]),
-                         replica_id=layout["dp_rank"])
-
-
-def from_megatron_lm_rng(data: Any) -> dict:
-    """Our RNG dict (``rng_state()``'s keys) from a Megatron-LM ``rng_state`` entry (list or dict)."""
-    if isinstance(data, list) and len(data) == 1:
-        data = data[0]
-    if not isinstance(data, dict) or not set(MEGATRON_LM_RNG_NAMES) - {"cuda_rng_state"} <= set(data):
-        raise CheckpointError(f"rng_state of an unknown structure ({type(data).__name__})")
-    rng = {ours: data[theirs] for theirs, ours in MEGATRON_LM_RNG_NAMES.items() if theirs in data}
-    if rng.get("cuda") is None:
-        rng.pop("cuda", None)
-    return rng
 
 
 def _unwrap(model: Any) -> list:
@@ -243,7 +543,8 @@ def _sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_
     return sharded
 
 
-def _layout() -> dict:
+def _parallel_layout() -> dict:
+    """This rank's place in the TP/PP/DP layout (the ``layout`` a checkpoint records)."""
     from megatron.core import parallel_state as ps
 
     return {
@@ -273,25 +574,6 @@ def _dp_gather() -> Callable[[Any], list]:
     return gather
 
 
-def _ownership(shards: list) -> sharding.OwnershipPlan:
-    """Who writes which shard: planned at the first save with one all-gather over the data-parallel group.
-
-    Planned again (the same collective) when the set of shards changes, which happens on every
-    rank at the same save: the optimizer's first step adds its moments (fp16 runs skip their
-    first steps, saved before that).
-    """
-    global _plan
-    signature = sharding.candidate_signature(shards)
-    if _plan is None or _plan.signature != signature:
-        layout = _layout()
-        if _plan is not None:
-            log.info("[datastates] the sharded state changed (%d -> %d shards): planning ownership again",
-                     len(_plan.signature), len(signature))
-        _plan = sharding.plan_ownership(shards, layout["dp_rank"], layout["dp"], _dp_gather())
-        log.info("[datastates] shard ownership: bytes per data-parallel rank %s", _plan.bytes_by_dp_rank)
-    return _plan
-
-
 def _rerun_state(native: Any, data_iterator: Any) -> dict | None:
     """This rank's state of Megatron-LM's rerun state machine, when it asks for a checkpoint; else None.
 
@@ -309,7 +591,6 @@ def _rerun_state(native: Any, data_iterator: Any) -> dict | None:
     return {k: (v.data if isinstance(v, ShardedObject) else v) for k, v in state.items()}
 
 
-# ---------------------------------------------------------------------------- save
 def save_root(args: Any, non_persistent: bool) -> str:
     """Where a checkpoint goes: ``--save``, or for a non-persistent one Megatron-LM's global directory."""
     if not non_persistent:
@@ -318,73 +599,6 @@ def save_root(args: Any, non_persistent: bool) -> str:
         raise CheckpointError(f"non-persistent checkpoint of type {getattr(args, 'non_persistent_ckpt_type', None)}: "
                               "--use-datastates writes 'global' ones (its node-local level is --datastates-local-dir)")
     return getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, NON_PERSISTENT_SUBDIR)
-
-
-def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                    checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
-                    pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
-                    train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False,
-                    tp_group=None, pp_group=None, dp_cp_group=None):
-    """Record iteration ``iteration``'s state and return; flush and commit happen in the background.
-
-    ``preprocess_common_state_dict_fn`` feeds only torch_dist's check that every rank holds the
-    same common state; here one copy of it (global rank 0's) is saved, so it is not called.
-    Saving an iteration that was already saved in this run (Megatron-LM does on a batch-size
-    ramp-up step and for its rerun state machine) replaces that checkpoint, as in Megatron-LM.
-    """
-    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
-
-    args = _get_args()
-    native = _megatron_lm()
-    if native is not None and getattr(args, "ckpt_convert_format", None) is not None:
-        # --ckpt-convert-format: Megatron-LM writes the loaded state in the format asked for.
-        with _megatron_lm_formats(args):
-            return native.save_checkpoint(
-                iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                checkpointing_context, non_persistent_ckpt=non_persistent_ckpt, train_data_iterator=train_data_iterator,
-                preprocess_common_state_dict_fn=preprocess_common_state_dict_fn, release=release,
-                tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group)
-    started = time.monotonic()
-    root = save_root(args, non_persistent_ckpt)
-    model = _unwrap(model)
-    engine = get_engine(args)
-    install_lazy_wait(optimizer, engine, wait_after_step=bool(getattr(args, "qk_clip", False)))
-    if native is not None:  # Energon data loaders keep their own state (a no-op for Megatron's own)
-        native.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None))
-    with_optimizer = not getattr(args, "no_save_optim", False)
-    sharded, common = save_preprocess(_sharded_state(model, optimizer, with_optimizer),
-                                      validate_access_integrity=False)
-    shards = list(sharding.sharded_leaves(sharded))
-    plan = _ownership(shards)
-    tensors, objects, meta = sharding.split_owned(shards, plan)
-    rank = torch.distributed.get_rank()
-    layout = _layout()
-    state: dict[str, Any] = {"shards": {"tensors": tensors, "objects": objects, "meta": meta}}
-    if not getattr(args, "no_save_rng", False):
-        state["rng"] = rng_state()
-    rerun = _rerun_state(native, train_data_iterator)
-    if rerun is not None:
-        state["rerun_state_machine"] = rerun
-    if rank == 0:
-        state["common"] = common
-        state["meta"] = {
-            "iteration": iteration,
-            "checkpoint_version": CHECKPOINT_VERSION,
-            "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
-            # As Megatron-LM: the scheduler goes with the optimizer (none with --no-save-optim).
-            "scheduler": opt_param_scheduler.state_dict() if opt_param_scheduler is not None and with_optimizer
-            else None,
-            "args": _storable_args(args),
-            "layout": layout,
-        }
-    name = checkpoint_name(RELEASE if release else iteration)
-    engine.save(state, name, f"rank{rank:05d}", root=root, version=iteration,
-                extra={"objects": sorted(objects), "layout": layout})
-    engine.commit(name, root=root, on_committed=_tracker_writer(root, RELEASE if release else iteration, rank),
-                  keep_last=1 if non_persistent_ckpt else None)
-    log.info("[datastates] iteration %d: %scheckpoint recorded in %.4fs (%d tensors, %d objects owned here)",
-             iteration, "non-persistent " if non_persistent_ckpt else "", time.monotonic() - started,
-             len(tensors), len(objects))
 
 
 class _megatron_lm_formats:
@@ -400,84 +614,7 @@ class _megatron_lm_formats:
         self.args.use_datastates = True
 
 
-def _storable_args(args: Any) -> Any:
-    """A copy of args whose values the safe sidecar can hold; others become their repr()."""
-    import argparse
-
-    from megatron_ext.engine.codec import EncodeError, Encoder
-
-    plain = argparse.Namespace()
-    for key, value in vars(args).items():
-        try:
-            Encoder(classes=megatron_classes()).encode(value)
-        except EncodeError:
-            value = repr(value)  # inert: a class not on the allow-list is never rebuilt at load
-        setattr(plain, key, value)
-    return plain
-
-
-def _tracker_writer(save_dir: str, iteration: int | str, rank: int) -> Callable[[dict], None]:
-    def write_tracker(manifest: dict) -> None:
-        if rank == 0:
-            atomic_write(os.path.join(save_dir, TRACKER), str(iteration).encode())
-            log.info("[datastates] committed %s in %s (%d files)", checkpoint_name(iteration), save_dir,
-                     len(manifest["files"]))
-
-    return write_tracker
-
-
-def finalize_checkpoints(blocking: bool = False, terminate: bool = False) -> None:
-    """Megatron's ``maybe_finalize_async_save`` hook, called every iteration and at the end.
-
-    Non-blocking calls surface background failures on the training thread; blocking ones wait
-    until every pending checkpoint is committed (end of training, exit signal); ``terminate``
-    also stops the engine's threads.
-    """
-    if _engine is None:
-        return
-    if terminate:
-        shutdown()
-    elif blocking:
-        _engine.wait_persisted()
-    else:
-        _engine.raise_if_failed()
-
-
-def shutdown() -> None:
-    global _engine, _plan
-    if _engine is not None:
-        _engine.shutdown()
-    _engine, _plan = None, None
-
-
-# ---------------------------------------------------------------------------- load
-def read_tracker(load_dir: str) -> int | str | None:
-    """The tracker's iteration, ``RELEASE``, or None when there is no tracker."""
-    path = os.path.join(load_dir, TRACKER)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read().strip()
-    except FileNotFoundError:
-        return None
-    if text == RELEASE:
-        return RELEASE
-    if not text.isdigit():
-        raise CheckpointError(f"{path} holds {text!r}, not an iteration number or '{RELEASE}'")
-    return int(text)
-
-
-def _is_datastates(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, MANIFEST))
-
-
-def _is_megatron_lm_format(directory: str) -> bool:
-    """A checkpoint Megatron-LM wrote itself: torch_dist (``metadata.json``) or legacy torch (``mp_rank_*``)."""
-    if not os.path.isdir(directory) or _is_datastates(directory):
-        return False
-    return os.path.isfile(os.path.join(directory, "metadata.json")) or any(
-        name.startswith("mp_rank_") for name in os.listdir(directory))
-
-
+# ---------------------------------------------------------------------------- load helpers
 def _choose(load_dir: str | None, args: Any) -> tuple[str, int | str] | None:
     """The checkpoint Megatron-LM would load from ``load_dir``: ``(root, iteration or RELEASE)`` or None.
 
@@ -494,7 +631,7 @@ def _choose(load_dir: str | None, args: Any) -> tuple[str, int | str] | None:
         if committed:
             iteration = committed[-1]
             log.warning("[datastates] %s is missing in %s; using the newest committed checkpoint, iteration %d",
-                        TRACKER, load_dir, iteration)
+                        TRACKER_FILE, load_dir, iteration)
     if getattr(args, "ckpt_step", None):
         iteration = args.ckpt_step
     if getattr(args, "non_persistent_ckpt_type", None) == "global":
@@ -502,228 +639,13 @@ def _choose(load_dir: str | None, args: Any) -> tuple[str, int | str] | None:
             getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(load_dir, NON_PERSISTENT_SUBDIR))
         np_iteration = read_tracker(np_root)
         if np_iteration == RELEASE:
-            raise CheckpointError(f"{os.path.join(np_root, TRACKER)}: a non-persistent checkpoint cannot be a release")
+            raise CheckpointError(f"{os.path.join(np_root, TRACKER_FILE)}: a non-persistent checkpoint cannot be a "
+                                  "release")
         if np_iteration is not None and (iteration is None or iteration == RELEASE or np_iteration >= iteration):
             log.warning("[datastates] loading the non-persistent checkpoint of iteration %d from %s", np_iteration,
                         np_root)
             return np_root, np_iteration
     return (load_dir, iteration) if iteration is not None else None
-
-
-def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
-                    checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None,
-                    pp_group=None, dp_cp_group=None):
-    """Load the checkpoint Megatron-LM would load; returns ``(iteration, num_floating_point_operations_so_far)``.
-
-    Every file read is checked against the manifest's sizes and checksums. If any rank finds
-    the checkpoint damaged, all ranks raise, or, with ``--datastates-load-fallback``, all move on
-    to the next older committed checkpoint together. A checkpoint Megatron-LM wrote in its own
-    format is loaded by Megatron-LM's own ``load_checkpoint``.
-    """
-    args = _get_args()
-    native = _megatron_lm()
-    load_dir = getattr(args, load_arg, None)
-    pretrained = getattr(args, "pretrained_checkpoint", None)
-    finetune_from_pretrained = pretrained is not None and (load_dir is None or read_tracker(load_dir) is None)
-    if finetune_from_pretrained:  # as Megatron-LM: no checkpoint of this run yet, so fine-tune from that one
-        log.warning("[datastates] no checkpoint in %s: fine-tuning from the pretrained checkpoint in %s",
-                    load_dir, pretrained)
-        load_dir = pretrained
-    chosen = _choose(load_dir, args)
-    if chosen is not None and native is not None and _is_megatron_lm_format(os.path.join(chosen[0],
-                                                                                         checkpoint_name(chosen[1]))):
-        log.warning("[datastates] %s holds a checkpoint in Megatron-LM's own format: Megatron-LM loads it; "
-                    "checkpoints saved from now on are datastates checkpoints", chosen[0])
-        with _megatron_lm_formats(args):
-            return native.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict,
-                                          checkpointing_context=checkpointing_context,
-                                          skip_load_to_model_and_opt=skip_load_to_model_and_opt,
-                                          tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group)
-    if finetune_from_pretrained:
-        if chosen is None:
-            raise FileNotFoundError("No checkpoint found in load directory or pretrained directory")
-        args.finetune = True
-    if native is not None:  # what Megatron-LM records in _load_base_checkpoint
-        native.set_loaded_iteration(-1 if chosen is None else 0 if chosen[1] == RELEASE else chosen[1])
-    if chosen is None:
-        if getattr(args, "exit_on_missing_checkpoint", False):
-            log.warning("[datastates] no checkpoint in %s and --exit-on-missing-checkpoint: exiting", load_dir)
-            torch.distributed.barrier()
-            sys.exit()
-        log.warning("[datastates] no committed checkpoint in %s: training starts from scratch", load_dir)
-        return 0, 0
-    root, iteration = chosen
-    candidates = [iteration]
-    if getattr(args, "datastates_load_fallback", False) and iteration != RELEASE:
-        committed = [m["version"] for _, m in list_committed(root) if isinstance(m.get("version"), int)]
-        candidates += sorted((v for v in committed if v < iteration), reverse=True)
-    started = time.monotonic()
-    for n, candidate in enumerate(candidates):
-        error: BaseException | None = None
-        try:
-            *result, levels = _load_iteration(root, candidate, ddp_model, optimizer, opt_param_scheduler, args,
-                                              strict, skip_load_to_model_and_opt)
-        except CheckpointError as exc:
-            error = exc
-        failed = torch.tensor([0 if error is None else 1])
-        torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
-        if not failed.item():
-            log.warning("[datastates] loaded %s from %s (%s level) in %.2fs: iteration %d", checkpoint_name(candidate),
-                        root, levels, time.monotonic() - started, result[0])
-            return tuple(result)
-        reason = str(error) if error is not None else "damaged on another rank"
-        if n + 1 < len(candidates):
-            log.warning("[datastates] %s cannot be loaded (%s); falling back to %s", checkpoint_name(candidate),
-                        reason, checkpoint_name(candidates[n + 1]))
-            continue
-        hint = "" if len(candidates) > 1 else " (--datastates-load-fallback loads the previous one instead)"
-        raise CheckpointError(f"{checkpoint_name(candidate)} in {root} cannot be loaded: {reason}{hint}") from error
-    raise AssertionError("unreachable")
-
-
-def load_base_checkpoint_rank0(load_dir: str | None, args: Any) -> tuple[dict | None, str, bool, None]:
-    """Megatron-LM's ``_load_base_checkpoint(rank0=True)``: args and iteration, before distributed start-up.
-
-    ``--use-checkpoint-args`` reads the saved args through it. Only rank 0's ``meta`` is read
-    (no process group exists yet); its checksums are verified.
-    """
-    from megatron_ext.megatron.export import open_iteration, saved_meta
-
-    chosen = _choose(load_dir, args)
-    if chosen is None:
-        return None, "", False, None
-    root, iteration = chosen
-    directory = os.path.join(root, checkpoint_name(iteration))
-    if not _is_datastates(directory):
-        raise CheckpointError(f"{directory} is not a committed datastates checkpoint (no {MANIFEST}); "
-                              "--use-checkpoint-args with --use-datastates reads datastates checkpoints only")
-    meta = saved_meta(open_iteration(root, iteration))
-    state = {"args": meta.get("args"), "iteration": meta["iteration"],
-             "checkpoint_version": meta.get("checkpoint_version", CHECKPOINT_VERSION)}
-    return state, directory, iteration == RELEASE, None
-
-
-def _load_engine(args: Any, load_dir: str) -> CheckpointEngine:
-    """The run's engine when it saves too; else a small one that only reads (and never deletes)."""
-    if getattr(args, "save", None):
-        return get_engine(args)
-    return CheckpointEngine({"save_dir": load_dir, "host_cache_size": 0.01,
-                             "safe_classes": list(megatron_safe_classes())}, read_only=True)
-
-
-def _load_iteration(load_dir: str, iteration: int | str, ddp_model, optimizer, opt_param_scheduler, args,
-                    strict: bool, skip_load_to_model_and_opt: bool) -> tuple[int, Any, str]:
-    """Load one committed checkpoint as Megatron-LM's ``load_checkpoint`` does; also the levels read.
-
-    Which parts are loaded follows Megatron-LM: the optimizer and the scheduler unless
-    ``--no-load-optim``, ``--finetune`` or a release checkpoint (otherwise the fp32 main params
-    are refreshed from the loaded weights); RNGs unless ``--no-load-rng``, ``--finetune``, a
-    release, or another TP/PP layout; the rerun state machine only on the same world and layout.
-    """
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
-    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
-    from megatron.core.dist_checkpointing.utils import extract_sharded_base
-
-    native = _megatron_lm()
-    model = _unwrap(ddp_model)
-    engine = _load_engine(args, load_dir)
-    ckpt = engine.open_checkpoint(checkpoint_name(iteration), root=load_dir)
-    engine.agree_load_level(ckpt)  # every rank node-local, or every rank shared
-    tensor_index, object_index = _index(ckpt.manifest)
-    rank = torch.distributed.get_rank()
-    zero_name = next((name for name, f in ckpt.manifest["files"].items() if f["rank"] == 0), None)
-    if zero_name is None:
-        raise CheckpointError(f"{ckpt.checkpoint} has no file of rank 0 (its common state and args)")
-    meta = ckpt.reader(zero_name).part("meta")
-    saved_args = meta.get("args")
-    layout = _layout()
-    saved_layout = meta["layout"]
-    saved_shards = _reshard_source(ckpt, saved_layout, layout)  # None: same layout, exact shard ids
-    release = iteration == RELEASE
-    finetune = bool(getattr(args, "finetune", False))
-    if native is not None:
-        native.set_checkpoint_version(meta.get("checkpoint_version", CHECKPOINT_VERSION))
-    if saved_args is not None and not finetune:  # before any weight is read: a wrong shape fails with its name
-        _carry_args(native, args, saved_args)
-
-    common = ckpt.reader(zero_name).part("common")
-    optimizer_format = (common.get("optimizer") or {}).get("param_state_sharding_type")
-    with_optimizer = (optimizer is not None and not release and not finetune
-                      and not getattr(args, "no_load_optim", False))
-    if with_optimizer and "optimizer" not in common:
-        raise CheckpointError(f"{ckpt.checkpoint} holds no optimizer state (saved with --no-save-optim); "
-                              "pass --no-load-optim or --finetune to load it without")
-    if with_optimizer and optimizer_format == DP_RESHARDABLE and saved_shards is not None:
-        raise CheckpointError(f"{ckpt.checkpoint} holds the optimizer in bucket space (dp_reshardable), which loads "
-                              "on the saved TP/PP/DP layout only")
-    if with_optimizer and not optimizer_state.saved_before_first_step(common.get("optimizer")):
-        optimizer_state.allocate_state(optimizer)  # every value is read into it below; else main params only
-    sharded, nonpersistent, factories = load_preprocess(_sharded_state(model, optimizer, with_optimizer,
-                                                                       optimizer_format, is_loading=True))
-    sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"
-    missing: list[str] = []
-    prefetched = {} if saved_shards is not None else _read_own_shards(ckpt, tensor_index, sharded)
-
-    def fill(leaf: Any) -> Any:
-        if not isinstance(leaf, (ShardedTensor, ShardedObject)):
-            return leaf
-        sid = sharding.shard_id(leaf)
-        if isinstance(leaf, ShardedObject):
-            if sid not in object_index:
-                missing.append(sid)
-                return None
-            return ckpt.reader(object_index[sid]).part("shards", "objects", sid)
-        if saved_shards is not None:
-            return _assemble(saved_shards, leaf)
-        if sid not in prefetched:
-            missing.append(sid)
-            return None
-        tensor = prefetched[sid]
-        expected = tuple(leaf.data.shape) if leaf.data is not None else tuple(leaf.local_shape)
-        if tuple(tensor.shape) != expected:
-            # A shard converted from torch_dist keeps megatron-core's prepended axes of size 1.
-            if [n for n in tensor.shape if n != 1] != [n for n in expected if n != 1]:
-                raise CheckpointError(f"shard {sid}: checkpoint has shape {tuple(tensor.shape)}, the model {expected}")
-            tensor = tensor.view(expected)
-        return tensor
-
-    dict_list_map_inplace(fill, sharded)
-    if missing:
-        raise CheckpointError(f"{len(missing)} shard(s) needed by this rank are not in the checkpoint, e.g. "
-                              f"{missing[:3]}; was it saved from a different model or parallel layout?")
-    merge(common, nonpersistent)
-    merge(common, sharded)
-    state = apply_factory_merges(common, factories)
-
-    loaded_iteration = 0 if finetune or release else meta["iteration"]
-    if not skip_load_to_model_and_opt:
-        for key, chunk in zip(_model_keys(model), model):
-            _load_model_chunk(chunk, state[key], strict)
-    if with_optimizer:
-        if not skip_load_to_model_and_opt:
-            if optimizer_format == DP_RESHARDABLE:
-                optimizer.load_state_dict(state["optimizer"])
-                optimizer_state.restore_adam_steps(optimizer)
-            else:
-                optimizer_state.check_param_groups(optimizer, state["optimizer"])
-                optimizer_state.load_model_space_state_dict(optimizer, state["optimizer"])
-        if opt_param_scheduler is not None and meta.get("scheduler") is not None:
-            opt_param_scheduler.load_state_dict(meta["scheduler"])
-    elif optimizer is not None and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):
-        optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
-    same_run_layout = all(saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp", "dp"))
-    if native is not None and same_run_layout and not release and not finetune:
-        _load_rerun_state(ckpt, rank)
-    if not release and not finetune and not getattr(args, "no_load_rng", False):
-        _load_rngs(ckpt, saved_args, saved_layout, layout, args)
-    if optimizer is not None:  # as Megatron-LM, for optimizers of checkpoints that predate the field
-        for group in optimizer.param_groups:
-            group.setdefault("default_config", True)
-    # No barrier here: the caller's all-reduce of every rank's outcome is the synchronisation
-    # point, and a rank that failed is already waiting in it.
-    levels = "/".join(sorted(ckpt.levels_used)) or "no"
-    return loaded_iteration, meta.get("num_floating_point_operations_so_far", 0), levels
 
 
 def _carry_args(native: Any, args: Any, saved_args: Any) -> None:
@@ -752,13 +674,13 @@ def _load_model_chunk(chunk: Any, state: dict, strict: bool) -> None:
 def _load_rerun_state(ckpt: Any, rank: int) -> None:
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-    own = next((n for n, f in ckpt.manifest["files"].items() if f["rank"] == rank), None)
+    own = file_of_rank(ckpt.manifest, rank)
     if own is None:
         return
     reader = ckpt.reader(own)
-    if not reader.has_part("rerun_state_machine"):
+    if not reader.has_part(RERUN_STATE):
         return
-    saved = reader.part("rerun_state_machine")
+    saved = reader.part(RERUN_STATE)
     machine = get_rerun_state_machine()
     if machine.validate_state_dict(saved):
         machine.load_state_dict(saved)
@@ -791,11 +713,11 @@ def _load_rngs(ckpt: Any, saved_args: Any, saved: dict, current: dict, args: Any
                        if (f.get("extra") or {}).get("layout", {}).get("tp_rank") == current["tp_rank"]
                        and f["extra"]["layout"].get("pp_rank") == current["pp_rank"]
                        and f["extra"]["layout"].get("dp_rank") == dp_rank), None)
-    own = next((n for n, f in ckpt.manifest["files"].items() if f["rank"] == source), None)
+    own = file_of_rank(ckpt.manifest, source)
     if own is None:
         raise CheckpointError(f"{ckpt.checkpoint} has no RNG state for tensor rank {current['tp_rank']} and "
                               f"pipeline rank {current['pp_rank']}")
-    set_rng_state(ckpt.reader(own).part("rng"))
+    restore_rng_state(ckpt.reader(own).part(RNG))
 
 
 def _read_own_shards(ckpt: Any, tensor_index: dict[str, tuple[str, str]], sharded: Any) -> dict[str, torch.Tensor]:

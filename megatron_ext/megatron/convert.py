@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError
-from megatron_ext.engine.files import atomic_write
-from megatron_ext.megatron import checkpointing
+from megatron_ext.megatron import checkpoint_layout as ckpt_layout
 from megatron_ext.megatron.export import open_iteration, saved_meta
 from megatron_ext.megatron.safe_classes import megatron_safe_classes
 from megatron_ext.megatron.shard_assembly import SavedShards
@@ -64,7 +63,7 @@ def single_process_group() -> Iterator[None]:
 
 
 def _new_checkpoint_dir(out: str, iteration: int) -> str:
-    path = os.path.join(out, checkpointing.checkpoint_name(iteration))
+    path = ckpt_layout.checkpoint_dir(out, iteration)
     if os.path.exists(path):
         raise FileExistsError(f"{path} exists; convert into a directory without that iteration")
     os.makedirs(out, exist_ok=True)
@@ -96,8 +95,7 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
 
     committed = open_iteration(root, iteration)
     meta = saved_meta(committed)
-    zero = next(n for n, f in committed.manifest["files"].items() if f["rank"] == 0)
-    common = committed.reader(zero).part("common")
+    common = committed.reader(ckpt_layout.file_of_rank(committed.manifest, 0)).part(ckpt_layout.COMMON)
     layout = meta["layout"]
     target = _new_checkpoint_dir(out, iteration)
     shards = SavedShards(committed)
@@ -131,11 +129,11 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
     for name, entry in sorted(committed.manifest["files"].items()):
         rank_layout = (entry.get("extra") or {}).get("layout")
         skeleton = committed.reader(name).skeleton()
-        if rank_layout is None or not (isinstance(skeleton, dict) and "rng" in skeleton):
+        if rank_layout is None or not (isinstance(skeleton, dict) and ckpt_layout.RNG in skeleton):
             continue
         if rank_layout["dp_rank"] == 0:  # Megatron-LM keeps data-parallel rank 0's per (pp, tp)
-            rng_objects.append(checkpointing.megatron_lm_rng_object(committed.reader(name).part("rng"),
-                                                                    {**layout, **rank_layout}))
+            rng_objects.append(ckpt_layout.megatron_lm_rng_object(committed.reader(name).part(ckpt_layout.RNG),
+                                                                  {**layout, **rank_layout}))
     args = meta.get("args")
     state = {
         **{k: v for k, v in common.items() if k != "optimizer"},
@@ -146,31 +144,27 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
         "opt_param_scheduler": meta.get("scheduler"),
         "iteration": iteration,
         "args": args,  # a Namespace, as Megatron-LM saves and reads it
-        "checkpoint_version": meta.get("checkpoint_version", checkpointing.CHECKPOINT_VERSION),
+        "checkpoint_version": meta.get("checkpoint_version", ckpt_layout.CHECKPOINT_VERSION),
         "num_floating_point_operations_so_far": meta.get("num_floating_point_operations_so_far", 0),
     }
     content = {"distrib_optim_sharding_type": sharding_type} if sharding_type else None
     with single_process_group():
         os.makedirs(target)
         dist_checkpointing.save(state, target, sharded_strategy=("torch_dist", 1), content_metadata=content)
-    _write_tracker(out, iteration)
+    ckpt_layout.write_tracker(out, iteration)
     return {"out": target, "iteration": iteration, "tensors": len(tensors), "objects": len(objects),
             "rng_states": len(rng_objects), "optimizer_format": sharding_type}
-
-
-def _write_tracker(out: str, iteration: int) -> None:
-    atomic_write(os.path.join(out, checkpointing.TRACKER), str(iteration).encode())
 
 
 # ------------------------------------------------------------------------------ from torch_dist
 def _source_checkpoint(source: str, iteration: int | None) -> tuple[str, int]:
     """(checkpoint directory, iteration): the one asked for, else the one the Megatron tracker names."""
     if iteration is None:
-        iteration = checkpointing.read_tracker(source)
+        iteration = ckpt_layout.read_tracker(source)
         if iteration is None:
-            raise CheckpointError(f"{source} has no {checkpointing.TRACKER}; pass --iteration N or the save "
+            raise CheckpointError(f"{source} has no {ckpt_layout.TRACKER_FILE}; pass --iteration N or the save "
                                   "directory of a torch_dist run")
-    path = os.path.join(source, checkpointing.checkpoint_name(iteration))
+    path = ckpt_layout.checkpoint_dir(source, iteration)
     if not os.path.exists(os.path.join(path, "metadata.json")):
         raise CheckpointError(f"{path} is not a megatron-core distributed checkpoint (no metadata.json)")
     return path, iteration
@@ -228,7 +222,7 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
                 # Megatron-LM's (pp, tp) entries hold data-parallel rank 0's state, which every
                 # data-parallel rank loads; the older (pp, tp, dp) entries are per rank.
                 for dp_rank in dp or range(layout["dp"]):
-                    rngs[_rank_of(tp_rank, pp_rank, dp_rank, layout)] = checkpointing.from_megatron_lm_rng(value)
+                    rngs[_rank_of(tp_rank, pp_rank, dp_rank, layout)] = ckpt_layout.from_megatron_lm_rng(value)
                 continue
             sid = f"{object_key}@{','.join(str(o) for o in object_offset)}"
             owner = min(range(world), key=lambda r: (load[r], r))
@@ -255,7 +249,7 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
                     if k not in ("optimizer", "args", "iteration", "opt_param_scheduler", "checkpoint_version",
                                  "num_floating_point_operations_so_far", "content_metadata", RNG_KEY)}
     saved_common = {**model_common, "optimizer": optimizer_common} if optimizer_common else model_common
-    name = checkpointing.checkpoint_name(iteration)
+    name = ckpt_layout.checkpoint_name(iteration)
     _new_checkpoint_dir(out, iteration)
     run_id = uuid.uuid4().hex[:12]
     config = {"save_dir": out, "host_cache_size": host_cache_gib, "remove_partial_on_start": False,
@@ -266,20 +260,17 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
             coords = {"tp_rank": rank % layout["tp"], "dp_rank": (rank // layout["tp"]) % layout["dp"],
                       "pp_rank": rank // (layout["tp"] * layout["dp"])}
             rank_layout = {"world_size": world, **{k: layout[k] for k in ("tp", "pp", "dp")}, **coords}
-            state: dict[str, Any] = {"shards": per_rank[rank], "rng": rngs[rank]}
+            run = None
             if rank == 0:
-                state["common"] = saved_common
-                state["meta"] = {
-                    "iteration": iteration,
-                    "checkpoint_version": common.get("checkpoint_version", checkpointing.CHECKPOINT_VERSION),
-                    "num_floating_point_operations_so_far": common.get("num_floating_point_operations_so_far", 0),
-                    "scheduler": common.get("opt_param_scheduler"),
-                    "args": checkpointing._storable_args(args),
-                    "layout": rank_layout,
-                }
-            engine.save(state, name, f"rank{rank:05d}", version=iteration,
-                        extra={"objects": sorted(per_rank[rank]["objects"]), "layout": rank_layout})
-            engine.commit(name, on_committed=checkpointing._tracker_writer(out, iteration, rank))
+                run = ckpt_layout.run_meta(
+                    iteration, common.get("num_floating_point_operations_so_far", 0),
+                    common.get("opt_param_scheduler"), args, rank_layout,
+                    checkpoint_version=common.get("checkpoint_version", ckpt_layout.CHECKPOINT_VERSION))
+            state = ckpt_layout.rank_state(per_rank[rank], rngs[rank], common=saved_common if rank == 0 else None,
+                                           meta=run)
+            engine.save(state, name, ckpt_layout.rank_file_name(rank), version=iteration,
+                        extra=ckpt_layout.rank_extra(per_rank[rank]["objects"], rank_layout))
+            engine.commit(name, on_committed=ckpt_layout.tracker_writer(out, iteration, rank))
         for engine in engines:
             engine.wait_persisted()
     finally:

@@ -24,6 +24,7 @@ from megatron_ext.engine import CheckpointError
 from megatron_ext.engine.commit import read_manifest
 from megatron_ext.engine.engine import CommittedCheckpoint
 from megatron_ext.megatron import hf_gpt2
+from megatron_ext.megatron.checkpoint_layout import META, checkpoint_dir, file_of_rank
 from megatron_ext.megatron.safe_classes import megatron_classes
 from megatron_ext.megatron.shard_assembly import SavedShards
 
@@ -47,7 +48,7 @@ def parse_size(text: str) -> int:
 
 def open_iteration(root: str, iteration: int) -> CommittedCheckpoint:
     """The committed checkpoint ``iter_NNNNNNN`` under a Megatron save directory (checksums verified on read)."""
-    path = os.path.join(root, f"iter_{iteration:07d}")
+    path = checkpoint_dir(root, iteration)
     manifest = read_manifest(path) if os.path.isdir(path) else None
     if manifest is None:
         raise CheckpointError(f"{path} is not a committed datastates checkpoint (no manifest.json); "
@@ -58,10 +59,10 @@ def open_iteration(root: str, iteration: int) -> CommittedCheckpoint:
 
 def saved_meta(committed: CommittedCheckpoint) -> dict:
     """Rank 0's ``meta``: iteration, args, parallel layout, scheduler."""
-    zero = next((n for n, f in committed.manifest["files"].items() if f["rank"] == 0), None)
+    zero = file_of_rank(committed.manifest, 0)
     if zero is None:
         raise CheckpointError(f"{committed.checkpoint} has no file of rank 0")
-    return committed.reader(zero).part("meta")
+    return committed.reader(zero).part(META)
 
 
 def model_keys(shards: SavedShards) -> list[str]:

@@ -5,7 +5,7 @@ with ``--bf16`` and the distributed optimizer, after ``validate_args``): its val
 Python values, ``torch.dtype``s and two enums, ``AttnBackend`` and ``signal.Signals``. The rerun
 state machine's state (``Call``, ``Caller``, ``RerunState``, ``RerunMode``) was found by running
 Megatron-LM's loop into a NaN that it asks to checkpoint. Any other
-class in ``args`` (a newer Megatron-LM's) is stored as its ``repr`` (``_storable_args``), never
+class in ``args`` (a newer Megatron-LM's) is stored as its ``repr`` (``checkpoint_layout.storable_args``), never
 refused; any other class elsewhere in the state is refused at the first save, naming it.
 """
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatron_ext import procs
+from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE
 from megatron_ext.testing import megatron_lm
 
 RANKS = 8
@@ -79,7 +80,7 @@ def megatron_trainer(checkout: Path, iters: int) -> Trainer:
                    command, megatron_lm.environment(), read, "loss and grad norm")
 
 
-def reference_trainer(iters: int) -> Trainer:
+def reference_trainer_run(iters: int) -> Trainer:
     model = [*LAYOUT, "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", str(iters)]
 
     def command(args: list[str], record: Path, kill_at: int | None) -> list[str]:
@@ -185,7 +186,7 @@ def main(args) -> int:
         fallback = ""
         say(f"trainer: {trainer.title}")
     else:
-        trainer = reference_trainer(iters)
+        trainer = reference_trainer_run(iters)
         fallback = (f"FALLBACK to the reference trainer, not Megatron-LM's pretrain_gpt.py: {reason}")
         say(fallback)
     say(f"{RANKS} ranks: TP=2 x PP=2 x DP=2, bf16, distributed optimizer; {iters} iterations; work directory {out}")
@@ -205,7 +206,7 @@ def main(args) -> int:
     if killed.returncode == 0 or not killed.steps or killed.steps[-1].iteration != crash_at:
         say(_failed(killed, out) + f"\n    (expected a SIGKILL after iteration {crash_at})")
         return 1
-    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    tracker = ckpt / TRACKER_FILE
     committed = int(tracker.read_text()) if tracker.exists() else None
     if committed is None:
         say(f"no checkpoint was committed before the kill (no {tracker})")

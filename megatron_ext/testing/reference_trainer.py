@@ -36,10 +36,11 @@ import torch.distributed as dist
 from megatron_ext.engine import faults
 from megatron_ext.megatron.args import add_datastates_args, validate_datastates_args
 from megatron_ext.megatron import optimizer_state
-from megatron_ext.megatron.checkpointing import from_megatron_lm_rng
+from megatron_ext.megatron import checkpoint_layout
+from megatron_ext.megatron.checkpoint_layout import (capture_rng_state, checkpoint_dir, from_megatron_lm_rng,
+                                                     megatron_lm_rng_object, restore_rng_state, write_tracker)
 from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 # Per-rank bucket-space optimizer state, no gathers or copies (``DistributedOptimizer.
 # sharded_state_dict`` needs this metadata at 0.16.1; without it, it fails on ``flattened_range``).
 OPTIMIZER_SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -282,35 +283,10 @@ def _forward_step(data_iterator, model, loss_func=_loss_func):
 # Baseline checkpointing: megatron-core dist_checkpointing, torch_dist format
 # --------------------------------------------------------------------------------------------
 
-def checkpoint_dir(root: str, iteration: int) -> str:
-    """Megatron's per-iteration directory name."""
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def write_tracker(root: str, iteration: int) -> None:
-    """Publish ``iteration`` as the latest checkpoint: temp file, fsync, rename, fsync the dir."""
-    tmp = os.path.join(root, f".{TRACKER_FILENAME}.tmp")
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, TRACKER_FILENAME))
-    dir_fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def read_tracker(root: str) -> Optional[int]:
-    """The iteration named by the tracker file, or None when there is no checkpoint yet."""
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.exists(path):
-        return None
-    text = open(path).read().strip()
-    if text == "release":
-        return 0
-    return int(text)
+    """The iteration named by the tracker file (0 for a release), or None when there is no checkpoint yet."""
+    iteration = checkpoint_layout.read_tracker(root)
+    return 0 if iteration == checkpoint_layout.RELEASE else iteration
 
 
 def unwrap_model(model):
@@ -322,38 +298,11 @@ def rng_state_object(args: argparse.Namespace, rng: Optional[dict] = None):
     """This rank's RNG states as Megatron-LM's torch_dist checkpoints hold them (``rng_state``)."""
     from megatron.core import parallel_state
 
-    from megatron_ext.megatron.checkpointing import megatron_lm_rng_object
-
     layout = {"pp": args.pipeline_model_parallel_size, "tp": args.tensor_model_parallel_size,
               "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
               "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
               "dp_rank": parallel_state.get_data_parallel_rank()}
     return megatron_lm_rng_object(rng, layout)
-
-
-def capture_rng_state() -> dict:
-    """Every RNG a training step can consume on this rank."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    return {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
-    }
-
-
-def restore_rng_state(state: dict) -> None:
-    """Inverse of ``capture_rng_state``."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def build_sharded_state_dict(model, optimizer, scheduler, args, iteration: int,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE
 from megatron_ext.testing import megatron_lm
 
 RUN_TIMEOUT_S = 600
@@ -105,7 +106,7 @@ def trajectory(*runs: RunResult) -> dict[int, tuple]:
 
 
 def read_tracker(save_dir: Path) -> str | None:
-    path = save_dir / "latest_checkpointed_iteration.txt"
+    path = save_dir / TRACKER_FILE
     return path.read_text().strip() if path.exists() else None
 
 

@@ -2,7 +2,7 @@
 
 Parses a typical GPT command line (``--bf16``, distributed optimizer) with the pinned Megatron-LM
 checkout's own ``parse_args`` and ``validate_args``, stores the args as the Megatron adapter does
-(``_storable_args``), and loads them back: every value returns equal and of the same type (plain
+(``checkpoint_layout.storable_args``), and loads them back: every value returns equal and of the same type (plain
 values, ``torch.dtype``, ``AttnBackend``, ``signal.Signals``), and a loader without the Megatron
 list refuses the two enums rather than rebuilding them. Runs in a child process (Megatron keeps
 global state) and needs the checkout (scripts/fetch_megatron.sh) plus what ``megatron/training``
@@ -37,9 +37,9 @@ args = parse_args()
 args.rank, args.world_size = 0, 1
 validate_args(args, {})
 from megatron_ext.engine import codec, UnsafeCheckpointError
-from megatron_ext.megatron.checkpointing import _storable_args
+from megatron_ext.megatron.checkpoint_layout import storable_args
 from megatron_ext.megatron.safe_classes import megatron_classes
-stored = _storable_args(args)
+stored = storable_args(args)
 encoder = codec.Encoder(classes=megatron_classes())
 skeleton = encoder.encode(stored)
 back = codec.decode(skeleton, lambda name: None, classes=megatron_classes())

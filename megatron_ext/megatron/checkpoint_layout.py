@@ -1,0 +1,222 @@
+"""The Megatron checkpoint layout in one place: names, the tracker file, what each rank writes.
+
+Everything that writes or reads this project's Megatron checkpoints (the drop-in
+``checkpointing``, ``convert``, ``export``, the reference trainer, the benchmarks) names things
+through this module, so the layout is defined once. It stays Megatron-LM's on the outside::
+
+    <save>/latest_checkpointed_iteration.txt   the tracker: an iteration number or "release"
+    <save>/iter_0000123/                       one checkpoint ("release" for a release)
+        manifest.json                          written by the engine's commit
+        rank00000.<run>.safetensors ...        one file per global rank
+
+Each rank's file holds the parts ``rank_state`` assembles:
+
+* ``shards``: ``tensors`` / ``objects`` (the shards this rank owns, by shard id) and ``meta``
+  (each shard's global placement, docs/FORMAT.md);
+* ``rng``: this rank's Python, NumPy, torch, CUDA and model-parallel tracker RNG states
+  (``capture_rng_state``), unless the run saves no RNG;
+* ``rerun_state_machine``: this rank's state of Megatron-LM's rerun state machine, when it has one;
+* on global rank 0 only, ``common`` (the non-sharded state) and ``meta`` (``run_meta``).
+
+The file's manifest entry carries ``extra`` = ``rank_extra(...)``: the object shard ids it holds
+and the rank's parallel layout. The RNG functions also translate to and from the ``rng_state``
+object of Megatron-LM's own ``torch_dist`` checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from megatron_ext.engine import CheckpointError
+from megatron_ext.engine.commit import MANIFEST
+from megatron_ext.engine.files import atomic_write
+from megatron_ext.megatron.safe_classes import megatron_classes
+
+log = logging.getLogger("megatron_ext.megatron")
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+RELEASE = "release"  # a tracker holding this names the checkpoint directory "release" (iteration 0)
+NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's default home of non-persistent checkpoints
+CHECKPOINT_VERSION = 3.0  # the Megatron-LM checkpoint version this layout answers to
+
+# The parts of a rank's state (see the module docstring).
+SHARDS, RNG, RERUN_STATE, COMMON, META = "shards", "rng", "rerun_state_machine", "common", "meta"
+
+
+# ---------------------------------------------------------------------------- names
+def checkpoint_name(iteration: int | str) -> str:
+    """``iter_0000123``, or ``release``."""
+    return RELEASE if iteration == RELEASE else f"iter_{iteration:07d}"
+
+
+def checkpoint_dir(root: str, iteration: int | str) -> str:
+    return os.path.join(root, checkpoint_name(iteration))
+
+
+def rank_file_name(rank: int) -> str:
+    """The name a rank's file has in the manifest (``rank00003``)."""
+    return f"rank{rank:05d}"
+
+
+def file_of_rank(manifest: dict, rank: int) -> str | None:
+    """The manifest's file written by global rank ``rank``, or None."""
+    return next((name for name, entry in manifest["files"].items() if entry["rank"] == rank), None)
+
+
+def is_datastates_checkpoint(directory: str) -> bool:
+    """A directory the engine committed (it has a manifest)."""
+    return os.path.isfile(os.path.join(directory, MANIFEST))
+
+
+def is_megatron_lm_format(directory: str) -> bool:
+    """A checkpoint Megatron-LM wrote itself: torch_dist (``metadata.json``) or legacy torch (``mp_rank_*``)."""
+    if not os.path.isdir(directory) or is_datastates_checkpoint(directory):
+        return False
+    return os.path.isfile(os.path.join(directory, "metadata.json")) or any(
+        name.startswith("mp_rank_") for name in os.listdir(directory))
+
+
+# ---------------------------------------------------------------------------- tracker
+def read_tracker(directory: str) -> int | str | None:
+    """The tracker's iteration, ``RELEASE``, or None when there is no tracker."""
+    path = os.path.join(directory, TRACKER_FILE)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if text == RELEASE:
+        return RELEASE
+    if not text.isdigit():
+        raise CheckpointError(f"{path} holds {text!r}, not an iteration number or '{RELEASE}'")
+    return int(text)
+
+
+def write_tracker(directory: str, iteration: int | str) -> None:
+    """Name ``iteration`` the latest checkpoint under ``directory``, atomically."""
+    atomic_write(os.path.join(directory, TRACKER_FILE), str(iteration).encode())
+
+
+def tracker_writer(directory: str, iteration: int | str, rank: int) -> Callable[[dict], None]:
+    """The engine's commit callback: rank 0 writes the tracker once the checkpoint is committed."""
+    def write_on_commit(manifest: dict) -> None:
+        if rank == 0:
+            write_tracker(directory, iteration)
+            log.info("[datastates] committed %s in %s (%d files)", checkpoint_name(iteration), directory,
+                     len(manifest["files"]))
+
+    return write_on_commit
+
+
+# ---------------------------------------------------------------------------- what each rank writes
+def run_meta(iteration: int, num_floating_point_operations_so_far: Any, scheduler: Any, args: Any, layout: dict,
+             checkpoint_version: Any = CHECKPOINT_VERSION) -> dict:
+    """Rank 0's ``meta`` part; ``args`` is stored as ``storable_args(args)``."""
+    return {
+        "iteration": iteration,
+        "checkpoint_version": checkpoint_version,
+        "num_floating_point_operations_so_far": num_floating_point_operations_so_far,
+        "scheduler": scheduler,
+        "args": storable_args(args),
+        "layout": layout,
+    }
+
+
+def rank_state(shards: dict, rng: dict | None = None, rerun_state: dict | None = None,
+               common: dict | None = None, meta: dict | None = None) -> dict[str, Any]:
+    """The state one rank saves; parts given as None are left out (``common``/``meta``: rank 0 only)."""
+    state: dict[str, Any] = {SHARDS: shards}
+    for part, value in ((RNG, rng), (RERUN_STATE, rerun_state), (COMMON, common), (META, meta)):
+        if value is not None:
+            state[part] = value
+    return state
+
+
+def rank_extra(objects: Any, layout: dict) -> dict:
+    """The manifest's ``extra`` of a rank's file: the object shard ids it holds, its parallel layout."""
+    return {"objects": sorted(objects), "layout": layout}
+
+
+def storable_args(args: Any) -> argparse.Namespace:
+    """A copy of args whose values the safe sidecar can hold; others become their repr()."""
+    from megatron_ext.engine.codec import EncodeError, Encoder
+
+    plain = argparse.Namespace()
+    for key, value in vars(args).items():
+        try:
+            Encoder(classes=megatron_classes()).encode(value)
+        except EncodeError:
+            value = repr(value)  # inert: a class not on the allow-list is never rebuilt at load
+        setattr(plain, key, value)
+    return plain
+
+
+# ---------------------------------------------------------------------------- RNG states
+def capture_rng_state() -> dict:
+    """Every RNG a training step can consume on this rank (the ``rng`` part)."""
+    from megatron.core import tensor_parallel
+
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of ``capture_rng_state``."""
+    from megatron.core import tensor_parallel
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+# Megatron-LM's names for the RNG states in its ``rng_state`` entries, and ours.
+MEGATRON_LM_RNG_NAMES = {"random_rng_state": "random", "np_rng_state": "numpy", "torch_rng_state": "torch",
+                         "cuda_rng_state": "cuda", "rng_tracker_states": "tracker"}
+
+
+def megatron_lm_rng_object(rng: dict | None, layout: dict) -> Any:
+    """An ``rng_state`` ShardedObject as Megatron-LM's torch_dist checkpoints hold it.
+
+    One entry per (pipeline, tensor) coordinate, replicated over data parallelism (data-parallel
+    rank 0's is written), holding a one-element list of the states under Megatron-LM's names.
+    ``rng`` is ours (``capture_rng_state()``), or None for a load template.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    def theirs_from(ours: str) -> Any:
+        value = rng.get(ours)
+        # Without CUDA, Megatron-LM's "CUDA" state is the CPU generator's (its CPU runs save that).
+        return rng["torch"] if value is None and ours == "cuda" else value
+
+    data = None if rng is None else [{theirs: theirs_from(ours) for theirs, ours in MEGATRON_LM_RNG_NAMES.items()}]
+    return ShardedObject("rng_state", data, (layout["pp"], layout["tp"]), (layout["pp_rank"], layout["tp_rank"]),
+                         replica_id=layout["dp_rank"])
+
+
+def from_megatron_lm_rng(data: Any) -> dict:
+    """Our RNG dict (``capture_rng_state()``'s keys) from a Megatron-LM ``rng_state`` entry (list or dict)."""
+    if isinstance(data, list) and len(data) == 1:
+        data = data[0]
+    if not isinstance(data, dict) or not set(MEGATRON_LM_RNG_NAMES) - {"cuda_rng_state"} <= set(data):
+        raise CheckpointError(f"rng_state of an unknown structure ({type(data).__name__})")
+    rng = {ours: data[theirs] for theirs, ours in MEGATRON_LM_RNG_NAMES.items() if theirs in data}
+    if rng.get("cuda") is None:
+        rng.pop("cuda", None)
+    return rng
