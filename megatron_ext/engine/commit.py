@@ -3,18 +3,21 @@
 1. Each rank, once every file it saved under a checkpoint is durable on the shared level and the
    caller asked to commit, writes its *rank report* ``<ckpt>/.reports/rank-RRRRR.<run>.json``
    atomically (temp file, fsync, rename, directory fsync). With a node-local level, the same report
-   also goes to the local directory, recording that the local copy is complete.
-2. Rank 0 waits for the reports of all ranks of *this run*, merges them, and writes
+   also goes to the local directory, recording that the local copy is complete. Then it posts its
+   status, ``durable`` with what its report lists, to the commit store (coordination.py).
+2. Rank 0 waits for every rank's status, merges the reports they carry, and writes
    ``<ckpt>/manifest.json`` atomically. The manifest is the commit marker: a directory without
-   one is not a checkpoint and is never loaded. Callbacks (a framework's "latest" tracker) run
-   only after it is durable.
-3. The other ranks learn of the commit by seeing the manifest of their run appear.
+   one is not a checkpoint and is never loaded. Then it publishes its decision.
+3. The other ranks wait for the decision. Callbacks (a framework's "latest" tracker) run only
+   once the manifest is durable; on ranks other than 0 the file list is read from disk only if a callback asks for it.
 
-A failure on any rank writes ``rank-RRRRR.<run>.error.json``; every waiter polls for those and
-fails with the first one's message instead of waiting out its timeout. A rank that skips a
-checkpoint under ``overload_policy="supersede"`` writes ``rank-RRRRR.<run>.skipped.json`` instead
-of its report (never both): every waiter then abandons that checkpoint, which is never committed,
-and the run goes on. Every wait is bounded.
+No rank polls the file system: per checkpoint each writes O(1) files and makes O(1) store calls,
+and rank 0 reads the N statuses in one call. A rank that fails posts ``failed`` (and leaves an
+``rank-RRRRR.<run>.error.json`` for the record); a rank that skips a checkpoint under
+``overload_policy="supersede"`` posts ``skipped`` (and leaves ``.skipped.json``). Rank 0 then
+decides ``failed`` or ``skipped``, and every rank fails or abandons that checkpoint instead of
+waiting out its timeout. A rank that never posts (dead) is named when rank 0's wait runs out.
+Checkpoints are settled in the order their commits were requested, the same on every rank.
 """
 
 from __future__ import annotations
@@ -26,13 +29,16 @@ import threading
 import time
 from typing import Callable
 
-from .files import atomic_write_json
+from .coordination import COMMITTED, DURABLE, FAILED, SKIPPED, CommitChannel, checkpoint_key
+from .files import atomic_write
 from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
 from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST, list_committed, read_manifest  # noqa: F401 (re-exported)
 from .telemetry import Telemetry
 
 REPORTS = ".reports"
-_POLL_S = 0.02
+#: Ranks other than 0 wait this much longer than rank 0 for the decision, so that when a rank is
+#: missing, rank 0's timeout (which names it) comes first and reaches everyone.
+DECISION_GRACE_S = 30.0
 
 
 def report_name(rank: int, run_id: str, error: bool = False) -> str:
@@ -43,55 +49,48 @@ def skip_report_name(rank: int, run_id: str) -> str:
     return f"rank-{rank:05d}.{run_id}.skipped.json"
 
 
-def _error_reports(reports_dir: str, run_id: str) -> list[str]:
-    try:
-        return sorted(n for n in os.listdir(reports_dir) if n.endswith(f".{run_id}.error.json"))
-    except FileNotFoundError:
-        return []
+def job_key(job: CheckpointJob) -> str:
+    """The commit store's name for this attempt at ``job``'s checkpoint."""
+    return checkpoint_key(job.root, job.checkpoint, job.tag)
 
 
-def _raise_peer_error(reports_dir: str, run_id: str, checkpoint: str) -> None:
-    errors = _error_reports(reports_dir, run_id)
-    if errors:
-        try:
-            with open(os.path.join(reports_dir, errors[0]), encoding="utf-8") as f:
-                detail = json.load(f)
-        except (OSError, ValueError):
-            detail = {"rank": errors[0], "error": "unreadable error report"}
-        raise CheckpointError(
-            f"checkpoint {checkpoint} failed on rank {detail.get('rank')}: {detail.get('error')}")
+def abandoned_status(job: CheckpointJob) -> dict:
+    """What a rank posts for a checkpoint it will not commit (skipped or failed here)."""
+    if job.skipped is not None:
+        return {"state": SKIPPED, "reason": job.skipped.get("reason"), "skipped_by": job.skipped.get("by_rank"),
+                "superseded_by": job.skipped.get("superseded_by"),
+                "superseded_by_version": job.skipped.get("superseded_by_version")}
+    return {"state": FAILED, "error": f"{type(job.error).__name__}: {job.error}"}
 
 
-def read_skip_report(reports_dir: str, run_id: str) -> dict | None:
-    """The first skip report of ``run_id`` in a checkpoint's reports directory, or None."""
-    try:
-        skips = sorted(n for n in os.listdir(reports_dir) if n.endswith(f".{run_id}.skipped.json"))
-    except FileNotFoundError:
-        return None
-    if not skips:
-        return None
-    try:
-        with open(os.path.join(reports_dir, skips[0]), encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {"rank": skips[0], "reason": "unreadable skip report"}
+class ManifestOnDisk(dict):
+    """What ranks other than 0 get: the manifest's header; its file list is read only when asked for.
 
+    Sending every rank the whole list would cost the store O(ranks^2) bytes per checkpoint; a
+    callback that reads ``manifest["files"]`` pays one validated read of the manifest instead.
+    """
 
-def _raise_peer_skip(reports_dir: str, run_id: str, checkpoint: str) -> None:
-    detail = read_skip_report(reports_dir, run_id)
-    if detail is not None:
-        raise CheckpointSkipped(f"checkpoint {checkpoint} skipped by rank {detail.get('rank')}: "
-                                f"{detail.get('reason')}", detail)
+    def __init__(self, header: dict, checkpoint_dir: str):
+        super().__init__(header)
+        self.checkpoint_dir = checkpoint_dir
+
+    def __missing__(self, key: str):
+        manifest = read_manifest(self.checkpoint_dir)
+        if manifest is None or manifest["run_id"] != self["run_id"]:
+            raise CheckpointError(f"{os.path.join(self.checkpoint_dir, MANIFEST)}: not the manifest rank 0 "
+                                  f"committed (run {self['run_id']})")
+        self.update(manifest)
+        return manifest[key]
 
 
 class Committer:
-    """Background thread: rank reports, and on rank 0 the manifest; in the order checkpoints get ready."""
+    """Background thread: rank reports and statuses, and on rank 0 the manifest and the decision."""
 
     def __init__(self, rank: int, world_size: int, run_id: str, local_root: Callable[[CheckpointJob], str | None],
                  telemetry: Telemetry, timeout_s: float, fail: Callable[..., bool],
                  check: Callable[[], None], state_lock: threading.Lock | None = None,
                  abandon: Callable[[CheckpointJob, CheckpointSkipped], None] = lambda job, exc: None, *,
-                 may_remove: Callable[[str], bool] = lambda root: False):
+                 may_remove: Callable[[str], bool] = lambda root: False, channel: CommitChannel):
         self.rank = rank
         self.world_size = world_size
         self.run_id = run_id
@@ -103,6 +102,7 @@ class Committer:
         self.state_lock = state_lock or threading.Lock()  # shared with whoever skips checkpoints
         self.abandon = abandon  # a peer skipped the checkpoint: drop it here too
         self.may_remove = may_remove  # whether this rank holds the lock of a root (lock.py)
+        self.channel = channel
         self._cond = threading.Condition()
         self._pending: list[CheckpointJob] = []
         self._stopping = False
@@ -124,18 +124,34 @@ class Committer:
             self._cond.notify_all()
         self._thread.join(timeout)
 
+    def post_failed(self, job: CheckpointJob, message: str) -> None:
+        """From any thread, once the engine failed: ``job`` will not be committed by this rank.
+
+        The other ranks learn it from rank 0's decision; rank 0 itself decides at once (its
+        committer thread may be gone).
+        """
+        with self.state_lock:
+            if job.status_posted:
+                posted = False
+            else:
+                job.status_posted = posted = True
+        key = job_key(job)
+        if posted:
+            self.channel.post(key, {"state": FAILED, "error": message}, from_committer=False)
+        if self.rank == 0:
+            self.channel.settle(key, {"state": FAILED, "error": f"checkpoint {job.checkpoint} failed on rank 0: {message}"})
+
     def _next_ready(self) -> CheckpointJob | None:
+        """The oldest checkpoint whose commit was requested, once it is durable here or abandoned."""
         with self._cond:
             while True:
-                for job in list(self._pending):
-                    if job.abandoned:  # failed (and the engine survives) or skipped under overload
-                        self._pending.remove(job)
-                        job.committed.set()
-                        continue
-                    if job.commit_requested and job.durable_on(LEVEL_SHARED):
+                requested = [j for j in self._pending if j.commit_requested]
+                if requested:
+                    job = min(requested, key=lambda j: j.commit_seq)
+                    if job.abandoned or job.durable_on(LEVEL_SHARED):
                         self._pending.remove(job)
                         return job
-                if self._stopping and not any(j.commit_requested for j in self._pending):
+                if self._stopping and not requested:
                     return None
                 try:
                     self.check()
@@ -157,36 +173,52 @@ class Committer:
                 self.abandon(job, exc)
                 job.committed.set()
             except BaseException as exc:
+                if self.rank == 0:  # the others wait for a decision: make sure there is one
+                    try:
+                        self.channel.settle(job_key(job), {"state": FAILED, "error": f"checkpoint {job.checkpoint} "
+                                                           f"failed on rank 0: {type(exc).__name__}: {exc}"})
+                    except Exception:
+                        pass  # the store itself failed: the others time out, naming rank 0
                 fatal = self.fail(exc, job)
                 job.committed.set()  # waiters wake up and see the error
                 if fatal:
                     return
 
     def _commit(self, job: CheckpointJob) -> None:
-        ckpt_dir = os.path.join(job.root, job.checkpoint)
-        reports_dir = os.path.join(ckpt_dir, REPORTS)
+        key = job_key(job)
         with self.state_lock:
-            if job.abandoned:  # skipped while it waited here: it will not be committed
-                job.committed.set()
-                return
-            job.reported = True
-        report = {
-            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": job.tag,
-            "rank": self.rank, "world_size": self.world_size, "checkpoint": job.checkpoint,
-            "version": job.version, "files": [f.report() for f in job.files],
-        }
-        os.makedirs(reports_dir, exist_ok=True)
-        atomic_write_json(os.path.join(reports_dir, report_name(self.rank, job.tag)), report)
-        local = self.local_root(job)
-        if local is not None:
-            local_reports = os.path.join(local, job.checkpoint, REPORTS)
-            os.makedirs(local_reports, exist_ok=True)
-            atomic_write_json(os.path.join(local_reports, report_name(self.rank, job.tag)), report)
+            abandoned = job.abandoned  # skipped or failed before it could be reported: say so
+            if not abandoned:
+                job.reported = True
+            post = not job.status_posted
+            job.status_posted = True
+        if abandoned:
+            if post:
+                self.channel.post(key, abandoned_status(job))
+            if self.rank == 0:
+                self._decide(job, key)
+            job.committed.set()
+            return
+        report = self._write_reports(job)
         self._emit_levels(job)
+        if post:
+            self.channel.post(key, {"state": DURABLE, "report": report})
         if self.rank == 0:
-            manifest = self._write_manifest(job, ckpt_dir, reports_dir)
+            decision = self._decide(job, key)
         else:
-            manifest = self._await_manifest(job, ckpt_dir, reports_dir)
+            job.commit_waiting_for = lambda: "rank 0's decision (rank 0 waits for every rank's report)"
+            try:
+                decision = self.channel.await_decision(key, self.timeout_s + DECISION_GRACE_S)
+            finally:
+                job.commit_waiting_for = None
+        if decision["state"] == SKIPPED:
+            raise CheckpointSkipped(decision["message"], decision["report"])
+        if decision["state"] != COMMITTED:
+            raise CheckpointError(decision.get("error") or f"checkpoint {job.checkpoint} was not committed")
+        if self.rank == 0:
+            manifest = job.manifest
+        else:
+            manifest = ManifestOnDisk(decision["manifest"], os.path.join(job.root, job.checkpoint))
         job.manifest = manifest
         job.committed_at = time.monotonic()
         for callback in job.on_committed:
@@ -197,6 +229,24 @@ class Committer:
             self.telemetry.emit("commit", job.checkpoint, "all", total, job.committed_at - first,
                                 world_size=self.world_size)
         job.committed.set()
+
+    def _write_reports(self, job: CheckpointJob) -> dict:
+        """This rank's report, durable on the shared level (and the local one): the record of its files."""
+        report = {
+            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": job.tag,
+            "rank": self.rank, "world_size": self.world_size, "checkpoint": job.checkpoint,
+            "version": job.version, "files": [f.report() for f in job.files],
+        }
+        data = json.dumps(report, indent=1, sort_keys=True).encode("utf-8")
+        reports_dir = os.path.join(job.root, job.checkpoint, REPORTS)
+        os.makedirs(reports_dir, exist_ok=True)
+        atomic_write(os.path.join(reports_dir, report_name(self.rank, job.tag)), data)
+        local = self.local_root(job)
+        if local is not None:
+            local_reports = os.path.join(local, job.checkpoint, REPORTS)
+            os.makedirs(local_reports, exist_ok=True)
+            atomic_write(os.path.join(local_reports, report_name(self.rank, job.tag)), data)
+        return report
 
     def _emit_levels(self, job: CheckpointJob) -> None:
         if not job.files:
@@ -211,38 +261,56 @@ class Committer:
                 self.telemetry.emit("flush", job.checkpoint, level, job.nbytes, max(done) - first,
                                     blocked_s=job.blocked_s)
 
-    def _wait(self, what: str, ready: Callable[[], bool], reports_dir: str, job: CheckpointJob,
-              detail: Callable[[], str] = lambda: "") -> None:
-        checkpoint = job.checkpoint
-        deadline = time.monotonic() + self.timeout_s
-        job.commit_waiting_for = lambda: f"{what}{detail()}"
+    def _decide(self, job: CheckpointJob, key: str) -> dict:
+        """Rank 0: every rank's status, then the manifest (if all are durable), then the decision.
+
+        Returns the decision that stands (one published earlier, by a failure, wins).
+        """
+        job.commit_waiting_for = lambda: "not every rank reported its files durable" + self._missing(key)
         try:
-            while not ready():
-                _raise_peer_skip(reports_dir, job.tag, checkpoint)
-                _raise_peer_error(reports_dir, self.run_id, checkpoint)
-                self.check()
-                if time.monotonic() > deadline:
-                    raise CheckpointError(f"checkpoint {checkpoint}: {what} within {self.timeout_s:.0f}s{detail()}")
-                time.sleep(_POLL_S)
+            statuses, missing = self.channel.collect(key, self.timeout_s)
         finally:
             job.commit_waiting_for = None
+        skipped = [s for s in statuses if s["state"] == SKIPPED]
+        failed = [s for s in statuses if s["state"] == FAILED]
+        if skipped:
+            first = skipped[0]
+            detail = {"rank": first["rank"], "reason": first.get("reason"), "superseded_by": first.get("superseded_by"),
+                      "superseded_by_version": first.get("superseded_by_version")}
+            decision = {"state": SKIPPED, "report": detail,
+                        "message": f"checkpoint {job.checkpoint} skipped by rank {first['rank']}: {first.get('reason')}"}
+        elif failed:
+            decision = {"state": FAILED, "error": f"checkpoint {job.checkpoint} failed on rank {failed[0]['rank']}: "
+                                                  f"{failed[0].get('error')}"}
+        elif missing:
+            decision = {"state": FAILED, "error": f"checkpoint {job.checkpoint}: not every rank reported its files "
+                                                  f"durable within {self.timeout_s:.0f}s (missing ranks: "
+                                                  + ", ".join(map(str, missing)) + ")"}
+        elif job.abandoned:  # rank 0 alone dropped it (its own failure decided already, or a race with it)
+            decision = {"state": FAILED, "error": f"checkpoint {job.checkpoint} was abandoned on rank 0"}
+        else:
+            try:
+                job.manifest = self._write_manifest(job, [s["report"] for s in statuses])
+            except CheckpointError as exc:
+                decision = {"state": FAILED, "error": str(exc)}
+            else:
+                header = {k: v for k, v in job.manifest.items() if k != "files"}
+                decision = {"state": COMMITTED, "manifest": header}
+        return self.channel.settle(key, decision)
 
-    def _write_manifest(self, job: CheckpointJob, ckpt_dir: str, reports_dir: str) -> dict:
-        names = [report_name(r, job.tag) for r in range(self.world_size)]
-        paths = [os.path.join(reports_dir, n) for n in names]
+    def _missing(self, key: str) -> str:
+        try:
+            missing = self.channel.missing(key)
+        except Exception:  # only a message: never fail on it
+            return ""
+        return " (missing ranks: " + ", ".join(map(str, missing)) + ")" if missing else ""
 
-        def all_reported() -> bool:
-            return all(os.path.exists(p) for p in paths)
-
-        def missing() -> str:
-            return " (missing ranks: " + ", ".join(str(r) for r, p in enumerate(paths) if not os.path.exists(p)) + ")"
-
-        self._wait("not every rank reported its files durable", all_reported, reports_dir, job, missing)
+    def _write_manifest(self, job: CheckpointJob, reports: list[dict]) -> dict:
+        ckpt_dir = os.path.join(job.root, job.checkpoint)
         files: dict[str, dict] = {}
         versions = set()
-        for rank, path in enumerate(paths):
-            with open(path, encoding="utf-8") as f:
-                report = json.load(f)
+        for report in reports:
+            rank = report["rank"]
             versions.add(report.get("version"))
             for entry in report["files"]:
                 if entry["name"] in files:
@@ -259,26 +327,10 @@ class Committer:
         }
         if job.tag != self.run_id:  # a second save of this id in this run: the run it belongs to
             manifest["attempt_of"] = self.run_id
-        atomic_write_json(os.path.join(ckpt_dir, MANIFEST), manifest)
+        atomic_write(os.path.join(ckpt_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
         if self.may_remove(job.root):
             _remove_other_runs(ckpt_dir, job.tag)
         return manifest
-
-    def _await_manifest(self, job: CheckpointJob, ckpt_dir: str, reports_dir: str) -> dict:
-        found: dict = {}
-
-        def committed() -> bool:
-            try:
-                manifest = read_manifest(ckpt_dir)
-            except CheckpointError:  # another run's or a damaged one: rank 0 replaces it with ours
-                return False
-            if manifest is not None and manifest["run_id"] == job.tag:
-                found["m"] = manifest
-                return True
-            return False
-
-        self._wait("rank 0 did not write the manifest", committed, reports_dir, job)
-        return found["m"]
 
 
 _RUN_FILE = re.compile(r"\.([0-9a-f]{12})\.(safetensors|state\.json)$")

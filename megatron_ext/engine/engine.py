@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -26,7 +27,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import codec, layout as file_layout, lock as dir_lock, restore, retention
-from .commit import Committer, read_skip_report, report_name, skip_report_name, REPORTS
+from .commit import Committer, job_key, report_name, skip_report_name, REPORTS
+from .coordination import CommitChannel, open_stores
 from .config import ConfigError, EngineConfig, OVERLOAD_SUPERSEDE, OVERLOAD_WAIT, check_writable_dir
 from .manifest import RUN_ID, list_committed, read_manifest, run_of, valid_name
 from .copier import make_copier
@@ -89,8 +91,12 @@ class CheckpointEngine:
     """
 
     def __init__(self, config: EngineConfig | Mapping[str, Any] | None = None, *, rank: int | None = None,
-                 world_size: int | None = None, run_id: str | None = None, read_only: bool = False):
+                 world_size: int | None = None, run_id: str | None = None, read_only: bool = False,
+                 commit_store: Any = None):
         """``read_only`` engines only load: they take no lock, create and remove nothing, and refuse to save.
+
+        Ranks agree on commits through ``commit_store`` (a ``torch.distributed`` Store), by default
+        the process group's own; only ranks that share a process without one pass it.
 
         Otherwise the job locks ``save_dir`` (rank 0) and ``local_dir`` (every node) for the
         engine's life (lock.py); another job's lock is an error at start-up on every rank.
@@ -104,6 +110,7 @@ class CheckpointEngine:
         if run_id is not None and (type(run_id) is not str or not RUN_ID.fullmatch(run_id)):
             raise ConfigError(f"run_id {run_id!r} must be 12 lowercase hex digits")
         self.read_only = read_only
+        self._commit_store = commit_store
         self.classes = self.config.allowed_classes()  # safe_classes, resolved once
         if not read_only:
             self.config.validate(self.rank)
@@ -146,10 +153,15 @@ class CheckpointEngine:
 
         self.cache = HostCache(self.config.host_cache_bytes, self.config.chunk_bytes, pin=self.use_cuda)
         local = self.config.local_dir
+        self._commit_seq = itertools.count()
+        waiting, notices = open_stores(self.run_id, self.config.persist_timeout_s, 1 if read_only else self.world_size,
+                                       self._commit_store, private=read_only)  # read-only: commits nothing
+        self.channel = CommitChannel(waiting, notices, self.rank, self.world_size)
         self.committer = Committer(self.rank, self.world_size, self.run_id,
                                    (lambda job: local) if local else (lambda job: None),
                                    self.telemetry, self.config.persist_timeout_s, self._fail, self._raise_if_failed,
-                                   self._state_lock, self._abandon_for_peer, may_remove=self._holds_lock)
+                                   self._state_lock, self._abandon_for_peer, may_remove=self._holds_lock,
+                                   channel=self.channel)
         self.stager = None
         if local:
             self.stager = LevelStager(lambda job: local, lambda job: job.checkpoint.root,
@@ -283,8 +295,10 @@ class CheckpointEngine:
         return attempt_tag(self.run_id, checkpoint, self._attempts.get((root, checkpoint), 0))
 
     def _request_commit(self, job: CheckpointJob) -> None:
-        if not job.commit_requested and self.replicas is not None:
-            self.replicas.submit(job)  # every rank commits the same checkpoints in the same order
+        if not job.commit_requested:
+            job.commit_seq = next(self._commit_seq)  # the committer settles checkpoints in this order
+            if self.replicas is not None:
+                self.replicas.submit(job)  # every rank commits the same checkpoints in the same order
         job.commit_requested = True
 
     def save_and_commit(self, state: Any, checkpoint: str, name: str | None = None, **kwargs: Any) -> CheckpointJob:
@@ -580,8 +594,11 @@ class CheckpointEngine:
         """After a commit: schedule deletion of what the retention policy no longer keeps.
 
         Only checkpoints of runs that held ``root``'s lock count (never another job's, never a copy
-        brought in from elsewhere), and only a holder of a directory's lock removes anything there.
+        brought in from elsewhere), and only a holder of a directory's lock removes anything there;
+        a rank that holds none lists nothing (no metadata load on the shared file system).
         """
+        if not self._holds_lock(root) and not (self.local_lock is not None and self.local_lock.job_holds):
+            return
         runs = self._retention_runs(root)
         cache = self._manifests_seen.setdefault(root, {})
         ours = [(name, m) for name, m in list_committed(root, cache) if run_of(m) in runs]
@@ -672,7 +689,8 @@ class CheckpointEngine:
                 return
             job.discard_sent = True
         if job.skipped["by_rank"] == self.rank:
-            reports = os.path.join(job.root, job.checkpoint, REPORTS)
+            self.channel.notify_skip(job_key(job), job.skipped)  # the others drop it before the decision
+            reports = os.path.join(job.root, job.checkpoint, REPORTS)  # the record, for inspect
             os.makedirs(reports, exist_ok=True)
             atomic_write_json(os.path.join(reports, skip_report_name(self.rank, job.tag)),
                               {"rank": self.rank, "run_id": job.tag, "version": job.version, **job.skipped})
@@ -709,8 +727,8 @@ class CheckpointEngine:
         """Drop in-flight checkpoints another rank skipped, so their flush does not delay newer ones."""
         for job in list(self._checkpoints.values()):
             if not job.abandoned and not job.committed.is_set():
-                detail = read_skip_report(os.path.join(job.root, job.checkpoint, REPORTS), job.tag)
-                if detail is not None:
+                detail = self.channel.peer_skip(job_key(job))
+                if detail is not None and detail.get("rank") != self.rank:
                     self._skip_for_peer(job, detail)
 
     def _emit_chunk(self, chunk: Chunk) -> None:
@@ -725,7 +743,8 @@ class CheckpointEngine:
         """A background thread failed. Returns True if the engine must stop (then every call raises).
 
         With ``on_failure="continue"`` a failure that belongs to one checkpoint only abandons
-        that checkpoint. Either way an error report tells the other ranks at once.
+        that checkpoint (the committer then posts it as failed, in its turn). A fatal failure
+        fails every open checkpoint on every rank at once, through the commit store.
         """
         fatal = job is None or self.config.on_failure == "stop"
         message = f"{type(exc).__name__}: {exc}"
@@ -734,15 +753,22 @@ class CheckpointEngine:
                 self._error = exc
             if job is not None and job.error is None:
                 job.error = exc
-        jobs = [job] if job is not None else list(self._checkpoints.values())
-        for target in jobs:
-            try:
+        for target in [job] if job is not None else list(self._checkpoints.values()):
+            try:  # the record, for inspect; the other ranks learn it through the commit store
                 reports = os.path.join(target.root, target.checkpoint, REPORTS)
                 os.makedirs(reports, exist_ok=True)
                 atomic_write_json(os.path.join(reports, report_name(self.rank, self.run_id, error=True)),
                                   {"rank": self.rank, "run_id": self.run_id, "error": message})
             except OSError:
                 pass  # the file system itself may be what failed; the local error still stands
+        if fatal:  # this rank settles nothing any more: every open checkpoint fails, on every rank, now
+            for target in list(self._checkpoints.values()):
+                if not target.committed.is_set():
+                    try:
+                        self.committer.post_failed(target, message)
+                    except Exception as store_exc:  # the others then time out, naming this rank
+                        log.error("[datastates] rank %d: could not tell the other ranks of the failure: %s",
+                                  self.rank, store_exc)
         if not fatal:
             log.error("[datastates] rank %d: checkpoint %s abandoned, training continues: %s",
                       self.rank, job.checkpoint, message)

@@ -103,6 +103,8 @@ class CheckpointJob:
     #: Set when skipped under overload: {"reason", "superseded_by", "by_rank"}; never committed then.
     skipped: dict | None = None
     reported: bool = False  # this rank's report is written: a skip decided here is no longer allowed
+    status_posted: bool = False  # this rank told the others (commit store) what became of it
+    commit_seq: int = -1  # the order commits were requested in, the same on every rank
     discard_sent: bool = False  # the writer was told to remove this rank's files of it
     #: While the commit waits on other ranks: says for what (a timeout names it, whichever side times out first).
     commit_waiting_for: Callable[[], str] | None = None

@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, faults
 
@@ -43,7 +44,8 @@ def _killed_before_commit(root: str) -> None:
 
 
 def _killed_after_rank_report(root: str) -> None:
-    e = CheckpointEngine({"save_dir": root, **TINY}, rank=0, world_size=2, run_id="0123456789ab")
+    e = CheckpointEngine({"save_dir": root, **TINY}, rank=0, world_size=2, run_id="0123456789ab",
+                         commit_store=dist.HashStore())  # rank 1 never comes
     e.save({"w": torch.ones(1000)}, "P", version=5); e.commit("P")
     report = os.path.join(root, "P", ".reports", "rank-00000.0123456789ab.json")
     deadline = time.monotonic() + 30

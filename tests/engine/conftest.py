@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, faults
 
@@ -20,13 +21,15 @@ def make_engine(tmp_path):
     run beside a writer pass ``read_only=True``.
     """
     engines: list[CheckpointEngine] = []
+    store = dist.HashStore()  # in-process ranks of one test agree on commits through it
 
     def factory(rank: int = 0, world_size: int = 1, run_id: str | None = None, read_only: bool = False,
                 **config: Any) -> CheckpointEngine:
         cfg = dict(FAST)
         cfg.setdefault("save_dir", str(tmp_path / "ckpt"))
         cfg.update(config)
-        engine = CheckpointEngine(cfg, rank=rank, world_size=world_size, run_id=run_id, read_only=read_only)
+        engine = CheckpointEngine(cfg, rank=rank, world_size=world_size, run_id=run_id, read_only=read_only,
+                                  commit_store=store)
         engines.append(engine)
         return engine
 

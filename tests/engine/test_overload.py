@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, ConfigError, EngineConfig
 from megatron_ext.engine.inspect import describe
@@ -161,7 +162,8 @@ def test_rank_zero_abandons_a_checkpoint_a_peer_skipped_after_reporting_its_own(
     gate = threading.Event()
     fault(lambda level, path, offset, nbytes: gate.wait(30) if "rank00001" in path else None)
     cfg = {"save_dir": str(tmp_path / "ckpt"), **TINY, **FAST, "overload_policy": "supersede"}
-    ranks = [CheckpointEngine(cfg, rank=r, world_size=2, run_id="0123456789ab") for r in (0, 1)]
+    store = dist.HashStore()
+    ranks = [CheckpointEngine(cfg, rank=r, world_size=2, run_id="0123456789ab", commit_store=store) for r in (0, 1)]
     try:
         ranks[0].save({"w": torch.ones(100)}, "A", version=1)
         ranks[0].commit("A")

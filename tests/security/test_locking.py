@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
@@ -189,7 +190,7 @@ def test_a_sibling_rank_waits_for_its_run_to_show_up_in_a_stale_lock_file(tmp_pa
     writer.start()
     try:
         with CheckpointEngine({"save_dir": str(tmp_path / "save"), "local_dir": str(local), **SMALL},
-                              rank=1, world_size=2, run_id=run_id) as engine:
+                              rank=1, world_size=2, run_id=run_id, commit_store=dist.HashStore()) as engine:
             assert engine.local_lock.state == "shared"
     finally:
         writer.join()
