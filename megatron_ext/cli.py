@@ -149,6 +149,23 @@ def _bench_overload(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _bench_commit(sub) -> None:
+    p = sub.add_parser("commit", help="one commit's latency, file-system calls and rank 0 CPU at 8 to 4,096 simulated ranks")
+    p.add_argument("--ranks", type=POSITIVE_INT, nargs="+", default=[8, 64, 512, 4096])
+    p.add_argument("--tensors", type=POSITIVE_INT, nargs="+", default=[50, 640], help="tensors per rank")
+    p.add_argument("--checkpoints", type=POSITIVE_INT, default=3, help="commits per configuration (median)")
+    p.add_argument("--sampled", type=POSITIVE_INT, default=7, help="ranks besides 0 with a committer thread")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
+
+    def run(args) -> int:
+        from megatron_ext.bench import commit_bench
+
+        return commit_bench.main(args)
+
+    p.set_defaults(func=run)
+
+
 def _bench_suite(sub) -> None:
     p = sub.add_parser("suite", help="every scenario against every peer in one run: results.json, results.md, plots")
     p.add_argument("--out", default="runs/bench-suite", help="output directory (default runs/bench-suite)")
@@ -352,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_overload(benches)
     _bench_replica(benches)
     _bench_recovery(benches)
+    _bench_commit(benches)
     _bench_suite(benches)
     return parser
 

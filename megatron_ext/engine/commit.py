@@ -63,6 +63,20 @@ def abandoned_status(job: CheckpointJob) -> dict:
     return {"state": FAILED, "error": f"{type(job.error).__name__}: {job.error}"}
 
 
+def rank_report(job: CheckpointJob, rank: int, world_size: int) -> dict:
+    """The record of one rank's files of a checkpoint (``.reports/rank-RRRRR.<tag>.json``)."""
+    return {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": job.tag,
+        "rank": rank, "world_size": world_size, "checkpoint": job.checkpoint,
+        "version": job.version, "files": [f.report() for f in job.files],
+    }
+
+
+def durable_status(report: dict, data: bytes, rel: str) -> dict:
+    """What a rank posts once its files are durable: its report, which rank 0 merges."""
+    return {"state": DURABLE, "report": report}
+
+
 class ManifestOnDisk(dict):
     """What ranks other than 0 get: the manifest's header; its file list is read only when asked for.
 
@@ -199,10 +213,10 @@ class Committer:
                 self._decide(job, key)
             job.committed.set()
             return
-        report = self._write_reports(job)
+        status = self._write_reports(job)
         self._emit_levels(job)
         if post:
-            self.channel.post(key, {"state": DURABLE, "report": report})
+            self.channel.post(key, status)
         if self.rank == 0:
             decision = self._decide(job, key)
         else:
@@ -231,12 +245,8 @@ class Committer:
         job.committed.set()
 
     def _write_reports(self, job: CheckpointJob) -> dict:
-        """This rank's report, durable on the shared level (and the local one): the record of its files."""
-        report = {
-            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": job.tag,
-            "rank": self.rank, "world_size": self.world_size, "checkpoint": job.checkpoint,
-            "version": job.version, "files": [f.report() for f in job.files],
-        }
+        """This rank's report, durable on the shared level (and the local one); returns its status."""
+        report = rank_report(job, self.rank, self.world_size)
         data = json.dumps(report, indent=1, sort_keys=True).encode("utf-8")
         reports_dir = os.path.join(job.root, job.checkpoint, REPORTS)
         os.makedirs(reports_dir, exist_ok=True)
@@ -246,7 +256,7 @@ class Committer:
             local_reports = os.path.join(local, job.checkpoint, REPORTS)
             os.makedirs(local_reports, exist_ok=True)
             atomic_write(os.path.join(local_reports, report_name(self.rank, job.tag)), data)
-        return report
+        return durable_status(report, data, f"{job.checkpoint}/{REPORTS}/{report_name(self.rank, job.tag)}")
 
     def _emit_levels(self, job: CheckpointJob) -> None:
         if not job.files:

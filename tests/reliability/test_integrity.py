@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError
 
@@ -21,8 +22,9 @@ WORLD = 2
 
 def _save(root: Path, checkpoints: list[int], **config) -> None:
     """Two ranks' worth of files per checkpoint, written by two engines sharing one run id."""
+    store = dist.HashStore()
     engines = [CheckpointEngine({"save_dir": str(root), "host_cache_size": 0.01, **config},
-                                rank=r, world_size=WORLD, run_id="0123456789ab") for r in range(WORLD)]
+                                rank=r, world_size=WORLD, run_id="0123456789ab", commit_store=store) for r in range(WORLD)]
     try:
         for i in checkpoints:
             for r, engine in enumerate(engines):
@@ -81,8 +83,9 @@ def test_verify_and_load_catch_damage(saved, damage, expected):
 
 def test_verify_catches_a_manifest_from_another_run(saved, tmp_path_factory):
     other = tmp_path_factory.mktemp("other")
+    store = dist.HashStore()
     engines = [CheckpointEngine({"save_dir": str(other), "host_cache_size": 0.01}, rank=r, world_size=WORLD,
-                                run_id="ffffffffffff") for r in range(WORLD)]
+                                run_id="ffffffffffff", commit_store=store) for r in range(WORLD)]
     for r, engine in enumerate(engines):
         engine.save({"w": torch.zeros(10)}, "iter_0000002", f"rank{r}", version=2)
         engine.commit("iter_0000002")

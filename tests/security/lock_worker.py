@@ -53,7 +53,7 @@ def main() -> None:
             engine.commit("iter_0000002")
     elif mode == "crash":
         run_id = "c0ffee000001"
-        store = dist.HashStore()
+        store = torch.distributed.HashStore()
         ranks = [CheckpointEngine(config, rank=r, world_size=2, run_id=run_id, commit_store=store) for r in (0, 1)]
         for r, engine in enumerate(ranks):
             engine.save(_state(1), "iter_0000001", f"rank{r}", version=1)

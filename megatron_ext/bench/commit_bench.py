@@ -1,0 +1,267 @@
+"""``megatron-ext bench commit``: what one commit costs at 8 to 4,096 ranks, simulated on one machine.
+
+Each configuration (N ranks, T tensors per rank) commits a few checkpoints through the real
+``Committer`` and ``CommitChannel``, ranks sharing an in-process store, on a real directory:
+
+* rank 0 and ``--sampled`` other ranks run a real committer thread each: they write their rank
+  reports, post their status, and (rank 0) merge, write the manifest and decide;
+* the remaining ranks post the same status (built by the same functions from the same kind of
+  report) without a thread of their own: a thread per simulated rank would measure this
+  machine's scheduler, not the protocol. They write no report files; theirs cost every rank the
+  same as a sampled rank's, in parallel on a real cluster.
+
+Reported per configuration (medians over the checkpoints):
+
+* ``commit_latency_s``: from the last rank's status to the last rank (0 and the sampled ones)
+  seeing the commit;
+* ``metadata_ops_per_rank``: file-system calls (open, stat, listdir, mkdir, rename, unlink, ...)
+  a sampled rank other than 0 makes per checkpoint, counted by wrapping ``os``; rank 0's are
+  ``metadata_ops_rank0``;
+* ``rank0_cpu_s``: CPU time of rank 0's committer thread per commit;
+* ``manifest_bytes``: the manifest's size; ``store_ops_per_rank``: store calls of a sampled rank.
+
+Not modelled: network latency to the store server and its fan-out of one notification per
+waiting rank (on a TCPStore server, one socket write each).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_ext.engine.commit import Committer, durable_status, job_key, rank_report, report_name, REPORTS
+from megatron_ext.engine.coordination import CommitChannel
+from megatron_ext.engine.jobs import CheckpointJob, LEVEL_SHARED
+from megatron_ext.engine.telemetry import Telemetry
+
+RANKS = (8, 64, 512, 4096)
+TENSORS = (50, 640)
+_COUNTED = ("open", "stat", "lstat", "listdir", "scandir", "mkdir", "rename", "replace", "unlink", "rmdir",
+            "access")
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench commit] {msg}", file=sys.stderr, flush=True)
+
+
+class SimulatedFile:
+    """One rank's file as the committer sees it once durable: names, sizes, checksums, T tensors."""
+
+    def __init__(self, checkpoint: str, rank: int, tag: str, tensors: int):
+        self.name = f"rank{rank:05d}"
+        base = f"{checkpoint}/{self.name}.{tag}"
+        now = time.monotonic()
+        self.submitted_at = self.snapshot_at = now
+        self.durable_at: dict[str, float] = {}
+        self.sidecar = b"x" * 4096
+        self.nbytes = 0
+        entries, offset = {}, 8 + 64 * tensors
+        for i in range(tensors):
+            size = 4096 * 4096 * 2 if i % 4 else 4096 * 2  # weights and biases of a 70B-like shard
+            name = f"decoder.layers.{i // 8}.mlp.linear_fc{i % 8}.weight"
+            entries[name] = {"dtype": "bfloat16", "shape": [size // 2], "offsets": [offset, offset + size],
+                             "xxh3_64": f"{(rank * 1_000_003 + i) & 0xFFFFFFFFFFFFFFFF:016x}"}
+            offset += size
+            self.nbytes += size
+        self._report = {"name": self.name, "tensor_file": base + ".safetensors", "state_file": base + ".state.json",
+                        "size": offset, "state_size": len(self.sidecar), "xxh3_64": f"{rank:016x}",
+                        "state_xxh3_64": f"{rank + 1:016x}", "tensors": entries}
+
+    def report(self) -> dict:
+        return self._report
+
+
+class OpCounter:
+    """Counts file-system calls per thread while installed (wraps ``os`` functions and ``open``)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self._saved: dict[str, Any] = {}
+
+    def _wrap(self, fn):
+        counts = self.counts
+
+        def counted(*args, **kwargs):
+            ident = threading.get_ident()
+            counts[ident] = counts.get(ident, 0) + 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def __enter__(self) -> "OpCounter":
+        for name in _COUNTED:
+            self._saved[name] = getattr(os, name)
+            setattr(os, name, self._wrap(self._saved[name]))
+        self._saved["builtins.open"] = builtins.open
+        builtins.open = self._wrap(builtins.open)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            if name == "builtins.open":
+                builtins.open = fn
+            else:
+                setattr(os, name, fn)
+
+    def take(self, ident: int | None) -> int:
+        return self.counts.pop(ident, 0) if ident is not None else 0
+
+
+class CountingStore:
+    """A store wrapper that counts calls per thread (the protocol's O(1) per rank, made visible)."""
+
+    def __init__(self, store: Any):
+        self.store = store
+        self.counts: dict[int, int] = {}
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.store, name)
+
+        def counted(*args, **kwargs):
+            ident = threading.get_ident()
+            self.counts[ident] = self.counts.get(ident, 0) + 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sampled: int,
+                       timeout_s: float) -> dict:
+    run_id = "0c0ffee00000"
+    store = CountingStore(dist.PrefixStore(f"datastates/{run_id}/", dist.HashStore()))
+    real = list(range(min(ranks, sampled + 1)))  # rank 0 and the sampled ones
+    errors: list[BaseException] = []
+
+    def fail(exc: BaseException, job: CheckpointJob | None = None) -> bool:
+        errors.append(exc)
+        return True
+
+    committers = {r: Committer(r, ranks, run_id, lambda job: None, Telemetry(None, r), timeout_s, fail,
+                               lambda: None, may_remove=lambda root: True,
+                               channel=CommitChannel(store, store, r, ranks)) for r in real}
+    light = CommitChannel(store, store, 1, ranks)  # posts for the ranks without a thread
+    rows = []
+    with OpCounter() as ops:
+        for i in range(1, checkpoints + 1):
+            checkpoint = f"iter_{i:07d}"
+            os.makedirs(os.path.join(root, checkpoint), exist_ok=True)
+            jobs = {}
+            for r in real:
+                job = CheckpointJob(checkpoint=checkpoint, root=root, version=i, tag=run_id,
+                                    files=[SimulatedFile(checkpoint, r, run_id, tensors)],
+                                    commit_requested=True, commit_seq=i)
+                jobs[r] = job
+                committers[r].track(job)
+            idents = {r: committers[r]._thread.ident for r in real}
+            for r in real:
+                ops.take(idents[r])
+                store.counts.pop(idents[r], None)
+            clock = time.pthread_getcpuclockid(idents[0])
+            cpu0 = time.clock_gettime(clock)
+            _mark_durable(jobs[0], committers[0])  # rank 0 first: it then waits for the others
+            key = job_key(jobs[0])
+            for r in range(len(real), ranks):  # the ranks without a thread post what a real one would
+                light.rank = r
+                report = rank_report(CheckpointJob(checkpoint=checkpoint, root=root, version=i, tag=run_id,
+                                                   files=[SimulatedFile(checkpoint, r, run_id, tensors)]), r, ranks)
+                data = json.dumps(report, indent=1, sort_keys=True).encode("utf-8")
+                light.post(key, durable_status(report, data, f"{checkpoint}/{REPORTS}/{report_name(r, run_id)}"),
+                           from_committer=False)
+            last = time.monotonic()
+            for r in real[1:]:
+                _mark_durable(jobs[r], committers[r])
+            for r in real:
+                if not jobs[r].committed.wait(timeout_s + 60):
+                    raise RuntimeError(f"rank {r} did not see checkpoint {checkpoint} committed")
+            if errors:
+                raise RuntimeError(f"commit failed: {errors[0]}") from errors[0]
+            seen = max(jobs[r].committed_at for r in real)
+            cpu = time.clock_gettime(clock) - cpu0
+            other = [r for r in real if r != 0]
+            rows.append({
+                "commit_latency_s": seen - last,
+                "rank0_cpu_s": cpu,
+                "metadata_ops_per_rank": statistics.mean(ops.take(idents[r]) for r in other) if other else 0,
+                "metadata_ops_rank0": ops.take(idents[0]),
+                "store_ops_per_rank": statistics.mean(store.counts.pop(idents[r], 0) for r in other) if other else 0,
+                "manifest_bytes": os.path.getsize(os.path.join(root, checkpoint, "manifest.json")),
+            })
+    for committer in committers.values():
+        committer.stop(10)
+    result = {"ranks": ranks, "tensors_per_rank": tensors, "sampled_ranks": len(real)}
+    for field in rows[0]:
+        result[field] = statistics.median(row[field] for row in rows)
+    return result
+
+
+def _mark_durable(job: CheckpointJob, committer: Committer) -> None:
+    now = time.monotonic()
+    for f in job.files:
+        f.durable_at[LEVEL_SHARED] = now
+    committer.poke()
+
+
+def run(ranks: tuple[int, ...] = RANKS, tensors: tuple[int, ...] = TENSORS, checkpoints: int = 3, sampled: int = 7,
+        workdir: str | None = None, timeout_s: float = 300.0) -> dict:
+    base = workdir or tempfile.mkdtemp(prefix="megatron-ext-bench-commit-", dir=os.getcwd())
+    results = []
+    try:
+        for t in tensors:
+            for n in ranks:
+                root = os.path.join(base, f"n{n}-t{t}")
+                shutil.rmtree(root, ignore_errors=True)
+                os.makedirs(root)
+                started = time.monotonic()
+                row = _one_configuration(root, n, t, checkpoints, sampled, timeout_s)
+                _progress(f"N={n} T={t}: latency {row['commit_latency_s'] * 1e3:.1f} ms, "
+                          f"{row['metadata_ops_per_rank']:.0f} fs ops/rank, rank 0 cpu {row['rank0_cpu_s'] * 1e3:.1f} ms, "
+                          f"manifest {row['manifest_bytes'] / 1e6:.2f} MB ({time.monotonic() - started:.0f}s)")
+                results.append(row)
+                shutil.rmtree(root, ignore_errors=True)
+    finally:
+        if workdir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    return {"results": results, "targets": _targets(results)}
+
+
+def _targets(results: list[dict]) -> dict:
+    """The issue's targets, checked on what was measured (None where a configuration was not run)."""
+    def row(n: int, t: int) -> dict | None:
+        return next((r for r in results if r["ranks"] == n and r["tensors_per_rank"] == t), None)
+
+    out = {}
+    for t in sorted({r["tensors_per_rank"] for r in results}):
+        small, large = row(min(RANKS), t), row(max(RANKS), t)
+        if small and large:
+            out[f"latency_ratio_4096_vs_8_t{t}"] = large["commit_latency_s"] / max(small["commit_latency_s"], 1e-9)
+            out[f"metadata_ops_ratio_4096_vs_8_t{t}"] = (large["metadata_ops_per_rank"]
+                                                         / max(small["metadata_ops_per_rank"], 1e-9))
+    big = row(max(RANKS), max(TENSORS))
+    out["rank0_cpu_s_4096_t640"] = big["rank0_cpu_s"] if big else None
+    return out
+
+
+def main(args: Any) -> int:
+    with contextlib.redirect_stdout(sys.stderr):
+        result = run(tuple(args.ranks), tuple(args.tensors), args.checkpoints, args.sampled, args.dir)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"{'ranks':>6} {'tensors':>7} {'latency ms':>10} {'fs ops/rank':>11} {'rank0 cpu ms':>12} "
+              f"{'manifest MB':>11}")
+        for r in result["results"]:
+            print(f"{r['ranks']:>6} {r['tensors_per_rank']:>7} {r['commit_latency_s'] * 1e3:>10.1f} "
+                  f"{r['metadata_ops_per_rank']:>11.1f} {r['rank0_cpu_s'] * 1e3:>12.1f} {r['manifest_bytes'] / 1e6:>11.3f}")
+        print(json.dumps(result["targets"]))
+    return 0
