@@ -43,6 +43,7 @@ import torch.distributed as dist
 from megatron_ext.engine.commit import Committer, durable_status, job_key, rank_report, report_name, REPORTS
 from megatron_ext.engine.coordination import CommitChannel
 from megatron_ext.engine.jobs import CheckpointJob, LEVEL_SHARED
+from megatron_ext.engine.manifest import read_manifest
 from megatron_ext.engine.telemetry import Telemetry
 
 RANKS = (8, 64, 512, 4096)
@@ -70,7 +71,7 @@ class SimulatedFile:
         for i in range(tensors):
             size = 4096 * 4096 * 2 if i % 4 else 4096 * 2  # weights and biases of a 70B-like shard
             name = f"decoder.layers.{i // 8}.mlp.linear_fc{i % 8}.weight"
-            entries[name] = {"dtype": "bfloat16", "shape": [size // 2], "offsets": [offset, offset + size],
+            entries[name] = {"dtype": "BF16", "shape": [size // 2], "offsets": [offset, offset + size],
                              "xxh3_64": f"{(rank * 1_000_003 + i) & 0xFFFFFFFFFFFFFFFF:016x}"}
             offset += size
             self.nbytes += size
@@ -197,6 +198,7 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
                 "store_ops_per_rank": statistics.mean(store.counts.pop(idents[r], 0) for r in other) if other else 0,
                 "manifest_bytes": os.path.getsize(os.path.join(root, checkpoint, "manifest.json")),
             })
+    read_manifest(os.path.join(root, checkpoint))  # what was committed is a valid checkpoint manifest
     for committer in committers.values():
         committer.stop(10)
     result = {"ranks": ranks, "tensors_per_rank": tensors, "sampled_ranks": len(real)}

@@ -254,7 +254,9 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
     run_id = uuid.uuid4().hex[:12]
     config = {"save_dir": out, "host_cache_size": host_cache_gib, "remove_partial_on_start": False,
               "safe_classes": list(megatron_safe_classes())}
-    engines = [CheckpointEngine(config, rank=r, world_size=world, run_id=run_id) for r in range(world)]
+    store = dist.HashStore()  # the ranks of the layout, in this one process, commit through it
+    engines = [CheckpointEngine(config, rank=r, world_size=world, run_id=run_id, commit_store=store)
+               for r in range(world)]
     try:
         for rank, engine in enumerate(engines):
             coords = {"tp_rank": rank % layout["tp"], "dp_rank": (rank // layout["tp"]) % layout["dp"],
