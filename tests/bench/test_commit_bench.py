@@ -1,0 +1,29 @@
+"""``bench commit`` runs the real committer at several simulated world sizes and prints the keys
+the issue asks for; a rank's file-system and store calls per checkpoint do not grow with the
+number of ranks (counted, not timed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from helpers.procs import child_env
+
+
+def test_bench_commit_json_and_per_rank_costs_independent_of_world_size(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext", "bench", "commit", "--ranks", "8", "64",
+                           "--tensors", "5", "--checkpoints", "2", "--dir", str(tmp_path), "--json"],
+                          capture_output=True, text=True, env=child_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    rows = {r["ranks"]: r for r in out["results"]}
+    assert set(rows) == {8, 64}
+    for row in rows.values():
+        assert {"ranks", "tensors_per_rank", "commit_latency_s", "metadata_ops_per_rank", "rank0_cpu_s",
+                "manifest_bytes"} <= set(row)
+        assert row["tensors_per_rank"] == 5 and row["commit_latency_s"] > 0 and row["manifest_bytes"] > 0
+    assert rows[64]["metadata_ops_per_rank"] == rows[8]["metadata_ops_per_rank"] > 0
+    # append, add, wait, get; and set by the one rank whose add completes the count
+    assert all(4 <= row["store_ops_per_rank"] <= 5 for row in rows.values())
+    assert rows[64]["metadata_ops_rank0"] == rows[8]["metadata_ops_rank0"]
