@@ -155,6 +155,9 @@ def _bench_commit(sub) -> None:
     p.add_argument("--tensors", type=POSITIVE_INT, nargs="+", default=[50, 640], help="tensors per rank")
     p.add_argument("--checkpoints", type=POSITIVE_INT, default=3, help="commits per configuration (median)")
     p.add_argument("--sampled", type=POSITIVE_INT, default=7, help="ranks besides 0 with a committer thread")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write commit_*.png figures there")
+    p.add_argument("--baseline", default=None, metavar="JSON",
+                   help="another run's --json output (e.g. an older version's) drawn beside this one")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
     p.add_argument("--json", action="store_true")
 

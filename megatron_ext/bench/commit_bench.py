@@ -254,9 +254,41 @@ def _targets(results: list[dict]) -> dict:
     return out
 
 
+def plot(results: list[dict], out_dir: str, baseline: list[dict] | None = None) -> list[str]:
+    """Latency, file-system calls per rank and rank 0 CPU over the world size, one line per T.
+
+    ``baseline``: the same keys measured on another version (the file-polling commit), drawn
+    as series of their own in the same figures.
+    """
+    from megatron_ext.bench import plots
+
+    ranks = sorted({r["ranks"] for r in results + (baseline or [])})
+    series_of: dict[str, list[dict]] = {}
+    for label, rows in (("store", results), ("file polling (before)", baseline or [])):
+        for r in rows:
+            series_of.setdefault(f"{label}, T={r['tensors_per_rank']}", []).append(r)
+    os.makedirs(out_dir, exist_ok=True)
+    paths = []
+    for key, title, ylabel, scale in (("commit_latency_s", "commit latency", "ms", 1e3),
+                                      ("metadata_ops_per_rank", "file-system calls per rank and checkpoint", "calls", 1),
+                                      ("rank0_cpu_s", "rank 0 CPU per commit", "ms", 1e3)):
+        series = {name: [next((r[key] * scale for r in rows if r["ranks"] == n), None) for n in ranks]
+                  for name, rows in series_of.items()}
+        paths.append(plots.lines(os.path.join(out_dir, f"commit_{key}.png"), title, list(range(len(ranks))), series,
+                                 "simulated ranks", ylabel, xlabels=[str(n) for n in ranks], log=True))
+    return paths
+
+
 def main(args: Any) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         result = run(tuple(args.ranks), tuple(args.tensors), args.checkpoints, args.sampled, args.dir)
+        if args.plot:
+            baseline = None
+            if args.baseline:
+                with open(args.baseline) as f:
+                    loaded = json.load(f)
+                baseline = loaded["results"] if isinstance(loaded, dict) else loaded
+            result["plots"] = plot(result["results"], args.plot, baseline)
     if args.json:
         print(json.dumps(result, indent=1))
     else:

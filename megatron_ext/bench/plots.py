@@ -37,14 +37,14 @@ def grouped_bars(path: str, title: str, groups: Sequence[str], series: Mapping[s
 
 
 def lines(path: str, title: str, xs: Sequence[float], series: Mapping[str, Sequence[float | None]],
-          xlabel: str, ylabel: str, xlabels: Sequence[str] | None = None) -> str:
-    """One line with markers per series over ``xs``."""
+          xlabel: str, ylabel: str, xlabels: Sequence[str] | None = None, log: bool = False) -> str:
+    """One line with markers per series over ``xs`` (``log``: logarithmic y axis)."""
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for name, values in series.items():
         kept = [(x, v) for x, v in zip(xs, values) if v is not None]
         ax.plot([x for x, _ in kept], [v for _, v in kept], marker="o", label=name, color=COLORS.get(name))
     ax.set_xticks(list(xs), list(xlabels) if xlabels is not None else [str(x) for x in xs])
-    _finish(ax, title, xlabel, ylabel, log=False)
+    _finish(ax, title, xlabel, ylabel, log=log)
     return _save(fig, path)
 
 
