@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from megatron_ext.bench.commit_bench import OpCounter
 from megatron_ext.engine import CheckpointEngine, CheckpointError
+from megatron_ext.engine.commit import job_key
 
 from helpers.states import FAST, TINY
 
@@ -38,7 +39,8 @@ def test_a_rank_waiting_for_the_commit_makes_no_file_system_call(tmp_path, early
     try:
         engines[early].save({"w": torch.ones(1000) * early}, "A", f"r{early}", version=1)
         job = engines[early].commit("A")
-        _until(lambda: job.status_posted, "the early rank posts its status")
+        key = job_key(job)
+        _until(lambda: early not in engines[early].channel.missing(key), "the early rank posts its status")
         waiter = engines[early].committer._thread.ident
         with OpCounter() as ops:
             time.sleep(1.5)  # the early rank waits for the late one: the file-based protocol polled here
