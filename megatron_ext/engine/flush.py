@@ -27,7 +27,7 @@ from .files import ChunkFile, fsync_dir, supports_o_direct, write_durable
 from .host_cache import HostCache
 from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_SHARED
 from .layout import round_up
-from .snapshot import Chunk, Discard
+from .messages import Chunk, Discard
 from .worker import QueueWorker
 
 

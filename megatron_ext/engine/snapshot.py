@@ -13,7 +13,6 @@ stops at its next slot, releases the tensors, and the engine sends a ``Discard``
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from typing import Callable
@@ -22,27 +21,8 @@ from .config import OVERLOAD_SUPERSEDE
 from .copier import CpuCopier
 from .host_cache import HostCache
 from .jobs import CheckpointJob, FileJob
+from .messages import Chunk
 from .worker import QueueWorker
-
-
-@dataclasses.dataclass(eq=False)
-class Chunk:
-    """A filled cache slot: bytes [offset, offset + nbytes) of ``job``'s tensor file."""
-
-    job: FileJob
-    index: int
-    last: bool
-    slot: int
-    offset: int
-    nbytes: int
-    ready: Callable[[], None]  # blocks until the slot's bytes are really there (CUDA event)
-
-
-@dataclasses.dataclass(eq=False)
-class Discard:
-    """Sent down the flush pipeline behind a skipped checkpoint's last chunk: remove its files."""
-
-    checkpoint: CheckpointJob
 
 
 class _Abandoned(Exception):
