@@ -29,6 +29,7 @@ from . import codec, layout as file_layout, lock as dir_lock, restore, retention
 from .commit import Committer, report_name, REPORTS
 from .config import ConfigError, EngineConfig, OVERLOAD_SUPERSEDE, OVERLOAD_WAIT, check_writable_dir
 from .manifest import RUN_ID, list_committed, read_manifest, run_of, valid_name
+from .context import SaveContext
 from .copier import make_copier
 from .files import atomic_write_json
 from .flush import LevelStager, RankWriter
@@ -36,7 +37,6 @@ from .host_cache import HostCache
 from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_SHARED
 from .replica import PeerReplicas, default_replica_dir
 from .committed import CommittedCheckpoint
-from .messages import Chunk
 from .overload import OverloadMixin
 from .snapshot import SnapshotScheduler
 from .telemetry import Telemetry
@@ -148,30 +148,25 @@ class CheckpointEngine(OverloadMixin):
         self.telemetry = Telemetry(None if read_only else self.config.telemetry_file(self.rank), self.rank)
 
         self.cache = HostCache(self.config.host_cache_bytes, self.config.chunk_bytes, pin=self.use_cuda)
-        local = self.config.local_dir
-        self.committer = Committer(self.rank, self.world_size, self.run_id,
-                                   (lambda job: local) if local else (lambda job: None),
-                                   self.telemetry, self.config.persist_timeout_s, self._fail, self._raise_if_failed,
-                                   self._state_lock, self._abandon_for_peer, may_remove=self._holds_lock)
-        self.stager = None
-        if local:
-            self.stager = LevelStager(lambda job: local, lambda job: job.checkpoint.root,
-                                      self.cache.chunk_bytes, self.config.o_direct, self._on_durable, self._fail)
-        self.writer = RankWriter(self.cache, LEVEL_LOCAL if local else LEVEL_SHARED,
-                                 (lambda job: local) if local else (lambda job: job.checkpoint.root),
-                                 self.config.o_direct, self._on_durable, self._fail, self._state_lock,
-                                 self.stager.submit if self.stager is not None else (lambda job: None))
-        self.deleter: retention.Deleter | None = None  # started by the first retention that deletes
-        self.scheduler = SnapshotScheduler(self.cache, make_copier(self.use_cuda), self._emit_chunk, self._fail,
-                                           self._raise_if_failed, self.config.persist_timeout_s,
+        self.save_context = ctx = SaveContext(
+            rank=self.rank, world_size=self.world_size, run_id=self.run_id, fail=self._fail,
+            check=self._raise_if_failed, state_lock=self._state_lock, timeout_s=self.config.persist_timeout_s,
+            telemetry=self.telemetry, local_dir=self.config.local_dir, o_direct=self.config.o_direct,
+            chunk_bytes=self.cache.chunk_bytes)
+        # The save pipeline, built from its end: each stage is handed the next one.
+        self.committer = Committer(ctx, self._abandon_for_peer, may_remove=self._holds_lock)
+        self.stager = LevelStager(ctx, self.committer) if ctx.local_dir else None
+        self.writer = RankWriter(ctx, self.cache, self.stager if self.stager is not None else self.committer)
+        self.scheduler = SnapshotScheduler(ctx, self.cache, make_copier(self.use_cuda), self.writer,
                                            self._supersede_older, self._settle_skipped)
+        self.deleter: retention.Deleter | None = None  # started by the first retention that deletes
         self.replicas: PeerReplicas | None = None
         if self.config.peer_replica:  # creates a process group: collective, like the run id above
             self.replicas = PeerReplicas(
                 self.rank, self.world_size, self.config.ranks_per_node,
                 self.config.replica_dir or default_replica_dir(self.config.save_dir), self.cache.chunk_bytes,
-                self.config.persist_timeout_s, LEVEL_LOCAL if local else LEVEL_SHARED,
-                (lambda job: local) if local else (lambda job: job.root), self.run_id, self.telemetry,
+                self.config.persist_timeout_s, ctx.first_level,
+                lambda job: ctx.directory(job, ctx.first_level), self.run_id, self.telemetry,
                 self._fail, self._raise_if_failed)
         _live_engines.add(self)
 
@@ -223,7 +218,7 @@ class CheckpointEngine(OverloadMixin):
             self._checkpoints[(root, checkpoint)] = job
             self.committer.track(job)
         base = f"{checkpoint}/{name}.{tag}"
-        fjob = FileJob(checkpoint=job, name=name, layout=plan, sidecar=sidecar,
+        fjob = FileJob(job=job, name=name, layout=plan, sidecar=sidecar,
                        cuda_mark=self.scheduler.copier.mark([t for _, t in encoder.tensors]),
                        tensor_rel=base + ".safetensors", sidecar_rel=base + ".state.json",
                        extra=json.loads(json.dumps(extra)) if extra is not None else None)
@@ -311,7 +306,7 @@ class CheckpointEngine(OverloadMixin):
         progress = self.scheduler.progress
         waited_for_flush = False
         for fjob in pending:
-            what = f"snapshot of {fjob.checkpoint.checkpoint}"
+            what = f"snapshot of {fjob.job.checkpoint}"
             while True:
                 progress.clear()
                 if fjob.snapshot_done.is_set():
@@ -320,8 +315,8 @@ class CheckpointEngine(OverloadMixin):
                 if time.monotonic() > started + timeout:
                     raise CheckpointError(f"{what} did not finish in time (timeout)")
                 starved = self.scheduler.starved is fjob
-                if starved and fjob.checkpoint.policy == OVERLOAD_SUPERSEDE:
-                    self._skip(fjob.checkpoint, "no_cache_space")
+                if starved and fjob.job.policy == OVERLOAD_SUPERSEDE:
+                    self._skip(fjob.job, "no_cache_space")
                     self.cache.wake()  # the copy gives up at once and releases the tensors
                     fjob.snapshot_done.wait(_POLL_S)
                     continue
@@ -335,7 +330,7 @@ class CheckpointEngine(OverloadMixin):
         blocked = time.monotonic() - started
         self.blocked_total_s += blocked
         self.wait_total_s += blocked
-        for job in {f.checkpoint for f in pending}:
+        for job in {f.job for f in pending}:
             job.blocked_s += blocked
         self._files = [f for f in self._files if not f.snapshot_done.is_set()]
         return blocked
@@ -603,14 +598,6 @@ class CheckpointEngine(OverloadMixin):
                 self.deleter.submit(retention.Removal(os.path.join(root, name), owner[name]))
             if local:
                 self.deleter.submit(retention.Removal(os.path.join(local, name), None))
-
-    def _emit_chunk(self, chunk: Chunk) -> None:
-        self.writer.submit(chunk)
-
-    def _on_durable(self, fjob: FileJob, level: str) -> None:
-        if level == LEVEL_LOCAL and self.stager is not None:
-            self.stager.submit(fjob)
-        self.committer.poke()
 
     def _fail(self, exc: BaseException, job: CheckpointJob | None = None) -> bool:
         """A background thread failed. Returns True if the engine must stop (then every call raises).

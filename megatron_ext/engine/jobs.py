@@ -33,7 +33,7 @@ class CheckpointSkipped(CheckpointError):
 class FileJob:
     """One ``save`` call: one safetensors file plus its sidecar, for one rank."""
 
-    checkpoint: "CheckpointJob"
+    job: "CheckpointJob"  # the checkpoint this file belongs to
     name: str
     layout: FileLayout
     sidecar: bytes
@@ -55,6 +55,11 @@ class FileJob:
     @property
     def nbytes(self) -> int:
         return self.layout.size
+
+    @property
+    def root(self) -> str:
+        """Its checkpoint's shared root directory."""
+        return self.job.root
 
     def num_chunks(self, chunk_bytes: int) -> int:
         return -(-self.layout.size // chunk_bytes)

@@ -14,9 +14,9 @@ from .jobs import CheckpointJob, FileJob
 
 @dataclasses.dataclass(eq=False)
 class Chunk:
-    """A filled cache slot: bytes [offset, offset + nbytes) of ``job``'s tensor file."""
+    """A filled cache slot: bytes [offset, offset + nbytes) of ``file``'s tensor file."""
 
-    job: FileJob
+    file: FileJob
     index: int
     last: bool
     slot: int
@@ -29,7 +29,7 @@ class Chunk:
 class Discard:
     """Sent down the flush pipeline behind a skipped checkpoint's last chunk: remove its files."""
 
-    checkpoint: CheckpointJob
+    job: CheckpointJob
 
 
 __all__ = ["Chunk", "Discard"]

@@ -79,7 +79,7 @@ def test_save_only_records_references_copies_happen_in_background(make_engine, f
     assert not fjob.snapshot_done.is_set()
     (slot,) = fjob.layout.slots
     assert slot.tensor is not None and slot.tensor.data_ptr() == w.data_ptr()  # a view, not a copy
-    assert fjob.checkpoint.files == [fjob] and not fjob.checkpoint.commit_requested
+    assert fjob.job.files == [fjob] and not fjob.job.commit_requested
     assert entered.wait(30)
     assert not fjob.snapshot_done.is_set()  # blocked behind the writer: backpressure
     go.set()
