@@ -1,10 +1,10 @@
 """``CheckpointEngine``: the public face of the lazy asynchronous multi-level checkpoint engine.
 
-Read top to bottom, a checkpoint goes: ``save`` (bookkeeping only, on the caller's thread) ->
-``SnapshotScheduler`` (copies into the host cache in the background) -> ``RankWriter`` (streams
-each chunk to the first storage level) -> ``LevelStager`` (node-local to shared, if configured)
--> ``Committer`` (rank reports, manifest = commit marker, callbacks). The training loop calls
-``wait_snapshot`` right before it mutates the saved tensors, and nothing else.
+The public calls live here: ``save`` (bookkeeping only, on the caller's thread), ``commit``,
+``wait_snapshot`` (called right before the training loop mutates the saved tensors, and nothing
+else), ``wait_persisted``, the loads and ``shutdown``. ``_build`` wires the save pipeline the
+package docstring lists, from its end, each stage handed the next; the overload decisions are in
+overload.py and the read side in committed.py.
 
 The engine knows nothing of Megatron or DeepSpeed: nested states of tensors in, files out.
 """

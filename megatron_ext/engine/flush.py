@@ -156,10 +156,10 @@ class RankWriter:
         payload = self.cache.memory(chunk.slot, chunk.nbytes)
         file_hash.update(payload)
         end = chunk.offset + chunk.nbytes
-        slots = fjob.layout.slots
+        spans = fjob.layout.spans
         k = state[2]
-        while k < len(slots) and slots[k].start < end:  # tensors are in file order
-            s = slots[k]
+        while k < len(spans) and spans[k].start < end:  # tensors are in file order
+            s = spans[k]
             lo, hi = max(s.start, chunk.offset), min(s.end, end)
             if hi > lo:
                 tensor_hash.setdefault(s.name, xxhash.xxh3_64()).update(payload[lo - chunk.offset:hi - chunk.offset])
@@ -172,7 +172,7 @@ class RankWriter:
             empty = xxhash.xxh3_64().hexdigest()
             fjob.file_xxh3 = file_hash.hexdigest()
             fjob.tensor_xxh3 = {s.name: (tensor_hash[s.name].hexdigest() if s.name in tensor_hash else empty)
-                               for s in slots}
+                               for s in spans}
             fjob.sidecar_xxh3 = xxhash.xxh3_64_hexdigest(fjob.sidecar)
 
     def _write(self, chunk: Chunk) -> None:

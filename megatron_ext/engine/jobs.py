@@ -77,7 +77,7 @@ class FileJob:
             "tensors": {
                 s.name: {"dtype": s.dtype, "shape": s.shape, "offsets": [s.start, s.end],
                          "xxh3_64": self.tensor_xxh3.get(s.name)}
-                for s in self.layout.slots
+                for s in self.layout.spans
             },
         }
         if self.extra is not None:

@@ -99,7 +99,7 @@ class SnapshotScheduler(QueueWorker):
     @staticmethod
     def _release(fjob: FileJob) -> None:
         """The checkpoint holds the values now, or never will: let the caller's tensors go."""
-        for s in fjob.layout.slots:
+        for s in fjob.layout.spans:
             s.tensor = None
         fjob.keepalive.clear()
 
@@ -108,7 +108,7 @@ class SnapshotScheduler(QueueWorker):
         chunk = self.cache.chunk_bytes
         self.copier.begin(fjob.cuda_mark)
         sources = []
-        for s in layout.slots:
+        for s in layout.spans:
             src = self.copier.prepare(s.tensor)
             if src is not s.tensor:
                 fjob.keepalive.append(src)
@@ -123,11 +123,11 @@ class SnapshotScheduler(QueueWorker):
             if start < layout.data_start:
                 head = layout.header[start:min(end, layout.data_start)]
                 self.cache.memory(slot, len(head))[:] = head
-            while seg < len(layout.slots) and layout.slots[seg].end <= start:
+            while seg < len(layout.spans) and layout.spans[seg].end <= start:
                 seg += 1
             k = seg
-            while k < len(layout.slots) and layout.slots[k].start < end:
-                s = layout.slots[k]
+            while k < len(layout.spans) and layout.spans[k].start < end:
+                s = layout.spans[k]
                 lo, hi = max(s.start, start), min(s.end, end)
                 if hi > lo:
                     self.copier.copy(sources[k], lo - s.start, hi - s.start, dst[lo - start:hi - start])
