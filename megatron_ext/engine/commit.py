@@ -29,11 +29,12 @@ import threading
 import time
 from typing import Callable
 
+from .context import SaveContext
 from .coordination import COMMITTED, DURABLE, FAILED, SKIPPED, CommitChannel, checkpoint_key
 from .files import atomic_write
-from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
+from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, FileJob, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
 from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST, list_committed, read_manifest  # noqa: F401 (re-exported)
-from .telemetry import Telemetry
+from .messages import Discard
 
 REPORTS = ".reports"
 #: Ranks other than 0 wait this much longer than rank 0 for the decision, so that when a rank is
@@ -100,20 +101,18 @@ class ManifestOnDisk(dict):
 class Committer:
     """Background thread: rank reports and statuses, and on rank 0 the manifest and the decision."""
 
-    def __init__(self, rank: int, world_size: int, run_id: str, local_root: Callable[[CheckpointJob], str | None],
-                 telemetry: Telemetry, timeout_s: float, fail: Callable[..., bool],
-                 check: Callable[[], None], state_lock: threading.Lock | None = None,
-                 abandon: Callable[[CheckpointJob, CheckpointSkipped], None] = lambda job, exc: None, *,
-                 may_remove: Callable[[str], bool] = lambda root: False, channel: CommitChannel):
-        self.rank = rank
-        self.world_size = world_size
-        self.run_id = run_id
-        self.local_root = local_root
-        self.telemetry = telemetry
-        self.timeout_s = timeout_s
-        self.fail = fail
-        self.check = check
-        self.state_lock = state_lock or threading.Lock()  # shared with whoever skips checkpoints
+    def __init__(self, ctx: SaveContext, abandon: Callable[[CheckpointJob, CheckpointSkipped], None] = lambda job, exc: None,
+                 *, may_remove: Callable[[str], bool] = lambda root: False, channel: CommitChannel):
+        self.ctx = ctx
+        self.rank = ctx.rank
+        self.world_size = ctx.world_size
+        self.run_id = ctx.run_id
+        self.local_root = lambda job: ctx.directory(job, LEVEL_LOCAL)  # None without a node-local level
+        self.telemetry = ctx.telemetry
+        self.timeout_s = ctx.timeout_s
+        self.fail = ctx.fail
+        self.check = ctx.check
+        self.state_lock = ctx.state_lock  # shared with whoever skips checkpoints
         self.abandon = abandon  # a peer skipped the checkpoint: drop it here too
         self.may_remove = may_remove  # whether this rank holds the lock of a root (lock.py)
         self.channel = channel
@@ -131,6 +130,13 @@ class Committer:
         """Something changed (a file became durable, a commit was requested): look again."""
         with self._cond:
             self._cond.notify_all()
+
+    def durable(self, fjob: FileJob) -> None:
+        """The stage before made ``fjob`` durable on the shared level: its checkpoint may be ready."""
+        self.poke()
+
+    def discard(self, item: Discard) -> None:
+        """A skipped checkpoint's files are removed upstream; the abandoned job itself is settled here."""
 
     def stop(self, timeout: float) -> None:
         with self._cond:

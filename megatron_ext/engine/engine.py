@@ -1,10 +1,10 @@
 """``CheckpointEngine``: the public face of the lazy asynchronous multi-level checkpoint engine.
 
-Read top to bottom, a checkpoint goes: ``save`` (bookkeeping only, on the caller's thread) ->
-``SnapshotScheduler`` (copies into the host cache in the background) -> ``RankWriter`` (streams
-each chunk to the first storage level) -> ``LevelStager`` (node-local to shared, if configured)
--> ``Committer`` (rank reports, manifest = commit marker, callbacks). The training loop calls
-``wait_snapshot`` right before it mutates the saved tensors, and nothing else.
+The public calls live here: ``save`` (bookkeeping only, on the caller's thread), ``commit``,
+``wait_snapshot`` (called right before the training loop mutates the saved tensors, and nothing
+else), ``wait_persisted``, the loads and ``shutdown``. ``_build`` wires the save pipeline the
+package docstring lists, from its end, each stage handed the next; the overload decisions are in
+overload.py and the read side in committed.py.
 
 The engine knows nothing of Megatron or DeepSpeed: nested states of tensors in, files out.
 """
@@ -27,17 +27,20 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import codec, layout as file_layout, lock as dir_lock, restore, retention
-from .commit import Committer, job_key, report_name, skip_report_name, REPORTS
+from .commit import Committer, report_name, REPORTS
 from .coordination import CommitChannel, open_stores
 from .config import ConfigError, EngineConfig, OVERLOAD_SUPERSEDE, OVERLOAD_WAIT, check_writable_dir
 from .manifest import RUN_ID, list_committed, read_manifest, run_of, valid_name
+from .context import SaveContext
 from .copier import make_copier
 from .files import atomic_write_json
 from .flush import LevelStager, RankWriter
 from .host_cache import HostCache
-from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, FileJob, LEVEL_LOCAL, LEVEL_PEER, LEVEL_SHARED
+from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_SHARED
 from .replica import PeerReplicas, default_replica_dir
-from .snapshot import Chunk, Discard, SnapshotScheduler
+from .committed import CommittedCheckpoint
+from .overload import OverloadMixin
+from .snapshot import SnapshotScheduler
 from .telemetry import Telemetry
 
 _POLL_S = 0.05
@@ -84,7 +87,7 @@ def _any_rank_failed(failed: bool) -> bool:
     return bool(flag.item())
 
 
-class CheckpointEngine:
+class CheckpointEngine(OverloadMixin):
     """Lazy snapshots into one host cache, streamed per rank to storage, committed by rank 0.
 
     Thread safety: the public methods are meant for the one training thread of a rank.
@@ -152,35 +155,29 @@ class CheckpointEngine:
         self.telemetry = Telemetry(None if read_only else self.config.telemetry_file(self.rank), self.rank)
 
         self.cache = HostCache(self.config.host_cache_bytes, self.config.chunk_bytes, pin=self.use_cuda)
-        local = self.config.local_dir
+        self.save_context = ctx = SaveContext(
+            rank=self.rank, world_size=self.world_size, run_id=self.run_id, fail=self._fail,
+            check=self._raise_if_failed, state_lock=self._state_lock, timeout_s=self.config.persist_timeout_s,
+            telemetry=self.telemetry, local_dir=self.config.local_dir, o_direct=self.config.o_direct,
+            chunk_bytes=self.cache.chunk_bytes)
+        # The save pipeline, built from its end: each stage is handed the next one.
         self._commit_seq = itertools.count()
         waiting, notices = open_stores(self.run_id, self.config.persist_timeout_s, 1 if read_only else self.world_size,
                                        self._commit_store, private=read_only)  # read-only: commits nothing
         self.channel = CommitChannel(waiting, notices, self.rank, self.world_size)
-        self.committer = Committer(self.rank, self.world_size, self.run_id,
-                                   (lambda job: local) if local else (lambda job: None),
-                                   self.telemetry, self.config.persist_timeout_s, self._fail, self._raise_if_failed,
-                                   self._state_lock, self._abandon_for_peer, may_remove=self._holds_lock,
-                                   channel=self.channel)
-        self.stager = None
-        if local:
-            self.stager = LevelStager(lambda job: local, lambda job: job.checkpoint.root,
-                                      self.cache.chunk_bytes, self.config.o_direct, self._on_durable, self._fail)
-        self.writer = RankWriter(self.cache, LEVEL_LOCAL if local else LEVEL_SHARED,
-                                 (lambda job: local) if local else (lambda job: job.checkpoint.root),
-                                 self.config.o_direct, self._on_durable, self._fail, self._state_lock,
-                                 self.stager.submit if self.stager is not None else (lambda job: None))
-        self.deleter: retention.Deleter | None = None  # started by the first retention that deletes
-        self.scheduler = SnapshotScheduler(self.cache, make_copier(self.use_cuda), self._emit_chunk, self._fail,
-                                           self._raise_if_failed, self.config.persist_timeout_s,
+        self.committer = Committer(ctx, self._abandon_for_peer, may_remove=self._holds_lock, channel=self.channel)
+        self.stager = LevelStager(ctx, self.committer) if ctx.local_dir else None
+        self.writer = RankWriter(ctx, self.cache, self.stager if self.stager is not None else self.committer)
+        self.scheduler = SnapshotScheduler(ctx, self.cache, make_copier(self.use_cuda), self.writer,
                                            self._supersede_older, self._settle_skipped)
+        self.deleter: retention.Deleter | None = None  # started by the first retention that deletes
         self.replicas: PeerReplicas | None = None
         if self.config.peer_replica:  # creates a process group: collective, like the run id above
             self.replicas = PeerReplicas(
                 self.rank, self.world_size, self.config.ranks_per_node,
                 self.config.replica_dir or default_replica_dir(self.config.save_dir), self.cache.chunk_bytes,
-                self.config.persist_timeout_s, LEVEL_LOCAL if local else LEVEL_SHARED,
-                (lambda job: local) if local else (lambda job: job.root), self.run_id, self.telemetry,
+                self.config.persist_timeout_s, ctx.first_level,
+                lambda job: ctx.directory(job, ctx.first_level), self.run_id, self.telemetry,
                 self._fail, self._raise_if_failed)
         _live_engines.add(self)
 
@@ -232,7 +229,7 @@ class CheckpointEngine:
             self._checkpoints[(root, checkpoint)] = job
             self.committer.track(job)
         base = f"{checkpoint}/{name}.{tag}"
-        fjob = FileJob(checkpoint=job, name=name, layout=plan, sidecar=sidecar,
+        fjob = FileJob(job=job, name=name, layout=plan, sidecar=sidecar,
                        cuda_mark=self.scheduler.copier.mark([t for _, t in encoder.tensors]),
                        tensor_rel=base + ".safetensors", sidecar_rel=base + ".state.json",
                        extra=json.loads(json.dumps(extra)) if extra is not None else None)
@@ -322,7 +319,7 @@ class CheckpointEngine:
         progress = self.scheduler.progress
         waited_for_flush = False
         for fjob in pending:
-            what = f"snapshot of {fjob.checkpoint.checkpoint}"
+            what = f"snapshot of {fjob.job.checkpoint}"
             while True:
                 progress.clear()
                 if fjob.snapshot_done.is_set():
@@ -331,8 +328,8 @@ class CheckpointEngine:
                 if time.monotonic() > started + timeout:
                     raise CheckpointError(f"{what} did not finish in time (timeout)")
                 starved = self.scheduler.starved is fjob
-                if starved and fjob.checkpoint.policy == OVERLOAD_SUPERSEDE:
-                    self._skip(fjob.checkpoint, "no_cache_space")
+                if starved and fjob.job.policy == OVERLOAD_SUPERSEDE:
+                    self._skip(fjob.job, "no_cache_space")
                     self.cache.wake()  # the copy gives up at once and releases the tensors
                     fjob.snapshot_done.wait(_POLL_S)
                     continue
@@ -346,7 +343,7 @@ class CheckpointEngine:
         blocked = time.monotonic() - started
         self.blocked_total_s += blocked
         self.wait_total_s += blocked
-        for job in {f.checkpoint for f in pending}:
+        for job in {f.job for f in pending}:
             job.blocked_s += blocked
         self._files = [f for f in self._files if not f.snapshot_done.is_set()]
         return blocked
@@ -618,127 +615,6 @@ class CheckpointEngine:
             if local:
                 self.deleter.submit(retention.Removal(os.path.join(local, name), None))
 
-    # ------------------------------------------------------------------ overload (supersede)
-    def _overload_policy_for(self, version: int | None) -> str:
-        """This new checkpoint's policy: the configured one, unless the durable-age bound forces a wait."""
-        if self.config.overload_policy != OVERLOAD_SUPERSEDE or self.config.max_durable_age is None:
-            return self.config.overload_policy
-        if version is None:
-            raise CheckpointError("max_durable_age needs a version on every save (pass version=)")
-        first = version if self._first_version is None else self._first_version
-        newest = self._newest_durable if self._newest_durable is not None else first - 1
-        return OVERLOAD_WAIT if version - newest > self.config.max_durable_age else OVERLOAD_SUPERSEDE
-
-    def _note_durable(self, manifest: dict) -> None:
-        version = manifest.get("version")
-        if version is not None and (self._newest_durable is None or version > self._newest_durable):
-            self._newest_durable = version
-
-    def _skip(self, job: CheckpointJob, reason: str, superseded_by: CheckpointJob | None = None,
-              unstarted_only: bool = False) -> bool:
-        """Decide here to abandon ``job`` (never committed, files removed); False if too late for that.
-
-        Allowed only before this rank reported the checkpoint (and, with ``unstarted_only``,
-        before its flush started); the skip report then makes every other rank abandon it too.
-        """
-        with self._state_lock:
-            if job.reported or (unstarted_only and any(f.flush_started for f in job.files)):
-                return False
-            info = {"reason": reason, "by_rank": self.rank,
-                    "superseded_by": superseded_by.checkpoint if superseded_by else None,
-                    "superseded_by_version": superseded_by.version if superseded_by else None}
-            if not self._mark_skipped(job, info):
-                return False
-        self._after_skip(job)
-        return True
-
-    def _skip_for_peer(self, job: CheckpointJob, report: dict) -> None:
-        """Another rank's skip report names ``job``: abandon it here too, whatever its state short of committed."""
-        info = {"reason": f"skipped by rank {report.get('rank')}: {report.get('reason')}",
-                "by_rank": report.get("rank"), "superseded_by": report.get("superseded_by"),
-                "superseded_by_version": report.get("superseded_by_version")}
-        with self._state_lock:
-            if not self._mark_skipped(job, info):
-                return
-        self._after_skip(job)
-
-    @staticmethod
-    def _mark_skipped(job: CheckpointJob, info: dict) -> bool:
-        """Under the state lock: record the skip unless the checkpoint is already settled."""
-        if job.abandoned or job.committed.is_set():
-            return False
-        job.skipped = info
-        return True
-
-    def _after_skip(self, job: CheckpointJob) -> None:
-        """Telemetry, then the skip report and file removal once no copy of it is left in progress."""
-        self.telemetry.emit("skipped", job.checkpoint, "all", job.nbytes, version=job.version, **job.skipped)
-        self._settle_skipped(job)
-        self.committer.poke()
-
-    def _settle_skipped(self, job: CheckpointJob) -> None:
-        """Once the scheduler is done with every file of a skipped checkpoint: tell the peers, drop its files.
-
-        Runs on the snapshot thread (or the thread that skipped it, when all its copies were
-        done), so the skip report never costs the training thread a file write.
-        """
-        if job.skipped is None or not all(f.snapshot_done.is_set() for f in job.files):
-            return
-        with self._state_lock:
-            if job.discard_sent:
-                return
-            job.discard_sent = True
-        if job.skipped["by_rank"] == self.rank:
-            self.channel.notify_skip(job_key(job), job.skipped)  # the others drop it before the decision
-            reports = os.path.join(job.root, job.checkpoint, REPORTS)  # the record, for inspect
-            os.makedirs(reports, exist_ok=True)
-            atomic_write_json(os.path.join(reports, skip_report_name(self.rank, job.tag)),
-                              {"rank": self.rank, "run_id": job.tag, "version": job.version, **job.skipped})
-        self.writer.submit(Discard(job))  # behind the checkpoint's last chunk: removes its files
-
-    def _supersede_older(self, newer: CheckpointJob) -> None:
-        """Snapshot thread, cache full: drop older checkpoints whose flush has not started."""
-        for job in list(self._checkpoints.values()):
-            if job is newer:
-                return
-            if job.committed.is_set() or not all(f.snapshot_done.is_set() for f in job.files):
-                continue
-            if self._skip(job, "superseded", superseded_by=newer, unstarted_only=True):
-                self.writer.take_back(job)
-
-    def _supersede_queued(self, newer: CheckpointJob) -> None:
-        """A new save while the snapshot thread waits for cache space: older snapshots not done are dropped.
-
-        They are queued behind the full cache (or are the copy waiting in it); the newer state
-        replaces them, so neither the copy thread nor a later ``wait_snapshot`` waits for them.
-        """
-        if self.scheduler.starved is None:
-            return
-        for job in list(self._checkpoints.values()):
-            if job is not newer and not all(f.snapshot_done.is_set() for f in job.files):
-                self._skip(job, "superseded", superseded_by=newer)
-        self.cache.wake()
-
-    def _abandon_for_peer(self, job: CheckpointJob, exc: CheckpointSkipped) -> None:
-        """Committer thread: another rank skipped ``job``; drop it here as well."""
-        self._skip_for_peer(job, exc.report)
-
-    def _before_superseding_save(self) -> None:
-        """Drop in-flight checkpoints another rank skipped, so their flush does not delay newer ones."""
-        for job in list(self._checkpoints.values()):
-            if not job.abandoned and not job.committed.is_set():
-                detail = self.channel.peer_skip(job_key(job))
-                if detail is not None and detail.get("rank") != self.rank:
-                    self._skip_for_peer(job, detail)
-
-    def _emit_chunk(self, chunk: Chunk) -> None:
-        self.writer.submit(chunk)
-
-    def _on_durable(self, fjob: FileJob, level: str) -> None:
-        if level == LEVEL_LOCAL and self.stager is not None:
-            self.stager.submit(fjob)
-        self.committer.poke()
-
     def _fail(self, exc: BaseException, job: CheckpointJob | None = None) -> bool:
         """A background thread failed. Returns True if the engine must stop (then every call raises).
 
@@ -784,64 +660,6 @@ class CheckpointEngine:
         if self._error is not None:
             raise CheckpointError(f"background checkpointing failed on rank {self.rank}: "
                                   f"{type(self._error).__name__}: {self._error}") from self._error
-
-
-class CommittedCheckpoint:
-    """Read side of one committed checkpoint: each file from the node-local level when complete
-    there, else from a peer's replica when one was recovered, else from the shared level.
-
-    A multi-rank job should agree on node-local or shared for all ranks (``local_copy_complete``
-    on every rank, reduced with MIN, then ``use_level``): a mix would read some ranks' files from a
-    node-local copy that another rank may never have finished. Peer copies were verified against
-    the manifest when recovered and are used under either choice.
-    """
-
-    def __init__(self, root: str, local_dir: str | None, checkpoint: str, manifest: dict, verify: bool,
-                 config: EngineConfig | None = None, staging: HostCache | None = None,
-                 recovered: dict[str, str] | None = None, classes: Mapping[codec.ClassKey, type] | None = None):
-        """``manifest`` must come from ``read_manifest`` (validated); ``classes`` extend the allow-list."""
-        self.root, self.local_dir, self.checkpoint, self.manifest, self.verify = root, local_dir, checkpoint, manifest, verify
-        self.classes = classes
-        config = config or EngineConfig()
-        self._read_options = {"threads": config.restore_threads, "o_direct": config.o_direct,
-                              "timeout_s": config.persist_timeout_s, "staging": staging}
-        self.recovered = recovered or {}  # file name -> directory of its verified peer copy
-        self._readers: dict[str, restore.FileReader] = {}
-        self.levels_used: set[str] = set()
-        self.default_level = "auto"
-
-    def local_copy_complete(self, rank: int) -> bool:
-        """Whether ``rank``'s files of this checkpoint are all on this node's local level."""
-        return bool(self.local_dir) and restore.local_copy_complete(self.local_dir, self.checkpoint,
-                                                                    self.manifest, rank)
-
-    def use_level(self, level: str) -> None:
-        """Level for readers created from now on: "shared" always, "auto" node-local where complete."""
-        if level not in ("auto", LEVEL_SHARED):
-            raise ValueError(f"level must be \"auto\" or \"shared\", got {level!r}")
-        self.default_level = level
-
-    def reader(self, name: str, level: str = "auto") -> restore.FileReader:
-        """The reader of file ``name``: node-local when complete there (``level="local"`` requires it)."""
-        if name not in self._readers:
-            entry = self.manifest["files"].get(name)
-            if entry is None:
-                raise CheckpointError(f"checkpoint {self.checkpoint} has no file {name!r}; "
-                                      f"it has {sorted(self.manifest['files'])[:8]}")
-            asked = level
-            if level == "auto":
-                level = self.default_level
-            base, chosen = self.root, LEVEL_SHARED
-            if level in ("auto", LEVEL_LOCAL) and self.local_copy_complete(entry["rank"]):
-                base, chosen = self.local_dir, LEVEL_LOCAL
-            elif level == LEVEL_LOCAL:
-                raise CheckpointError(f"checkpoint {self.checkpoint} is not complete on the node-local level")
-            elif name in self.recovered and asked in ("auto", LEVEL_PEER):
-                base, chosen = self.recovered[name], LEVEL_PEER
-            self.levels_used.add(chosen)
-            self._readers[name] = restore.FileReader(base, entry, self.verify, level=chosen, run_id=self.manifest["run_id"],
-                                                     classes=self.classes, **self._read_options)
-        return self._readers[name]
 
 
 def _shutdown_live_engines() -> None:

@@ -18,17 +18,21 @@ import os
 import queue
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import xxhash
 
 from . import faults
+from .context import SaveContext
 from .files import ChunkFile, fsync_dir, supports_o_direct, write_durable
 from .host_cache import HostCache
 from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_SHARED
 from .layout import round_up
-from .snapshot import Chunk, Discard
+from .messages import Chunk, Discard
 from .worker import QueueWorker
+
+if TYPE_CHECKING:
+    from .commit import Committer
 
 
 def _use_direct(setting, directory: str) -> bool:
@@ -43,19 +47,14 @@ def _use_direct(setting, directory: str) -> bool:
 class RankWriter:
     """Two pipelined threads: one checksums chunk k+1 while the other writes chunk k."""
 
-    def __init__(self, cache: HostCache, level: str, level_root: Callable[[FileJob], str], o_direct,
-                 on_durable: Callable[[FileJob, str], None], fail: Callable[..., bool],
-                 state_lock: threading.Lock | None = None,
-                 on_discarded: Callable[[Discard], None] = lambda item: None):
+    def __init__(self, ctx: SaveContext, cache: HostCache, next_stage: "LevelStager | Committer"):
+        self.ctx = ctx
         self.cache = cache
         # Shared with whoever skips checkpoints: a flush starts, or its checkpoint is skipped, never both.
-        self.state_lock = state_lock or threading.Lock()
-        self.on_discarded = on_discarded
-        self.level = level
-        self.level_root = level_root
-        self.o_direct = o_direct
-        self.on_durable = on_durable
-        self.fail = fail
+        self.state_lock = ctx.state_lock
+        self.next = next_stage  # told of each durable file and each discard, in order
+        self.level = ctx.first_level
+        self.fail = ctx.fail
         self._hash_queue: "queue.Queue[Chunk | None]" = queue.Queue()
         self._write_queue: "queue.Queue[Chunk | None]" = queue.Queue()
         # Per file being checksummed: whole-file hash, per-tensor hashes, first unfinished tensor.
@@ -65,9 +64,9 @@ class RankWriter:
         self._failed_jobs: set[int] = set()  # files abandoned after a failure the engine survives
         self._threads = [
             threading.Thread(target=self._loop, args=(self._hash_queue, self._checksum, self._write_queue),
-                             name=f"datastates-checksum-{level}", daemon=True),
+                             name=f"datastates-checksum-{self.level}", daemon=True),
             threading.Thread(target=self._loop, args=(self._write_queue, self._write, None),
-                             name=f"datastates-writer-{level}", daemon=True),
+                             name=f"datastates-writer-{self.level}", daemon=True),
         ]
         for thread in self._threads:
             thread.start()
@@ -80,9 +79,9 @@ class RankWriter:
         slots = []
         for q in (self._hash_queue, self._write_queue):
             with q.mutex:
-                mine = [c for c in q.queue if isinstance(c, Chunk) and c.job.checkpoint is job]
+                mine = [c for c in q.queue if isinstance(c, Chunk) and c.file.job is job]
                 if mine:
-                    keep = [c for c in q.queue if not (isinstance(c, Chunk) and c.job.checkpoint is job)]
+                    keep = [c for c in q.queue if not (isinstance(c, Chunk) and c.file.job is job)]
                     q.queue.clear()
                     q.queue.extend(keep)
             slots += [c.slot for c in mine]
@@ -105,21 +104,21 @@ class RankWriter:
                 self._discard(chunk, forward)
                 continue
             with self.state_lock:
-                dropped = chunk.job.checkpoint.abandoned
+                dropped = chunk.file.job.abandoned
                 if forward is None and not dropped:
-                    chunk.job.flush_started = True
-            if self._failed.is_set() or id(chunk.job) in self._failed_jobs or dropped:
+                    chunk.file.flush_started = True
+            if self._failed.is_set() or id(chunk.file) in self._failed_jobs or dropped:
                 self.cache.release(chunk.slot)  # keep freeing slots so nobody waits on a dead file
                 continue
             try:
                 step(chunk)
             except BaseException as exc:
                 self.cache.release(chunk.slot)
-                self._failed_jobs.add(id(chunk.job))
-                broken = self._files.pop(id(chunk.job), None)
+                self._failed_jobs.add(id(chunk.file))
+                broken = self._files.pop(id(chunk.file), None)
                 if broken is not None:
                     broken.abort()
-                if self.fail(exc, chunk.job.checkpoint):
+                if self.fail(exc, chunk.file.job):
                     self._failed.set()
                     for f in list(self._files.values()):
                         f.abort()
@@ -129,7 +128,7 @@ class RankWriter:
 
     def _discard(self, item: Discard, forward: "queue.Queue | None") -> None:
         """Every earlier chunk of the skipped checkpoint has passed: drop its state, remove its files."""
-        job = item.checkpoint
+        job = item.job
         if forward is not None:  # the checksum stage
             for f in job.files:
                 self._hashing.pop(id(f), None)
@@ -140,15 +139,15 @@ class RankWriter:
                 partial = self._files.pop(id(f), None)
                 if partial is not None:
                     partial.abort()
-                remove_files(self.level_root(f), f)
-            self.on_discarded(item)  # the next level removes its copies after its own in-flight ones
+                remove_files(self.ctx.directory(f, self.level), f)
+            self.next.discard(item)  # the next level removes its copies after its own in-flight ones
         except BaseException as exc:
             if self.fail(exc, job):
                 self._failed.set()
 
     def _checksum(self, chunk: Chunk) -> None:
-        job = chunk.job
-        key = id(job)
+        fjob = chunk.file
+        key = id(fjob)
         if chunk.index == 0:
             self._hashing[key] = [xxhash.xxh3_64(), {}, 0]
         state = self._hashing[key]
@@ -157,10 +156,10 @@ class RankWriter:
         payload = self.cache.memory(chunk.slot, chunk.nbytes)
         file_hash.update(payload)
         end = chunk.offset + chunk.nbytes
-        slots = job.layout.slots
+        spans = fjob.layout.spans
         k = state[2]
-        while k < len(slots) and slots[k].start < end:  # tensors are in file order
-            s = slots[k]
+        while k < len(spans) and spans[k].start < end:  # tensors are in file order
+            s = spans[k]
             lo, hi = max(s.start, chunk.offset), min(s.end, end)
             if hi > lo:
                 tensor_hash.setdefault(s.name, xxhash.xxh3_64()).update(payload[lo - chunk.offset:hi - chunk.offset])
@@ -171,19 +170,19 @@ class RankWriter:
         if chunk.last:
             del self._hashing[key]
             empty = xxhash.xxh3_64().hexdigest()
-            job.file_xxh3 = file_hash.hexdigest()
-            job.tensor_xxh3 = {s.name: (tensor_hash[s.name].hexdigest() if s.name in tensor_hash else empty)
-                               for s in slots}
-            job.sidecar_xxh3 = xxhash.xxh3_64_hexdigest(job.sidecar)
+            fjob.file_xxh3 = file_hash.hexdigest()
+            fjob.tensor_xxh3 = {s.name: (tensor_hash[s.name].hexdigest() if s.name in tensor_hash else empty)
+                               for s in spans}
+            fjob.sidecar_xxh3 = xxhash.xxh3_64_hexdigest(fjob.sidecar)
 
     def _write(self, chunk: Chunk) -> None:
-        job = chunk.job
-        key = id(job)
+        fjob = chunk.file
+        key = id(fjob)
         if chunk.index == 0:
-            path = os.path.join(self.level_root(job), job.tensor_rel)
+            path = os.path.join(self.ctx.directory(fjob, self.level), fjob.tensor_rel)
             directory = os.path.dirname(path)
             os.makedirs(directory, exist_ok=True)
-            self._files[key] = ChunkFile(path, _use_direct(self.o_direct, directory))
+            self._files[key] = ChunkFile(path, _use_direct(self.ctx.o_direct, directory))
         f = self._files[key]
         data = self.cache.memory(chunk.slot, round_up(chunk.nbytes) if f.direct else chunk.nbytes)
         faults.before_write(self.level, f.path, chunk.offset, chunk.nbytes)
@@ -191,56 +190,61 @@ class RankWriter:
         self.cache.release(chunk.slot)
         if chunk.last:
             del self._files[key]
-            f.close(job.layout.size)
-            sidecar_path = os.path.join(self.level_root(job), job.sidecar_rel)
-            faults.before_write(self.level, sidecar_path, 0, len(job.sidecar))
-            write_durable(sidecar_path, job.sidecar)
+            f.close(fjob.layout.size)
+            sidecar_path = os.path.join(self.ctx.directory(fjob, self.level), fjob.sidecar_rel)
+            faults.before_write(self.level, sidecar_path, 0, len(fjob.sidecar))
+            write_durable(sidecar_path, fjob.sidecar)
             fsync_dir(os.path.dirname(sidecar_path))
-            job.durable_at[self.level] = time.monotonic()
-            self.on_durable(job, self.level)
+            fjob.durable_at[self.level] = time.monotonic()
+            self.next.durable(fjob)
 
 
 class LevelStager(QueueWorker):
     """Copies files that are durable on the node-local level to the shared level."""
 
-    def __init__(self, local_root: Callable[[FileJob], str], shared_root: Callable[[FileJob], str],
-                 chunk_bytes: int, o_direct, on_durable: Callable[[FileJob, str], None],
-                 fail: Callable[..., bool]):
-        self.local_root = local_root
-        self.shared_root = shared_root
-        self.o_direct = o_direct
-        self.on_durable = on_durable
-        self.fail = fail
-        self._buffer = mmap.mmap(-1, chunk_bytes)  # page-aligned bounce buffer, allocated once
+    def __init__(self, ctx: SaveContext, next_stage: "Committer"):
+        self.ctx = ctx
+        self.next = next_stage
+        self.fail = ctx.fail
+        self._buffer = mmap.mmap(-1, ctx.chunk_bytes)  # page-aligned bounce buffer, allocated once
         self._failed = False
         self.start("datastates-stager")
 
-    def handle(self, job: FileJob | Discard) -> None:
-        if isinstance(job, Discard):
+    def durable(self, fjob: FileJob) -> None:
+        """The writer made ``fjob`` durable on the node-local level: copy it to shared."""
+        self.submit(fjob)
+
+    def discard(self, item: Discard) -> None:
+        """Behind the writer's removal of a skipped checkpoint's local files: remove both levels' copies."""
+        self.submit(item)
+
+    def handle(self, item: FileJob | Discard) -> None:
+        if isinstance(item, Discard):
             try:
-                for f in job.checkpoint.files:
-                    remove_files(self.local_root(f), f)
-                    remove_files(self.shared_root(f), f)
+                for f in item.job.files:
+                    remove_files(self.ctx.directory(f, LEVEL_LOCAL), f)
+                    remove_files(self.ctx.directory(f, LEVEL_SHARED), f)
             except BaseException as exc:
-                self._failed = self.fail(exc, job.checkpoint)
+                self._failed = self.fail(exc, item.job)
             return
-        if self._failed or job.checkpoint.abandoned:
+        fjob = item
+        if self._failed or fjob.job.abandoned:
             return
         try:
-            self._copy(job.tensor_rel, job, job.file_xxh3)
-            self._copy(job.sidecar_rel, job, job.sidecar_xxh3)
-            job.durable_at[LEVEL_SHARED] = time.monotonic()
-            self.on_durable(job, LEVEL_SHARED)
+            self._copy(fjob.tensor_rel, fjob, fjob.file_xxh3)
+            self._copy(fjob.sidecar_rel, fjob, fjob.sidecar_xxh3)
+            fjob.durable_at[LEVEL_SHARED] = time.monotonic()
+            self.next.durable(fjob)
         except BaseException as exc:
-            self._failed = self.fail(exc, job.checkpoint)
+            self._failed = self.fail(exc, fjob.job)
 
-    def _copy(self, rel: str, job: FileJob, expected: str | None) -> None:
-        src_path = os.path.join(self.local_root(job), rel)
-        dst_path = os.path.join(self.shared_root(job), rel)
+    def _copy(self, rel: str, fjob: FileJob, expected: str | None) -> None:
+        src_path = os.path.join(self.ctx.directory(fjob, LEVEL_LOCAL), rel)
+        dst_path = os.path.join(self.ctx.directory(fjob, LEVEL_SHARED), rel)
         directory = os.path.dirname(dst_path)
         os.makedirs(directory, exist_ok=True)
         size = os.path.getsize(src_path)
-        out = ChunkFile(dst_path, _use_direct(self.o_direct, directory))
+        out = ChunkFile(dst_path, _use_direct(self.ctx.o_direct, directory))
         digest = xxhash.xxh3_64()
         view = memoryview(self._buffer)
         try:

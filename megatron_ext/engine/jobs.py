@@ -33,7 +33,7 @@ class CheckpointSkipped(CheckpointError):
 class FileJob:
     """One ``save`` call: one safetensors file plus its sidecar, for one rank."""
 
-    checkpoint: "CheckpointJob"
+    job: "CheckpointJob"  # the checkpoint this file belongs to
     name: str
     layout: FileLayout
     sidecar: bytes
@@ -56,6 +56,11 @@ class FileJob:
     def nbytes(self) -> int:
         return self.layout.size
 
+    @property
+    def root(self) -> str:
+        """Its checkpoint's shared root directory."""
+        return self.job.root
+
     def num_chunks(self, chunk_bytes: int) -> int:
         return -(-self.layout.size // chunk_bytes)
 
@@ -72,7 +77,7 @@ class FileJob:
             "tensors": {
                 s.name: {"dtype": s.dtype, "shape": s.shape, "offsets": [s.start, s.end],
                          "xxh3_64": self.tensor_xxh3.get(s.name)}
-                for s in self.layout.slots
+                for s in self.layout.spans
             },
         }
         if self.extra is not None:

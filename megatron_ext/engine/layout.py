@@ -25,7 +25,9 @@ from typing import Any
 import torch
 
 ALIGN = 4096
-FORMAT_VERSION = "1"
+#: ``format_version`` in each tensor file's safetensors ``__metadata__``: the checkpoint format's
+#: version (``manifest.FORMAT_VERSION``), as a string because safetensors metadata values are strings.
+HEADER_FORMAT_VERSION = "1"
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -61,8 +63,8 @@ def round_up(n: int, align: int = ALIGN) -> int:
 
 
 @dataclasses.dataclass
-class TensorSlot:
-    """One tensor's place in the file: [start, end) are absolute file offsets."""
+class TensorSpan:
+    """One tensor's place in the file: [start, end) are absolute file offsets (a "slot" is a cache buffer)."""
 
     name: str
     tensor: torch.Tensor | None  # dropped once copied, so the caller's memory can be freed
@@ -79,7 +81,7 @@ class TensorSlot:
 @dataclasses.dataclass
 class FileLayout:
     header: bytes  # length prefix + padded JSON: exactly data_start bytes
-    slots: list[TensorSlot]
+    spans: list[TensorSpan]  # in file order
     data_start: int
     size: int  # total file size in bytes
 
@@ -87,8 +89,8 @@ class FileLayout:
 def plan(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> FileLayout:
     """O(number of tensors): reads shapes and dtypes only, never the data."""
     order = sorted(range(len(tensors)), key=lambda i: -tensors[i][1].element_size())
-    entries: dict[str, dict] = {"__metadata__": dict(metadata, format_version=FORMAT_VERSION)}
-    slots: list[TensorSlot] = []
+    entries: dict[str, dict] = {"__metadata__": dict(metadata, format_version=HEADER_FORMAT_VERSION)}
+    spans: list[TensorSpan] = []
     offset = 0
     for i in order:
         name, t = tensors[i]
@@ -96,16 +98,16 @@ def plan(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> F
         dtype = st_dtype(t.dtype)
         shape = list(t.shape)
         entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        slots.append(TensorSlot(name, t, dtype, shape, offset, offset + nbytes))
+        spans.append(TensorSpan(name, t, dtype, shape, offset, offset + nbytes))
         offset += nbytes
     body = json.dumps(entries, separators=(",", ":")).encode("utf-8")
     data_start = round_up(8 + len(body))
     body = body + b" " * (data_start - 8 - len(body))
     header = struct.pack("<Q", len(body)) + body
-    for slot in slots:
-        slot.start += data_start
-        slot.end += data_start
-    return FileLayout(header=header, slots=slots, data_start=data_start, size=data_start + offset)
+    for span in spans:
+        span.start += data_start
+        span.end += data_start
+    return FileLayout(header=header, spans=spans, data_start=data_start, size=data_start + offset)
 
 
 @dataclasses.dataclass

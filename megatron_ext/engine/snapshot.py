@@ -13,36 +13,20 @@ stops at its next slot, releases the tensors, and the engine sends a ``Discard``
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .config import OVERLOAD_SUPERSEDE
+from .context import SaveContext
 from .copier import CpuCopier
 from .host_cache import HostCache
 from .jobs import CheckpointJob, FileJob
+from .messages import Chunk
 from .worker import QueueWorker
 
-
-@dataclasses.dataclass(eq=False)
-class Chunk:
-    """A filled cache slot: bytes [offset, offset + nbytes) of ``job``'s tensor file."""
-
-    job: FileJob
-    index: int
-    last: bool
-    slot: int
-    offset: int
-    nbytes: int
-    ready: Callable[[], None]  # blocks until the slot's bytes are really there (CUDA event)
-
-
-@dataclasses.dataclass(eq=False)
-class Discard:
-    """Sent down the flush pipeline behind a skipped checkpoint's last chunk: remove its files."""
-
-    checkpoint: CheckpointJob
+if TYPE_CHECKING:
+    from .flush import RankWriter
 
 
 class _Abandoned(Exception):
@@ -56,16 +40,13 @@ class SnapshotScheduler(QueueWorker):
     None; ``progress`` is set whenever a snapshot finishes or starts waiting, for ``wait_snapshot``.
     """
 
-    def __init__(self, cache: HostCache, copier: CpuCopier, emit: Callable[[Chunk], None],
-                 fail: Callable[[BaseException], None], check: Callable[[], None], slot_timeout_s: float,
+    def __init__(self, ctx: SaveContext, cache: HostCache, copier: CpuCopier, writer: "RankWriter",
                  supersede: Callable[[CheckpointJob], None] = lambda job: None,
                  settled: Callable[[CheckpointJob], None] = lambda job: None):
+        self.ctx = ctx
         self.cache = cache
         self.copier = copier
-        self.emit = emit
-        self.fail = fail
-        self.check = check
-        self.slot_timeout_s = slot_timeout_s
+        self.writer = writer  # the next stage: every filled slot goes there at once
         self.supersede = supersede  # drop older pending checkpoints to make room for this one
         self.settled = settled  # a skipped checkpoint's files are all handled here: discard it
         self.starved: FileJob | None = None
@@ -73,86 +54,86 @@ class SnapshotScheduler(QueueWorker):
         self._dead = False
         self.start("datastates-snapshot")
 
-    def handle(self, job: FileJob) -> None:
+    def handle(self, fjob: FileJob) -> None:
         if self._dead:  # after a failure nothing more is copied; waiters wake up and see the error
-            job.snapshot_done.set()
+            fjob.snapshot_done.set()
             return
         try:
-            if job.checkpoint.abandoned:
+            if fjob.job.abandoned:
                 raise _Abandoned()
-            self._copy_file(job)
+            self._copy_file(fjob)
         except _Abandoned:
             self.copier.finish()  # no copy may still read the caller's tensors after snapshot_done
-            self._release(job)
-            job.snapshot_done.set()
+            self._release(fjob)
+            fjob.snapshot_done.set()
         except BaseException as exc:
             self._dead = True
-            self.fail(exc, None)  # the copy path is shared by all checkpoints: always fatal
-            job.snapshot_done.set()
+            self.ctx.fail(exc, None)  # the copy path is shared by all checkpoints: always fatal
+            fjob.snapshot_done.set()
         self.progress.set()
-        if job.checkpoint.abandoned:
-            self.settled(job.checkpoint)
+        if fjob.job.abandoned:
+            self.settled(fjob.job)
 
-    def _slot(self, job: FileJob) -> int:
-        """A free cache slot for ``job``'s next chunk; under "supersede", older pending checkpoints make room."""
-        ckpt = job.checkpoint
+    def _slot(self, fjob: FileJob) -> int:
+        """A free cache slot for ``fjob``'s next chunk; under "supersede", older pending checkpoints make room."""
+        ckpt = fjob.job
         if ckpt.abandoned:
             raise _Abandoned()
         if ckpt.policy == OVERLOAD_SUPERSEDE and self.cache.free_slots == 0:
             self.supersede(ckpt)
 
         def check() -> None:
-            self.check()
+            self.ctx.check()
             if ckpt.abandoned:
                 raise _Abandoned()
 
         def starving() -> None:
-            self.starved = job
+            self.starved = fjob
             self.progress.set()
 
         try:
-            return self.cache.acquire(self.slot_timeout_s, check, starving)
+            return self.cache.acquire(self.ctx.timeout_s, check, starving)
         finally:
             self.starved = None
 
     @staticmethod
-    def _release(job: FileJob) -> None:
+    def _release(fjob: FileJob) -> None:
         """The checkpoint holds the values now, or never will: let the caller's tensors go."""
-        for s in job.layout.slots:
+        for s in fjob.layout.spans:
             s.tensor = None
-        job.keepalive.clear()
+        fjob.keepalive.clear()
 
-    def _copy_file(self, job: FileJob) -> None:
-        layout = job.layout
+    def _copy_file(self, fjob: FileJob) -> None:
+        layout = fjob.layout
         chunk = self.cache.chunk_bytes
-        self.copier.begin(job.cuda_mark)
+        self.copier.begin(fjob.cuda_mark)
         sources = []
-        for s in layout.slots:
+        for s in layout.spans:
             src = self.copier.prepare(s.tensor)
             if src is not s.tensor:
-                job.keepalive.append(src)
+                fjob.keepalive.append(src)
             sources.append(src)
         seg = 0  # first tensor that may overlap the current chunk (tensors are in file order)
-        count = job.num_chunks(chunk)
+        count = fjob.num_chunks(chunk)
         for index in range(count):
             start = index * chunk
             end = min(start + chunk, layout.size)
-            slot = self._slot(job)
+            slot = self._slot(fjob)
             dst = self.cache.view(slot)
             if start < layout.data_start:
                 head = layout.header[start:min(end, layout.data_start)]
                 self.cache.memory(slot, len(head))[:] = head
-            while seg < len(layout.slots) and layout.slots[seg].end <= start:
+            while seg < len(layout.spans) and layout.spans[seg].end <= start:
                 seg += 1
             k = seg
-            while k < len(layout.slots) and layout.slots[k].start < end:
-                s = layout.slots[k]
+            while k < len(layout.spans) and layout.spans[k].start < end:
+                s = layout.spans[k]
                 lo, hi = max(s.start, start), min(s.end, end)
                 if hi > lo:
                     self.copier.copy(sources[k], lo - s.start, hi - s.start, dst[lo - start:hi - start])
                 k += 1
-            self.emit(Chunk(job, index, index == count - 1, slot, start, end - start, self.copier.chunk_ready()))
+            self.writer.submit(Chunk(fjob, index, index == count - 1, slot, start, end - start, self.copier.chunk_ready()))
         self.copier.finish()
-        self._release(job)
-        job.snapshot_at = time.monotonic()
-        job.snapshot_done.set()
+        self._release(fjob)
+        fjob.snapshot_at = time.monotonic()
+        fjob.snapshot_done.set()

@@ -77,28 +77,28 @@ def test_save_only_records_references_copies_happen_in_background(make_engine, f
     w = torch.randn(50_000)
     fjob = engine.save({"w": w}, "c1")
     assert not fjob.snapshot_done.is_set()
-    (slot,) = fjob.layout.slots
-    assert slot.tensor is not None and slot.tensor.data_ptr() == w.data_ptr()  # a view, not a copy
-    assert fjob.checkpoint.files == [fjob] and not fjob.checkpoint.commit_requested
+    (span,) = fjob.layout.spans
+    assert span.tensor is not None and span.tensor.data_ptr() == w.data_ptr()  # a view, not a copy
+    assert fjob.job.files == [fjob] and not fjob.job.commit_requested
     assert entered.wait(30)
     assert not fjob.snapshot_done.is_set()  # blocked behind the writer: backpressure
     go.set()
     engine.wait_snapshot()
     assert fjob.snapshot_done.is_set()
-    assert fjob.layout.slots[0].tensor is None  # the caller's tensor is released after the copy
+    assert fjob.layout.spans[0].tensor is None  # the caller's tensor is released after the copy
     engine.commit("c1")
     engine.wait_persisted()
     assert torch.equal(engine.load("c1")["w"], w)
 
 
 def test_save_of_many_tensors_does_not_touch_tensor_data(make_engine, fault):
-    # The snapshot is held back; after save() returned every planned slot still refers to the
+    # The snapshot is held back; after save() returned every planned span still refers to the
     # caller's own storage (save planned the file from shapes and dtypes, it copied nothing).
     engine = make_engine(host_cache_size=4 * 4096 / 2 ** 30, chunk_size_mb=0.004)
     go, _ = _gate(fault)
     tensors = [torch.full((64,), float(i)) for i in range(2000)]
     fjob = engine.save({"t": tensors}, "c1")
-    ptrs = {s.tensor.data_ptr() for s in fjob.layout.slots if s.tensor is not None}
+    ptrs = {s.tensor.data_ptr() for s in fjob.layout.spans if s.tensor is not None}
     assert ptrs <= {t.data_ptr() for t in tensors}
     assert not fjob.snapshot_done.is_set()
     go.set()

@@ -1,0 +1,35 @@
+"""What travels down the save pipeline between its threads (one module, so every stage reads the same).
+
+``Chunk`` goes snapshot -> writer; ``Discard`` follows a skipped checkpoint's last chunk through the
+writer and the stager, so each level removes its files only after its own in-flight chunks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from .jobs import CheckpointJob, FileJob
+
+
+@dataclasses.dataclass(eq=False)
+class Chunk:
+    """A filled cache slot: bytes [offset, offset + nbytes) of ``file``'s tensor file."""
+
+    file: FileJob
+    index: int
+    last: bool
+    slot: int
+    offset: int
+    nbytes: int
+    ready: Callable[[], None]  # blocks until the slot's bytes are really there (CUDA event)
+
+
+@dataclasses.dataclass(eq=False)
+class Discard:
+    """Sent down the flush pipeline behind a skipped checkpoint's last chunk: remove its files."""
+
+    job: CheckpointJob
+
+
+__all__ = ["Chunk", "Discard"]

@@ -1,0 +1,140 @@
+"""Overload: what a save does when the host cache is full, and skipping a checkpoint on every rank.
+
+Under ``overload_policy="wait"`` a full cache is backpressure (``wait_snapshot`` waits). Under
+"supersede" a newer save drops older checkpoints whose flush has not started; the rank that
+decides posts ``skipped`` to the commit store (and leaves a skip report for ``inspect``), rank 0
+decides ``skipped``, and every other rank abandons the same checkpoint. The durable-age
+bound (``max_durable_age``) turns a save back to "wait" when the newest durable one is too old.
+
+``OverloadMixin`` is part of ``CheckpointEngine``: it shares the engine's state lock, job table,
+writer and committer, so the decisions here exclude the flush starting and the rank reporting.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .commit import REPORTS, job_key, skip_report_name
+from .config import OVERLOAD_SUPERSEDE, OVERLOAD_WAIT
+from .files import atomic_write_json
+from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped
+from .messages import Discard
+
+
+class OverloadMixin:
+    """The overload, supersede and skip decisions of ``CheckpointEngine`` (see the module docstring)."""
+
+    def _overload_policy_for(self, version: int | None) -> str:
+        """This new checkpoint's policy: the configured one, unless the durable-age bound forces a wait."""
+        if self.config.overload_policy != OVERLOAD_SUPERSEDE or self.config.max_durable_age is None:
+            return self.config.overload_policy
+        if version is None:
+            raise CheckpointError("max_durable_age needs a version on every save (pass version=)")
+        first = version if self._first_version is None else self._first_version
+        newest = self._newest_durable if self._newest_durable is not None else first - 1
+        return OVERLOAD_WAIT if version - newest > self.config.max_durable_age else OVERLOAD_SUPERSEDE
+
+    def _note_durable(self, manifest: dict) -> None:
+        version = manifest.get("version")
+        if version is not None and (self._newest_durable is None or version > self._newest_durable):
+            self._newest_durable = version
+
+    def _skip(self, job: CheckpointJob, reason: str, superseded_by: CheckpointJob | None = None,
+              unstarted_only: bool = False) -> bool:
+        """Decide here to abandon ``job`` (never committed, files removed); False if too late for that.
+
+        Allowed only before this rank reported the checkpoint (and, with ``unstarted_only``,
+        before its flush started); its ``skipped`` status then makes every other rank abandon it too.
+        """
+        with self._state_lock:
+            if job.reported or (unstarted_only and any(f.flush_started for f in job.files)):
+                return False
+            info = {"reason": reason, "by_rank": self.rank,
+                    "superseded_by": superseded_by.checkpoint if superseded_by else None,
+                    "superseded_by_version": superseded_by.version if superseded_by else None}
+            if not self._mark_skipped(job, info):
+                return False
+        self._after_skip(job)
+        return True
+
+    def _skip_for_peer(self, job: CheckpointJob, report: dict) -> None:
+        """Another rank skipped ``job`` (its notice or rank 0's decision): abandon it here too, short of committed."""
+        info = {"reason": f"skipped by rank {report.get('rank')}: {report.get('reason')}",
+                "by_rank": report.get("rank"), "superseded_by": report.get("superseded_by"),
+                "superseded_by_version": report.get("superseded_by_version")}
+        with self._state_lock:
+            if not self._mark_skipped(job, info):
+                return
+        self._after_skip(job)
+
+    @staticmethod
+    def _mark_skipped(job: CheckpointJob, info: dict) -> bool:
+        """Under the state lock: record the skip unless the checkpoint is already settled."""
+        if job.abandoned or job.committed.is_set():
+            return False
+        job.skipped = info
+        return True
+
+    def _after_skip(self, job: CheckpointJob) -> None:
+        """Telemetry, then the skip notice and file removal once no copy of it is left in progress."""
+        self.telemetry.emit("skipped", job.checkpoint, "all", job.nbytes, version=job.version, **job.skipped)
+        self._settle_skipped(job)
+        self.committer.poke()
+
+    def _settle_skipped(self, job: CheckpointJob) -> None:
+        """Once the scheduler is done with every file of a skipped checkpoint: tell the peers, drop its files.
+
+        Runs on the snapshot thread (or the thread that skipped it, when all its copies were
+        done), so the skip notice and report never cost the training thread a store call or file write.
+        """
+        if job.skipped is None or not all(f.snapshot_done.is_set() for f in job.files):
+            return
+        with self._state_lock:
+            if job.discard_sent:
+                return
+            job.discard_sent = True
+        if job.skipped["by_rank"] == self.rank:
+            self.channel.notify_skip(job_key(job), job.skipped)  # the others drop it before the decision
+            reports = os.path.join(job.root, job.checkpoint, REPORTS)  # the record, for inspect
+            os.makedirs(reports, exist_ok=True)
+            atomic_write_json(os.path.join(reports, skip_report_name(self.rank, job.tag)),
+                              {"rank": self.rank, "run_id": job.tag, "version": job.version, **job.skipped})
+        self.writer.submit(Discard(job))  # behind the checkpoint's last chunk: removes its files
+
+    def _supersede_older(self, newer: CheckpointJob) -> None:
+        """Snapshot thread, cache full: drop older checkpoints whose flush has not started."""
+        for job in list(self._checkpoints.values()):
+            if job is newer:
+                return
+            if job.committed.is_set() or not all(f.snapshot_done.is_set() for f in job.files):
+                continue
+            if self._skip(job, "superseded", superseded_by=newer, unstarted_only=True):
+                self.writer.take_back(job)
+
+    def _supersede_queued(self, newer: CheckpointJob) -> None:
+        """A new save while the snapshot thread waits for cache space: older snapshots not done are dropped.
+
+        They are queued behind the full cache (or are the copy waiting in it); the newer state
+        replaces them, so neither the copy thread nor a later ``wait_snapshot`` waits for them.
+        """
+        if self.scheduler.starved is None:
+            return
+        for job in list(self._checkpoints.values()):
+            if job is not newer and not all(f.snapshot_done.is_set() for f in job.files):
+                self._skip(job, "superseded", superseded_by=newer)
+        self.cache.wake()
+
+    def _abandon_for_peer(self, job: CheckpointJob, exc: CheckpointSkipped) -> None:
+        """Committer thread: another rank skipped ``job``; drop it here as well."""
+        self._skip_for_peer(job, exc.report)
+
+    def _before_superseding_save(self) -> None:
+        """Drop in-flight checkpoints another rank skipped, so their flush does not delay newer ones."""
+        for job in list(self._checkpoints.values()):
+            if not job.abandoned and not job.committed.is_set():
+                detail = self.channel.peer_skip(job_key(job))
+                if detail is not None and detail.get("rank") != self.rank:
+                    self._skip_for_peer(job, detail)
+
+
+__all__ = ["OverloadMixin"]
