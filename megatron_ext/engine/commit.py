@@ -28,15 +28,11 @@ from typing import Callable
 
 from .files import atomic_write_json
 from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
-from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST, list_committed, read_manifest  # noqa: F401 (re-exported)
+from .manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, REPORTS, build_manifest, list_committed,  # noqa: F401
+                       read_manifest, report_name, summarize_report)  # (re-exported)
 from .telemetry import Telemetry
 
-REPORTS = ".reports"
 _POLL_S = 0.02
-
-
-def report_name(rank: int, run_id: str, error: bool = False) -> str:
-    return f"rank-{rank:05d}.{run_id}{'.error' if error else ''}.json"
 
 
 def skip_report_name(rank: int, run_id: str) -> str:
@@ -238,27 +234,13 @@ class Committer:
             return " (missing ranks: " + ", ".join(str(r) for r, p in enumerate(paths) if not os.path.exists(p)) + ")"
 
         self._wait("not every rank reported its files durable", all_reported, reports_dir, job, missing)
-        files: dict[str, dict] = {}
-        versions = set()
-        for rank, path in enumerate(paths):
-            with open(path, encoding="utf-8") as f:
-                report = json.load(f)
-            versions.add(report.get("version"))
-            for entry in report["files"]:
-                if entry["name"] in files:
-                    raise CheckpointError(
-                        f"checkpoint {job.checkpoint}: file name {entry['name']!r} saved by ranks "
-                        f"{files[entry['name']]['rank']} and {rank}; names must be unique per checkpoint")
-                files[entry["name"]] = dict(entry, rank=rank)
-        if len(versions) != 1:
-            raise CheckpointError(f"checkpoint {job.checkpoint}: ranks disagree on the version {sorted(map(str, versions))}")
-        manifest = {
-            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": job.tag,
-            "checkpoint": job.checkpoint, "version": job.version, "world_size": self.world_size,
-            "committed_at": time.time(), "files": files,
-        }
-        if job.tag != self.run_id:  # a second save of this id in this run: the run it belongs to
-            manifest["attempt_of"] = self.run_id
+        summaries = []
+        for name, path in zip(names, paths):
+            with open(path, "rb") as f:
+                summaries.append(summarize_report(f.read(), f"{job.checkpoint}/{REPORTS}/{name}"))
+        # a second save of this id in this run: attempt_of names the run it belongs to
+        manifest = build_manifest(job.checkpoint, job.tag, job.version, self.world_size, summaries,
+                                  attempt_of=self.run_id if job.tag != self.run_id else None)
         atomic_write_json(os.path.join(ckpt_dir, MANIFEST), manifest)
         if self.may_remove(job.root):
             _remove_other_runs(ckpt_dir, job.tag)
