@@ -345,7 +345,7 @@ def _validate_report(report: Any, manifest: dict, rank: int) -> dict[str, dict]:
     if not _is_int(version) or not 1 <= version <= FORMAT_VERSION:
         raise _Invalid(f"format_version {version!r} is not one this reader knows")
     for key, want in (("run_id", manifest["run_id"]), ("rank", rank), ("checkpoint", manifest["checkpoint"]),
-                      ("world_size", manifest["world_size"]), ("version", manifest["version"])):
+                      ("world_size", manifest["world_size"]), ("version", manifest.get("version"))):
         if report.get(key) != want or type(report.get(key)) is not type(want):
             raise _Invalid(f"{key} {report.get(key)!r} is not the manifest's {want!r}")
     files = report.get("files")

@@ -83,7 +83,7 @@ def reseal(root: Path, checkpoint: str) -> None:
     reports = {}
     for rank, listed in (doc.get("reports") or {}).items() if isinstance(doc.get("reports"), dict) else ():
         report = root / listed["file"]
-        if report.is_file() and not report.is_symlink():
+        if report.parent == root / checkpoint / ".reports" and report.is_file() and not report.is_symlink():
             reports[rank] = (report, read_json(report))
     for entry in doc["files"].values():
         copies = [entry]
