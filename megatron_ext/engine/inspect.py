@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 
 from .commit import MANIFEST, REPORTS, read_manifest
-from .manifest import TensorIndex
 from .jobs import CheckpointError
+from .manifest import TensorIndex
 
 
 def _dir_bytes(path: str) -> int:

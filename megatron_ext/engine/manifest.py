@@ -371,7 +371,10 @@ def _validate_report(report: Any, manifest: dict, rank: int) -> dict[str, dict]:
 
 
 def file_tensors(checkpoint_dir: str, manifest: dict, name: str) -> dict:
-    """File ``name``'s tensor index from a validated manifest of either format (one-off; loops keep a ``TensorIndex``)."""
+    """File ``name``'s tensor index from a validated manifest of either format.
+
+    One-off: each call reads the rank's report again; callers that read several files keep a ``TensorIndex``.
+    """
     return TensorIndex(checkpoint_dir, manifest).tensors(name)
 
 

@@ -765,8 +765,8 @@ def _live_target(meta: dict, data: Any) -> torch.Tensor | None:
 def _index(manifest: dict, tensor_index: Any) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
     """Shard id -> (file, tensor name) for tensors and -> file for objects, over all ranks' files.
 
-    ``manifest`` is validated (``read_manifest``), ``tensor_index`` its ``TensorIndex``; a shard id claimed twice is an error, never a
-    silent choice between two files.
+    ``manifest`` is validated (``read_manifest``), ``tensor_index`` its ``TensorIndex``; a shard id
+    claimed twice is an error, never a silent choice between two files.
     """
     prefix = "shards/tensors/"
     tensors: dict[str, tuple[str, str]] = {}

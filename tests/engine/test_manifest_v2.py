@@ -104,9 +104,11 @@ def test_build_manifest_refuses_duplicate_names_and_version_disagreement():
         build_manifest("c1", "0123456789ab", 1, 2, [_summary(0, ["a"]), _summary(1, ["b"], version=2)])
     with pytest.raises(CheckpointError, match="summary 0 is of rank 1"):
         build_manifest("c1", "0123456789ab", 1, 2, [_summary(1, ["a"]), _summary(0, ["b"])])
-    doc = build_manifest("c1", "0123456789ab", 1, 2, [_summary(0, ["a"]), _summary(1, ["b"])], attempt_of="ba9876543210")
+    doc = build_manifest("c1", "0123456789ab", 1, 2, [_summary(0, ["a"]), _summary(1, ["b"])],
+                         attempt_of="ba9876543210")
     assert validate_manifest(doc, "c1", "m") is doc
-    assert doc["files"]["b"]["rank"] == 1 and sorted(doc["reports"]) == ["0", "1"] and doc["attempt_of"] == "ba9876543210"
+    assert doc["files"]["b"]["rank"] == 1 and sorted(doc["reports"]) == ["0", "1"]
+    assert doc["attempt_of"] == "ba9876543210" and "tensors" not in doc["files"]["a"]
 
 
 # ---------------------------------------------------------------------------- format 1
