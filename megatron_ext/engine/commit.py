@@ -5,7 +5,7 @@
    atomically (temp file, fsync, rename, directory fsync). With a node-local level, the same report
    also goes to the local directory, recording that the local copy is complete. Then it posts its
    status, ``durable`` with what its report lists, to the commit store (coordination.py).
-2. Rank 0 waits for every rank's status, merges the reports they carry, and writes
+2. Rank 0 waits for every rank's status, merges the summaries they carry, and writes
    ``<ckpt>/manifest.json`` atomically. The manifest is the commit marker: a directory without
    one is not a checkpoint and is never loaded. Then it publishes its decision.
 3. The other ranks wait for the decision. Callbacks (a framework's "latest" tracker) run only
@@ -31,19 +31,15 @@ from typing import Callable
 
 from .context import SaveContext
 from .coordination import COMMITTED, DURABLE, FAILED, SKIPPED, CommitChannel, checkpoint_key
-from .files import atomic_write
+from .files import atomic_write, atomic_write_json
 from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, FileJob, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
-from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST, list_committed, read_manifest  # noqa: F401 (re-exported)
+from .manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, REPORTS, build_manifest, list_committed,  # noqa: F401
+                       read_manifest, report_name, summarize_report)  # (re-exported)
 from .messages import Discard
 
-REPORTS = ".reports"
 #: Ranks other than 0 wait this much longer than rank 0 for the decision, so that when a rank is
 #: missing, rank 0's timeout (which names it) comes first and reaches everyone.
 DECISION_GRACE_S = 30.0
-
-
-def report_name(rank: int, run_id: str, error: bool = False) -> str:
-    return f"rank-{rank:05d}.{run_id}{'.error' if error else ''}.json"
 
 
 def skip_report_name(rank: int, run_id: str) -> str:
@@ -74,8 +70,12 @@ def rank_report(job: CheckpointJob, rank: int, world_size: int) -> dict:
 
 
 def durable_status(report: dict, data: bytes, rel: str) -> dict:
-    """What a rank posts once its files are durable: its report, which rank 0 merges."""
-    return {"state": DURABLE, "report": report}
+    """What a rank posts once its files are durable: its report's summary (size, checksum, files).
+
+    Never the tensor index: that stays in the report file, so the store and rank 0 handle O(files)
+    bytes per rank, not O(tensors).
+    """
+    return {"state": DURABLE, "summary": summarize_report(data, rel)}
 
 
 class ManifestOnDisk(dict):
@@ -306,7 +306,7 @@ class Committer:
             decision = {"state": FAILED, "error": f"checkpoint {job.checkpoint} was abandoned on rank 0"}
         else:
             try:
-                job.manifest = self._write_manifest(job, [s["report"] for s in statuses])
+                job.manifest = self._write_manifest(job, [s["summary"] for s in statuses])
             except CheckpointError as exc:
                 decision = {"state": FAILED, "error": str(exc)}
             else:
@@ -321,29 +321,13 @@ class Committer:
             return ""
         return " (missing ranks: " + ", ".join(map(str, missing)) + ")" if missing else ""
 
-    def _write_manifest(self, job: CheckpointJob, reports: list[dict]) -> dict:
+    def _write_manifest(self, job: CheckpointJob, summaries: list[dict]) -> dict:
+        """The manifest from every rank's summary (in rank order), written atomically."""
         ckpt_dir = os.path.join(job.root, job.checkpoint)
-        files: dict[str, dict] = {}
-        versions = set()
-        for report in reports:
-            rank = report["rank"]
-            versions.add(report.get("version"))
-            for entry in report["files"]:
-                if entry["name"] in files:
-                    raise CheckpointError(
-                        f"checkpoint {job.checkpoint}: file name {entry['name']!r} saved by ranks "
-                        f"{files[entry['name']]['rank']} and {rank}; names must be unique per checkpoint")
-                files[entry["name"]] = dict(entry, rank=rank)
-        if len(versions) != 1:
-            raise CheckpointError(f"checkpoint {job.checkpoint}: ranks disagree on the version {sorted(map(str, versions))}")
-        manifest = {
-            "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": job.tag,
-            "checkpoint": job.checkpoint, "version": job.version, "world_size": self.world_size,
-            "committed_at": time.time(), "files": files,
-        }
-        if job.tag != self.run_id:  # a second save of this id in this run: the run it belongs to
-            manifest["attempt_of"] = self.run_id
-        atomic_write(os.path.join(ckpt_dir, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode("utf-8"))
+        # a second save of this id in this run: attempt_of names the run it belongs to
+        manifest = build_manifest(job.checkpoint, job.tag, job.version, self.world_size, summaries,
+                                  attempt_of=self.run_id if job.tag != self.run_id else None)
+        atomic_write_json(os.path.join(ckpt_dir, MANIFEST), manifest)
         if self.may_remove(job.root):
             _remove_other_runs(ckpt_dir, job.tag)
         return manifest

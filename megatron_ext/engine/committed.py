@@ -6,12 +6,14 @@ selectively (shard assembly, export) build a ``CommittedCheckpoint`` directly.
 
 from __future__ import annotations
 
+import os
 from typing import Mapping
 
 from . import codec, restore
 from .config import EngineConfig
 from .host_cache import HostCache
 from .jobs import CheckpointError, LEVEL_LOCAL, LEVEL_PEER, LEVEL_SHARED
+from .manifest import TensorIndex
 
 
 class CommittedCheckpoint:
@@ -34,6 +36,7 @@ class CommittedCheckpoint:
         self._read_options = {"threads": config.restore_threads, "o_direct": config.o_direct,
                               "timeout_s": config.persist_timeout_s, "staging": staging}
         self.recovered = recovered or {}  # file name -> directory of its verified peer copy
+        self.index = TensorIndex(os.path.join(root, checkpoint), manifest)  # each rank report read once
         self._readers: dict[str, restore.FileReader] = {}
         self.levels_used: set[str] = set()
         self.default_level = "auto"
@@ -48,6 +51,10 @@ class CommittedCheckpoint:
         if level not in ("auto", LEVEL_SHARED):
             raise ValueError(f"level must be \"auto\" or \"shared\", got {level!r}")
         self.default_level = level
+
+    def entry(self, name: str) -> dict:
+        """File ``name``'s manifest entry with its tensors (from its rank's report in format 2)."""
+        return self.index.entry(name)
 
     def reader(self, name: str, level: str = "auto") -> restore.FileReader:
         """The reader of file ``name``: node-local when complete there (``level="local"`` requires it)."""
@@ -67,6 +74,7 @@ class CommittedCheckpoint:
             elif name in self.recovered and asked in ("auto", LEVEL_PEER):
                 base, chosen = self.recovered[name], LEVEL_PEER
             self.levels_used.add(chosen)
+            entry = self.index.entry(name)
             self._readers[name] = restore.FileReader(base, entry, self.verify, level=chosen, run_id=self.manifest["run_id"],
                                                      classes=self.classes, **self._read_options)
         return self._readers[name]

@@ -11,6 +11,7 @@ import os
 
 from .commit import MANIFEST, REPORTS, read_manifest
 from .jobs import CheckpointError
+from .manifest import TensorIndex
 
 
 def _dir_bytes(path: str) -> int:
@@ -60,7 +61,7 @@ def describe(root: str, local_dir: str | None = None, only: str | None = None) -
                        world_size=manifest["world_size"], files=len(manifest["files"]),
                        ranks=len({f["rank"] for f in files}),
                        bytes=sum(f["size"] + f["state_size"] for f in files),
-                       tensors=sum(len(f["tensors"]) for f in files),
+                       tensors=_tensor_count(path, manifest, row),
                        committed_at=manifest.get("committed_at"),
                        bytes_by_rank={str(r): by_rank[r] for r in sorted(by_rank)},
                        layout=common_layout(files))
@@ -104,3 +105,13 @@ def format_rows(rows: list[dict]) -> str:
     lines.append(f"{len(committed)} committed, {len(rows) - len(committed)} not; newest committed: "
                  f"{max(committed, key=lambda r: (r['version'] or 0, r['committed_at'] or 0))['checkpoint'] if committed else 'none'}")
     return "\n".join(lines)
+
+
+def _tensor_count(checkpoint_dir: str, manifest: dict, row: dict) -> int | None:
+    """Tensors over all files: format 2 reads every rank report (None, and the row's error, if one is unusable)."""
+    index = TensorIndex(checkpoint_dir, manifest)
+    try:
+        return sum(len(index.tensors(name)) for name in manifest["files"])
+    except CheckpointError as exc:
+        row["error"] = str(exc)
+        return None

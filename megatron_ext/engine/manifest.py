@@ -8,6 +8,11 @@ uses it: file paths are exactly ``<checkpoint>/<basename>`` of this checkpoint a
 tensor's bytes lie inside its file with a known dtype and a length that matches its shape, and the
 checkpoint id is the directory's own name. ``check_tensor_file`` then holds a tensor file's own
 safetensors header to the manifest, so the file and its index cannot disagree.
+
+Format 2 keeps rank 0's work independent of the number of tensors: the manifest lists each rank's
+report (the per-tensor index that rank wrote) with its size and checksum instead of inlining
+every tensor. ``TensorIndex`` reads a report once, holds it to the manifest and validates its
+tensors exactly as format 1's inline ones; format 1 manifests still load.
 """
 
 from __future__ import annotations
@@ -16,14 +21,19 @@ import logging
 import math
 import os
 import re
+import time
 from typing import Any
+
+import xxhash
 
 from .jobs import CheckpointError
 from .layout import TORCH_DTYPES, SafetensorsHeader, parse_json as strict_json
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "megatron_ext.datastates"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Rank reports (each rank's tensor index in format 2) live in ``<checkpoint>/.reports``.
+REPORTS = ".reports"
 #: Run ids: 12 lowercase hex digits (rank 0 draws them); they appear in every file name.
 RUN_ID = re.compile(r"[0-9a-f]{12}")
 _HASH = re.compile(r"[0-9a-f]{16}")
@@ -54,23 +64,38 @@ def read_manifest(checkpoint_dir: str) -> dict | None:
     naming the file and the first problem.
     """
     path = os.path.join(checkpoint_dir, MANIFEST)
+    raw = _read_capped(path, _MAX_MANIFEST_BYTES, missing_ok=True)
+    if raw is None:
+        return None
+    doc = parse_json(raw, path)
+    return validate_manifest(doc, os.path.basename(os.path.normpath(checkpoint_dir)), path)
+
+
+def report_name(rank: int, run_id: str, error: bool = False) -> str:
+    """A rank report's file name (``.error`` for a failure report)."""
+    return f"rank-{rank:05d}.{run_id}{'.error' if error else ''}.json"
+
+
+def _read_capped(path: str, cap: int, missing_ok: bool = False) -> bytes | None:
+    """A regular file's bytes (never through a symlink, at most ``cap``); None if missing and ``missing_ok``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return None
+        if missing_ok:
+            return None
+        raise CheckpointError(f"{path}: missing") from None
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be opened: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "rb") as f:
             if not _is_regular(os.fstat(f.fileno())):
                 raise CheckpointError(f"{path}: not a regular file")
-            raw = f.read(_MAX_MANIFEST_BYTES + 1)
+            raw = f.read(cap + 1)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read: {exc.strerror or exc}") from None
-    if len(raw) > _MAX_MANIFEST_BYTES:
-        raise CheckpointError(f"{path}: larger than {_MAX_MANIFEST_BYTES} bytes")
-    doc = parse_json(raw, path)
-    return validate_manifest(doc, os.path.basename(os.path.normpath(checkpoint_dir)), path)
+    if len(raw) > cap:
+        raise CheckpointError(f"{path}: larger than {cap} bytes")
+    return raw
 
 
 def parse_json(raw: bytes, where: str) -> Any:
@@ -117,18 +142,39 @@ def _validate(doc: Any, checkpoint: str) -> None:
     committed_at = doc.get("committed_at")
     if not _is_number(committed_at):
         raise _Invalid(f"committed_at {committed_at!r} is not a time")
+    if version >= 2:
+        _validate_reports(doc.get("reports"), checkpoint, run_id, world)
+    elif "reports" in doc:
+        raise _Invalid("reports are not part of format 1")
     files = doc.get("files")
     if type(files) is not dict:
         raise _Invalid("files is not an object")
     paths: set[str] = set()
     for name, entry in files.items():
         try:
-            _validate_file(name, entry, checkpoint, world, paths)
+            _validate_file(name, entry, checkpoint, world, paths, inline=version == 1)
         except _Invalid as exc:
             raise _Invalid(f"file {name!r}: {exc}") from None
 
 
-def _validate_file(name: str, entry: Any, checkpoint: str, world: int, paths: set[str]) -> None:
+def _validate_reports(reports: Any, checkpoint: str, run_id: str, world: int) -> None:
+    """Format 2: one report per rank, named for that rank and this run, with its size and checksum."""
+    if type(reports) is not dict:
+        raise _Invalid("reports is not an object")
+    if set(reports) != {str(r) for r in range(world)}:
+        raise _Invalid(f"reports must list exactly ranks 0..{world - 1}")
+    for rank in range(world):
+        entry = reports[str(rank)]
+        want = f"{checkpoint}/{REPORTS}/{report_name(rank, run_id)}"
+        if type(entry) is not dict or entry.get("file") != want:
+            raise _Invalid(f"report of rank {rank} is not an object naming {want!r}")
+        if not _is_int(entry.get("size")) or entry["size"] < 2:
+            raise _Invalid(f"report of rank {rank}: size {entry.get('size')!r} is not a report size")
+        if type(entry.get("xxh3_64")) is not str or not _HASH.fullmatch(entry["xxh3_64"]):
+            raise _Invalid(f"report of rank {rank}: xxh3_64 {entry.get('xxh3_64')!r} is not an xxh3-64 checksum")
+
+
+def _validate_file(name: str, entry: Any, checkpoint: str, world: int, paths: set[str], inline: bool = True) -> None:
     if not valid_name(name):
         raise _Invalid("not a valid file name")
     if type(entry) is not dict or entry.get("name") != name:
@@ -152,7 +198,14 @@ def _validate_file(name: str, entry: Any, checkpoint: str, world: int, paths: se
     for key in ("xxh3_64", "state_xxh3_64"):
         if type(entry.get(key)) is not str or not _HASH.fullmatch(entry[key]):
             raise _Invalid(f"{key} {entry.get(key)!r} is not an xxh3-64 checksum")
-    tensors = entry.get("tensors")
+    if inline:
+        _validate_tensors(entry.get("tensors"), size)
+    elif "tensors" in entry:
+        raise _Invalid("lists tensors, which format 2 keeps in the rank's report")
+
+
+def _validate_tensors(tensors: Any, size: int) -> None:
+    """A file's tensor index: known dtypes, lengths that match shapes, disjoint spans inside ``size`` bytes."""
     if type(tensors) is not dict:
         raise _Invalid("tensors is not an object")
     spans = []
@@ -180,6 +233,149 @@ def _validate_file(name: str, entry: Any, checkpoint: str, world: int, paths: se
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
         if begin < end:
             raise _Invalid(f"tensors {first!r} and {second!r} overlap")
+
+
+def summarize_report(report_bytes: bytes, rel: str) -> dict:
+    """What the manifest keeps of one rank's serialized report: its size and checksum, its files minus tensors."""
+    report = parse_json(report_bytes, rel)
+    if type(report) is not dict or type(report.get("files")) is not list:
+        raise CheckpointError(f"{rel}: not a rank report")
+    files = []
+    for entry in report["files"]:
+        if type(entry) is not dict:
+            raise CheckpointError(f"{rel}: a file entry is not an object")
+        files.append({k: v for k, v in entry.items() if k != "tensors"})
+    return {"rank": report.get("rank"), "version": report.get("version"),
+            "report": {"file": rel, "size": len(report_bytes), "xxh3_64": xxhash.xxh3_64_hexdigest(report_bytes)},
+            "files": files}
+
+
+def build_manifest(checkpoint: str, run_id: str, version: int | None, world_size: int, summaries: list[dict],
+                   attempt_of: str | None = None) -> dict:
+    """The format-2 manifest from every rank's ``summarize_report``, in rank order: O(files), never O(tensors)."""
+    if len(summaries) != world_size:
+        raise CheckpointError(f"checkpoint {checkpoint}: {len(summaries)} rank summaries for world size {world_size}")
+    files: dict[str, dict] = {}
+    reports: dict[str, dict] = {}
+    versions = set()
+    for rank, summary in enumerate(summaries):
+        if summary.get("rank") != rank:
+            raise CheckpointError(f"checkpoint {checkpoint}: summary {rank} is of rank {summary.get('rank')!r}")
+        versions.add(summary.get("version"))
+        reports[str(rank)] = dict(summary["report"])
+        for entry in summary["files"]:
+            if entry["name"] in files:
+                raise CheckpointError(
+                    f"checkpoint {checkpoint}: file name {entry['name']!r} saved by ranks "
+                    f"{files[entry['name']]['rank']} and {rank}; names must be unique per checkpoint")
+            files[entry["name"]] = dict(entry, rank=rank)
+    if len(versions) > 1:
+        raise CheckpointError(f"checkpoint {checkpoint}: ranks disagree on the version {sorted(map(str, versions))}")
+    manifest = {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": run_id, "checkpoint": checkpoint,
+        "version": version, "world_size": world_size, "committed_at": time.time(), "reports": reports, "files": files,
+    }
+    if attempt_of is not None:
+        manifest["attempt_of"] = attempt_of
+    return manifest
+
+
+class TensorIndex:
+    """The per-tensor index of one committed checkpoint's files, each rank report read and checked once.
+
+    Format 1 manifests carry the index inline. In format 2 it is in each rank's report, which is
+    as untrusted as the manifest: it must be a regular file of the manifest's size and checksum,
+    of this checkpoint, run and rank, repeat the manifest's entry for each of its files, and pass
+    the same tensor checks format 1's inline index does. Any problem is a ``CheckpointError``
+    naming the report file.
+    """
+
+    def __init__(self, checkpoint_dir: str, manifest: dict):
+        self.checkpoint_dir, self.manifest = checkpoint_dir, manifest
+        self._by_rank: dict[int, dict[str, dict]] = {}
+
+    def report_path(self, rank: int) -> str:
+        return os.path.join(self.checkpoint_dir, REPORTS, report_name(rank, self.manifest["run_id"]))
+
+    def tensors(self, name: str) -> dict:
+        """File ``name``'s tensors: name -> {dtype, shape, offsets, xxh3_64}."""
+        entry = self.manifest["files"].get(name)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {self.manifest['checkpoint']} has no file {name!r}")
+        if self.manifest["format_version"] == 1:
+            return entry["tensors"]
+        return self.rank_tensors(entry["rank"])[name]
+
+    def entry(self, name: str) -> dict:
+        """File ``name``'s manifest entry with its ``tensors``, as format 1 inlines it."""
+        entry = self.manifest["files"].get(name)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {self.manifest['checkpoint']} has no file {name!r}")
+        return entry if "tensors" in entry else dict(entry, tensors=self.tensors(name))
+
+    def rank_tensors(self, rank: int) -> dict[str, dict]:
+        """Every file of ``rank``: name -> tensors (format 2: read and checked on first use)."""
+        if rank not in self._by_rank:
+            if self.manifest["format_version"] == 1:
+                self._by_rank[rank] = {n: e["tensors"] for n, e in self.manifest["files"].items() if e["rank"] == rank}
+            else:
+                self._by_rank[rank] = self._read_report(rank)
+        return self._by_rank[rank]
+
+    def _read_report(self, rank: int) -> dict[str, dict]:
+        m = self.manifest
+        listed = m["reports"][str(rank)]
+        path = self.report_path(rank)
+        raw = _read_capped(path, listed["size"])
+        if len(raw) != listed["size"]:
+            raise CheckpointError(f"{path}: has {len(raw)} bytes, the manifest says {listed['size']}")
+        if xxhash.xxh3_64_hexdigest(raw) != listed["xxh3_64"]:
+            raise CheckpointError(f"{path}: checksum mismatch (xxh3-64): the bytes changed")
+        report = parse_json(raw, path)
+        try:
+            return _validate_report(report, m, rank)
+        except _Invalid as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+
+
+def _validate_report(report: Any, manifest: dict, rank: int) -> dict[str, dict]:
+    if type(report) is not dict or report.get("format") != FORMAT_NAME:
+        raise _Invalid(f"not a {FORMAT_NAME} rank report")
+    version = report.get("format_version")
+    if not _is_int(version) or not 1 <= version <= FORMAT_VERSION:
+        raise _Invalid(f"format_version {version!r} is not one this reader knows")
+    for key, want in (("run_id", manifest["run_id"]), ("rank", rank), ("checkpoint", manifest["checkpoint"]),
+                      ("world_size", manifest["world_size"]), ("version", manifest.get("version"))):
+        if report.get(key) != want or type(report.get(key)) is not type(want):
+            raise _Invalid(f"{key} {report.get(key)!r} is not the manifest's {want!r}")
+    files = report.get("files")
+    if type(files) is not list:
+        raise _Invalid("files is not a list")
+    expected = {n: e for n, e in manifest["files"].items() if e["rank"] == rank}
+    found: dict[str, dict] = {}
+    for entry in files:
+        name = entry.get("name") if type(entry) is dict else None
+        if name not in expected or name in found:
+            raise _Invalid(f"lists file {name!r}, which the manifest does not list once for rank {rank}")
+        listed = {k: v for k, v in expected[name].items() if k != "rank"}
+        if {k: v for k, v in entry.items() if k != "tensors"} != listed:
+            raise _Invalid(f"file {name!r}: its entry differs from the manifest's")
+        try:
+            _validate_tensors(entry.get("tensors"), listed["size"])
+        except _Invalid as exc:
+            raise _Invalid(f"file {name!r}: {exc}") from None
+        found[name] = entry["tensors"]
+    if len(found) != len(expected):
+        raise _Invalid(f"lacks files {sorted(set(expected) - set(found))[:3]} the manifest lists for rank {rank}")
+    return found
+
+
+def file_tensors(checkpoint_dir: str, manifest: dict, name: str) -> dict:
+    """File ``name``'s tensor index from a validated manifest of either format.
+
+    One-off: each call reads the rank's report again; callers that read several files keep a ``TensorIndex``.
+    """
+    return TensorIndex(checkpoint_dir, manifest).tensors(name)
 
 
 def check_tensor_file(entry: dict, header: SafetensorsHeader, run_id: str, where: str) -> None:

@@ -5,7 +5,9 @@ engine and with the ``safetensors`` library; whatever either would reject fails 
 file and the reason: the manifest is validated (manifest.py), every tensor file is a regular file
 of the manifest's size whose safetensors header is checked as strictly as the library checks it
 and matches the manifest exactly, every sidecar is well-formed and refers only to listed tensors,
-and (unless ``deep=False``) every file's and every tensor's xxh3-64 equals the manifest's.
+and (unless ``deep=False``) every file's and every tensor's xxh3-64 equals the manifest's. In
+format 2 each rank report (the tensor index) is checked against the manifest's size and xxh3-64
+and validated first; a rank whose report fails has that one problem reported, not one per file.
 Which classes a sidecar may rebuild is the loader's choice (its allow-list), not checked here.
 """
 
@@ -20,7 +22,7 @@ from . import codec
 from .fast_read import open_regular
 from .jobs import CheckpointError
 from .layout import read_header
-from .manifest import MANIFEST, check_tensor_file, read_manifest, valid_name
+from .manifest import MANIFEST, TensorIndex, check_tensor_file, read_manifest, valid_name
 from .restore import parse_sidecar
 
 _BLOCK = 16 << 20
@@ -46,7 +48,20 @@ def verify_checkpoint(root: str, checkpoint: str, deep: bool = True) -> list[Pro
     if manifest is None:
         return [Problem(checkpoint, MANIFEST, "missing: the checkpoint is not committed")]
     problems: list[Problem] = []
+    index = TensorIndex(ckpt_dir, manifest)
+    bad_ranks = set()
+    for rank in range(manifest["world_size"]) if manifest["format_version"] >= 2 else ():
+        try:
+            index.rank_tensors(rank)
+        except CheckpointError as exc:
+            bad_ranks.add(rank)
+            rel = manifest["reports"][str(rank)]["file"]
+            what = str(exc).removeprefix(index.report_path(rank) + ": ")
+            problems.append(Problem(checkpoint, rel, f"{what} (rank {rank})"))
     for name, entry in sorted(manifest["files"].items(), key=lambda kv: (kv[1]["rank"], kv[0])):
+        if entry["rank"] in bad_ranks:
+            continue  # its tensor index is unusable: reported once above
+        entry = index.entry(name)
         for check in (_check_tensor_file, _check_state_file):
             try:
                 check(root, entry, manifest["run_id"], deep)

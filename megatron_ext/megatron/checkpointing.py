@@ -285,7 +285,7 @@ class MegatronCheckpointer:
         engine = self._load_engine(args, load_dir)
         ckpt = engine.open_checkpoint(checkpoint_name(iteration), root=load_dir)
         engine.agree_load_level(ckpt)  # every rank node-local, or every rank shared
-        tensor_index, object_index = _index(ckpt.manifest)
+        tensor_index, object_index = _index(ckpt.manifest, ckpt.index)
         rank = torch.distributed.get_rank()
         zero_name = file_of_rank(ckpt.manifest, 0)
         if zero_name is None:
@@ -739,7 +739,7 @@ def _read_own_shards(ckpt: Any, tensor_index: dict[str, tuple[str, str]], sharde
             sid = sharding.shard_id(leaf)
             if sid in tensor_index:
                 file_name, tensor_name = tensor_index[sid]
-                target = _live_target(ckpt.manifest["files"][file_name]["tensors"][tensor_name], leaf.data)
+                target = _live_target(ckpt.index.tensors(file_name)[tensor_name], leaf.data)
                 if target is not None:
                     live.setdefault(file_name, {})[tensor_name] = target
                     found[sid] = leaf.data
@@ -762,17 +762,17 @@ def _live_target(meta: dict, data: Any) -> torch.Tensor | None:
     return data.view(meta["shape"])
 
 
-def _index(manifest: dict) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+def _index(manifest: dict, tensor_index: Any) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
     """Shard id -> (file, tensor name) for tensors and -> file for objects, over all ranks' files.
 
-    ``manifest`` is validated (``read_manifest``); a shard id claimed twice is an error, never a
-    silent choice between two files.
+    ``manifest`` is validated (``read_manifest``), ``tensor_index`` its ``TensorIndex``; a shard id
+    claimed twice is an error, never a silent choice between two files.
     """
     prefix = "shards/tensors/"
     tensors: dict[str, tuple[str, str]] = {}
     objects: dict[str, str] = {}
     for name, entry in manifest["files"].items():
-        for tensor_name in entry["tensors"]:
+        for tensor_name in tensor_index.tensors(name):
             if tensor_name.startswith(prefix):
                 sid = tensor_name[len(prefix):]
                 if sid in tensors:

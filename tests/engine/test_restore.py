@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.engine import CheckpointEngine, CheckpointError, ConfigError, EngineConfig, read_manifest
+from megatron_ext.engine import CheckpointEngine, CheckpointError, ConfigError, EngineConfig
 from megatron_ext.engine import fast_read
 from megatron_ext.engine.files import supports_o_direct
 from megatron_ext.engine.host_cache import HostCache
@@ -140,7 +140,7 @@ def test_damage_raises_naming_the_file(make_engine, tmp_path, how):
     state = {"x": torch.arange(300_000, dtype=torch.float32), "y": torch.ones(10)}
     engine.save_and_commit(state, "c1", "f", version=1)
     engine.wait_persisted()
-    entry = read_manifest(str(tmp_path / "ckpt" / "c1"))["files"]["f"]
+    entry = engine.open_checkpoint("c1").entry("f")  # with its tensors (format 2: from the rank report)
     path = str(tmp_path / "ckpt" / entry["tensor_file"])
     last = max(entry["tensors"], key=lambda n: entry["tensors"][n]["offsets"][1])  # holds the damaged end
     if how == "flip":
@@ -160,7 +160,7 @@ def test_flip_in_a_middle_tensor_names_it(make_engine, tmp_path):
     engine = make_engine(host_cache_size=0.01)
     engine.save_and_commit({"x": torch.zeros(40_000), "y": torch.ones(40_000)}, "c1", "f", version=1)
     engine.wait_persisted()
-    entry = read_manifest(str(tmp_path / "ckpt" / "c1"))["files"]["f"]
+    entry = engine.open_checkpoint("c1").entry("f")
     lo, hi = entry["tensors"]["x"]["offsets"]
     overwrite(tmp_path / "ckpt" / entry["tensor_file"], (lo + hi) // 2, b"\x07")
     with pytest.raises(CheckpointError, match="tensor 'x' fails its checksum"):

@@ -68,24 +68,58 @@ def files_of(root: Path, checkpoint: str, name: str = "rank00000") -> tuple[Path
     return root / entry["tensor_file"], root / entry["state_file"]
 
 
+def report_path(root: Path, checkpoint: str, rank: int = 0) -> Path:
+    """A format-2 checkpoint's rank report: that rank's tensor index, named in the manifest."""
+    return root / read_json(manifest_path(root, checkpoint))["reports"][str(rank)]["file"]
+
+
 def reseal(root: Path, checkpoint: str) -> None:
     """Recompute the manifest's sizes and checksums from the files as they are now (an attacker who
-    writes the manifest too): whatever a reader rejects afterwards, it rejects for the attack itself."""
+    writes the manifest too): whatever a reader rejects afterwards, it rejects for the attack itself.
+    In format 2 the rank reports (which repeat each file's entry and hold its tensors) are resealed
+    first, then the manifest's entries and its report sizes and checksums."""
     path = manifest_path(root, checkpoint)
     doc = read_json(path)
+    reports = {}
+    for rank, listed in (doc.get("reports") or {}).items() if isinstance(doc.get("reports"), dict) else ():
+        report = root / listed["file"]
+        if report.parent == root / checkpoint / ".reports" and report.is_file() and not report.is_symlink():
+            reports[rank] = (report, read_json(report))
     for entry in doc["files"].values():
+        copies = [entry]
+        if "tensors" not in entry:
+            report = reports.get(str(entry["rank"]))
+            copies += [e for e in (report[1]["files"] if report else []) if e.get("name") == entry["name"]]
+        tensors = next((c["tensors"] for c in copies if "tensors" in c), {})
         tensor, state = root / entry["tensor_file"], root / entry["state_file"]
         if tensor.is_file() and not tensor.is_symlink():
             data = tensor.read_bytes()
-            entry["size"], entry["xxh3_64"] = len(data), xxhash.xxh3_64_hexdigest(data)
-            for meta in entry["tensors"].values():
+            for c in copies:
+                c["size"], c["xxh3_64"] = len(data), xxhash.xxh3_64_hexdigest(data)
+            for meta in tensors.values():
                 begin, end = meta["offsets"]
                 if 0 <= begin <= end <= len(data):
                     meta["xxh3_64"] = xxhash.xxh3_64_hexdigest(data[begin:end])
         if state.is_file() and not state.is_symlink():
             data = state.read_bytes()
-            entry["state_size"], entry["state_xxh3_64"] = len(data), xxhash.xxh3_64_hexdigest(data)
+            for c in copies:
+                c["state_size"], c["state_xxh3_64"] = len(data), xxhash.xxh3_64_hexdigest(data)
+    for rank, (report, report_doc) in reports.items():
+        write_json(report, report_doc)
+        seal_report(root, checkpoint, int(rank), doc)
     write_json(path, doc)
+
+
+def seal_report(root: Path, checkpoint: str, rank: int = 0, doc: dict | None = None) -> None:
+    """Make the manifest's size and checksum of ``rank``'s report match its bytes as they are now
+    (written to the manifest unless ``doc``, the manifest being edited, is given)."""
+    path = manifest_path(root, checkpoint)
+    manifest = doc if doc is not None else read_json(path)
+    listed = manifest["reports"][str(rank)]
+    data = (root / listed["file"]).read_bytes()
+    listed["size"], listed["xxh3_64"] = len(data), xxhash.xxh3_64_hexdigest(data)
+    if doc is None:
+        write_json(path, manifest)
 
 
 def rewrite_sidecar(root: Path, checkpoint: str, change) -> None:

@@ -53,7 +53,7 @@ def _check_manifest(ckpt: Path, iteration: int, dp: int) -> None:
                 if "local_shape" in m and "flattened_range" not in m:
                     volume[m["key"]] = volume.get(m["key"], 0) + math.prod(m["local_shape"])
                     global_volume[m["key"]] = math.prod(m["global_shape"])
-        tensor_names = [t for f in files.values() for t in f["tensors"] if t.startswith("shards/tensors/")]
+        tensor_names = [t for name in files for t in committed.index.tensors(name) if t.startswith("shards/tensors/")]
         assert len(tensor_names) == len(set(tensor_names))
         # Exactly once: the owned shards of every global tensor add up to the whole tensor.
         for key, total in global_volume.items():

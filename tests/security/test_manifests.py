@@ -19,22 +19,18 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed, read_manifest
 
-from helpers.hostile import (C1, C2, SMALL, files_of, genuine_state, manifest_path, name_of, read_json, reseal,
-                             save_genuine, write_json)
+from helpers.hostile import (C1, C2, SMALL, files_of, genuine_state, manifest_path, name_of, read_json, report_path,
+                             reseal, save_genuine, seal_report, write_json)
 
 
 def _file(doc):
     return doc["files"]["rank00000"]
 
 
-def _tensor(doc, name="w"):
-    return _file(doc)["tensors"][name]
-
-
 MUTATIONS = {
     "not_an_object": (lambda d: [d], "not a JSON object"),
     "another_format": (lambda d: d.update(format="safetensors.index"), "not a megatron_ext.datastates manifest"),
-    "newer_version": (lambda d: d.update(format_version=2), "written by a newer format (version 2"),
+    "newer_version": (lambda d: d.update(format_version=3), "written by a newer format (version 3"),
     "version_as_text": (lambda d: d.update(format_version="1"), "format_version '1' is not a version number"),
     "bad_run_id": (lambda d: d.update(run_id="../x"), "run_id '../x' is not 12 hex digits"),
     "other_checkpoint": (lambda d: d.update(checkpoint=C1), f"belongs to checkpoint '{C1}', not to its directory"),
@@ -49,17 +45,52 @@ MUTATIONS = {
     "negative_size": (lambda d: _file(d).update(size=-1), "size -1 is not a safetensors file size"),
     "state_size_text": (lambda d: _file(d).update(state_size="9"), "state_size '9' is not a size"),
     "bad_file_checksum": (lambda d: _file(d).update(xxh3_64="nothex"), "xxh3_64 'nothex' is not an xxh3-64 checksum"),
-    "tensors_a_list": (lambda d: _file(d).update(tensors=[]), "tensors is not an object"),
-    "reserved_tensor_name": (lambda d: _file(d)["tensors"].update({"__metadata__": _tensor(d)}), "'__metadata__' is reserved"),
-    "unknown_dtype": (lambda d: _tensor(d).update(dtype="F99"), "unknown dtype 'F99'"),
-    "negative_shape": (lambda d: _tensor(d).update(shape=[-1]), "shape [-1] is not a list of whole numbers"),
-    "offsets_not_a_pair": (lambda d: _tensor(d).update(offsets=[4096]), "offsets [4096] are not [begin, end]"),
-    "offsets_past_the_end": (lambda d: _tensor(d).update(offsets=[_file(d)["size"], _file(d)["size"] + 4000]),
+    "reports_missing": (lambda d: d.__delitem__("reports"), "reports is not an object"),
+    "report_of_a_rank_too_many": (lambda d: d["reports"].update({"1": d["reports"]["0"]}), "exactly ranks 0..0"),
+    "report_of_another_run": (lambda d: d["reports"]["0"].update(file=d["reports"]["0"]["file"].replace(
+        d["run_id"], "0123456789ab")), "report of rank 0 is not an object naming"),
+    "report_outside_the_checkpoint": (lambda d: d["reports"]["0"].update(file="../x.json"), "is not an object naming"),
+    "report_size_text": (lambda d: d["reports"]["0"].update(size="9"), "size '9' is not a report size"),
+    "report_checksum_bad": (lambda d: d["reports"]["0"].update(xxh3_64="nothex"), "is not an xxh3-64 checksum"),
+    "inline_tensors_in_format_2": (lambda d: _file(d).update(tensors={}), "format 2 keeps in the rank's report"),
+}
+
+
+def _report_file(doc):
+    return doc["files"][0]
+
+
+def _report_tensor(doc, name="w"):
+    return _report_file(doc)["tensors"][name]
+
+
+#: Rules of a file's tensor index, which format 2 keeps in the rank report: each mutation is made to
+#: the report, the manifest resealed to its new bytes, and the report must then be refused by that rule.
+REPORT_MUTATIONS = {
+    "tensors_a_list": (lambda d: _report_file(d).update(tensors=[]), "tensors is not an object"),
+    "reserved_tensor_name": (lambda d: _report_file(d)["tensors"].update({"__metadata__": _report_tensor(d)}),
+                             "'__metadata__' is reserved"),
+    "unknown_dtype": (lambda d: _report_tensor(d).update(dtype="F99"), "unknown dtype 'F99'"),
+    "negative_shape": (lambda d: _report_tensor(d).update(shape=[-1]), "shape [-1] is not a list of whole numbers"),
+    "offsets_not_a_pair": (lambda d: _report_tensor(d).update(offsets=[4096]), "offsets [4096] are not [begin, end]"),
+    "offsets_past_the_end": (lambda d: _report_tensor(d).update(offsets=[_report_file(d)["size"],
+                                                                         _report_file(d)["size"] + 4000]),
                              "lie outside the file's"),
-    "length_disagrees_with_shape": (lambda d: _tensor(d).update(shape=[999]), "bytes do not hold shape [999] of F32"),
-    "overlapping_tensors": (lambda d: _tensor(d, "b").update(offsets=[_tensor(d)["offsets"][0],
-                                                                     _tensor(d)["offsets"][0] + 168]), "overlap"),
-    "tensor_checksum_null": (lambda d: _tensor(d).update(xxh3_64=None), "xxh3_64 None is not a checksum"),
+    "length_disagrees_with_shape": (lambda d: _report_tensor(d).update(shape=[999]),
+                                    "bytes do not hold shape [999] of F32"),
+    "overlapping_tensors": (lambda d: _report_tensor(d, "b").update(offsets=[_report_tensor(d)["offsets"][0],
+                                                                            _report_tensor(d)["offsets"][0] + 168]),
+                            "overlap"),
+    "tensor_checksum_null": (lambda d: _report_tensor(d).update(xxh3_64=None), "xxh3_64 None is not a checksum"),
+    "entry_disagrees_with_the_manifest": (lambda d: _report_file(d).update(size=_report_file(d)["size"] + 8),
+                                          "its entry differs from the manifest's"),
+    "another_rank": (lambda d: d.update(rank=1), "rank 1 is not the manifest's 0"),
+    "another_run": (lambda d: d.update(run_id="0123456789ab"), "run_id '0123456789ab' is not the manifest's"),
+    "another_checkpoint": (lambda d: d.update(checkpoint=C1), f"checkpoint '{C1}' is not the manifest's"),
+    "newer_format": (lambda d: d.update(format_version=3), "format_version 3 is not one this reader knows"),
+    "a_file_missing": (lambda d: d.update(files=[]), "lacks files ['rank00000']"),
+    "a_file_the_manifest_lacks": (lambda d: d["files"].append(dict(_report_file(d), name="rank00009")),
+                                  "lists file 'rank00009', which the manifest does not list"),
 }
 
 
@@ -75,6 +106,22 @@ def test_each_rule_of_the_manifest(genuine, mutation):
         with pytest.raises(CheckpointError, match=re.escape(message)):
             engine.load(C2, "rank00000")
         assert engine.latest() == C1  # skipped, not fatal
+
+
+@pytest.mark.parametrize("mutation", sorted(REPORT_MUTATIONS))
+def test_each_rule_of_the_rank_report(genuine, mutation):
+    """The same rules as format 1's inline index, plus the report's tie to the manifest; the error names the report."""
+    change, message = REPORT_MUTATIONS[mutation]
+    report = report_path(genuine, C2)
+    doc = read_json(report)
+    change(doc)
+    write_json(report, doc)
+    seal_report(genuine, C2)
+    assert read_manifest(str(genuine / C2)) is not None  # the manifest itself is intact
+    with CheckpointEngine({"save_dir": str(genuine), **SMALL}, read_only=True) as engine:
+        with pytest.raises(CheckpointError, match=re.escape(f"{report}: ") + ".*" + re.escape(message)):
+            engine.load(C2, "rank00000")
+        assert engine.load(C1, "rank00000")["step"] == 1
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -132,9 +179,9 @@ def test_a_tensor_the_sidecar_names_but_the_manifest_lacks_is_an_error(genuine):
     data = tensor_file.read_bytes()
     assert data.count(b'"w":') == 1
     tensor_file.write_bytes(data.replace(b'"w":', b'"v":'))  # header and manifest call it "v"; the sidecar "w"
-    doc = read_json(manifest_path(genuine, C2))
-    _file(doc)["tensors"]["v"] = _file(doc)["tensors"].pop("w")
-    write_json(manifest_path(genuine, C2), doc)
+    doc = read_json(report_path(genuine, C2))  # the tensor index (format 2: the rank report)
+    _report_file(doc)["tensors"]["v"] = _report_file(doc)["tensors"].pop("w")
+    write_json(report_path(genuine, C2), doc)
     reseal(genuine, C2)
     template = copy.deepcopy(genuine_state(9))
     with CheckpointEngine({"save_dir": str(genuine), **SMALL}, read_only=True) as engine:

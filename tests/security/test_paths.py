@@ -19,7 +19,7 @@ import torch
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
 
 from helpers.hostile import (C1, C2, SMALL, assert_one_line_error, cli_in_process, files_of, genuine_state,
-                             manifest_path, read_json, reseal, write_json)
+                             manifest_path, read_json, report_path, reseal, seal_report, write_json)
 
 
 def _plant_secret(tmp_path: Path, root: Path) -> tuple[Path, Path]:
@@ -72,6 +72,8 @@ def duplicated_entry(root: Path, tmp_path: Path) -> str:
     doc["files"]["rank00001"] = dict(entry, name="rank00001")
     doc["world_size"] = 2
     doc["files"]["rank00001"]["rank"] = 1
+    rank1 = os.path.basename(doc["reports"]["0"]["file"]).replace("rank-00000", "rank-00001")
+    doc["reports"]["1"] = dict(doc["reports"]["0"], file=f"{C2}/.reports/{rank1}")  # a well-formed report entry
     write_json(manifest_path(root, C2), doc)
     return "is listed twice"
 
@@ -81,8 +83,12 @@ def symlinked_tensor_file(root: Path, tmp_path: Path) -> str:
     tensor.unlink()
     tensor.symlink_to(tmp_path / "secret.safetensors")
     doc, entry = _entry(root)
-    secret = read_json(manifest_path(root, C1))["files"]["rank00000"]
-    entry.update({k: secret[k] for k in ("size", "xxh3_64", "tensors")})  # the secret's own, valid values
+    secret = read_json(report_path(root, C1))["files"][0]
+    entry.update({k: secret[k] for k in ("size", "xxh3_64")})  # the secret's own, valid values
+    report = read_json(report_path(root, C2))
+    report["files"][0].update({k: secret[k] for k in ("size", "xxh3_64", "tensors")})  # its index too
+    write_json(report_path(root, C2), report)
+    seal_report(root, C2, 0, doc)
     write_json(manifest_path(root, C2), doc)
     return "a symbolic link"
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from megatron_ext.engine import CheckpointEngine, CheckpointError, codec
 from megatron_ext.engine.verify import verify_checkpoint
 
-from helpers.hostile import C2, SMALL, files_of, genuine_state, manifest_path, reseal
+from helpers.hostile import C2, SMALL, files_of, genuine_state, manifest_path, report_path, reseal
 
 # Derandomized: CI runs the same examples every time (a failure is reproducible from the log).
 PROPERTY = settings(max_examples=250, deadline=None, database=None, derandomize=True,
@@ -120,8 +120,9 @@ def _fresh(pristine: Path) -> Path:
 def test_byte_mutations(pristine, reader, data):
     root = _fresh(pristine)
     try:
-        target = data.draw(st.sampled_from(["tensor", "sidecar", "manifest"]), label="file")
-        path = {"tensor": files_of(root, C2)[0], "sidecar": files_of(root, C2)[1], "manifest": manifest_path(root, C2)}[target]
+        target = data.draw(st.sampled_from(["tensor", "sidecar", "manifest", "report"]), label="file")
+        path = {"tensor": files_of(root, C2)[0], "sidecar": files_of(root, C2)[1], "manifest": manifest_path(root, C2),
+                "report": report_path(root, C2)}[target]
         raw = bytearray(path.read_bytes())
         op = data.draw(st.sampled_from(["set", "truncate", "append"]), label="op")
         if op == "set":
@@ -148,8 +149,9 @@ def test_byte_mutations(pristine, reader, data):
 def test_json_mutations(pristine, reader, data):
     root = _fresh(pristine)
     try:
-        target = data.draw(st.sampled_from(["manifest", "sidecar"]), label="document")
-        path = manifest_path(root, C2) if target == "manifest" else files_of(root, C2)[1]
+        target = data.draw(st.sampled_from(["manifest", "sidecar", "report"]), label="document")
+        path = {"manifest": manifest_path(root, C2), "sidecar": files_of(root, C2)[1],
+                "report": report_path(root, C2)}[target]
         doc = _mutate_json(data, json.loads(path.read_bytes()))
         path.write_text(json.dumps(doc))
         resealed = data.draw(st.booleans(), label="reseal")
