@@ -25,9 +25,12 @@ from typing import Any
 import torch
 
 ALIGN = 4096
-#: ``format_version`` in each tensor file's safetensors ``__metadata__``: the checkpoint format's
-#: version (``manifest.FORMAT_VERSION``), as a string because safetensors metadata values are strings.
-HEADER_FORMAT_VERSION = "1"
+#: The checkpoint format's one version number (the manifest's and the rank reports' ``format_version``;
+#: docs/FORMAT.md). Defined here, below ``manifest``, so both modules share it.
+FORMAT_VERSION = 2
+#: ``format_version`` in each tensor file's safetensors ``__metadata__``: the same version, as a
+#: string because safetensors metadata values are strings.
+HEADER_FORMAT_VERSION = str(FORMAT_VERSION)
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

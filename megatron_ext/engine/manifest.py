@@ -27,11 +27,10 @@ from typing import Any
 import xxhash
 
 from .jobs import CheckpointError
-from .layout import TORCH_DTYPES, SafetensorsHeader, parse_json as strict_json
+from .layout import FORMAT_VERSION, TORCH_DTYPES, SafetensorsHeader, parse_json as strict_json  # noqa: F401 (re-exported)
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "megatron_ext.datastates"
-FORMAT_VERSION = 2
 #: Rank reports (each rank's tensor index in format 2) live in ``<checkpoint>/.reports``.
 REPORTS = ".reports"
 #: Run ids: 12 lowercase hex digits (rank 0 draws them); they appear in every file name.
