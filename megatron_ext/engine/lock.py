@@ -16,6 +16,10 @@ file says who holds it (host, pid, run id, since when) so a refused job can name
   crashed partial checkpoints, leftovers of earlier runs), and retention removes only checkpoints
   whose run once held the lock (the file keeps the last runs' ids): never another job's, never
   a copy brought in from elsewhere.
+* **Forked children.** A child forked while a lock is held (DataLoader workers, for instance)
+  would share the open file and keep the flock after the engine released it, so the next engine
+  of the same process (Megatron-LM shuts the engine down after training and saves once more)
+  would find its own directory locked. Children close their copies right after the fork.
 * **File systems without ``flock``** (Lustre mounted ``noflock``, some NFS): the lock cannot be
   taken; the engine warns once and writes, but removes nothing in that directory.
 """
@@ -29,6 +33,7 @@ import logging
 import os
 import socket
 import time
+import weakref
 
 from .jobs import CheckpointError
 
@@ -55,6 +60,18 @@ class DirectoryLock:
         self._fd = fd
         self.state = state
         self.runs = runs  # run ids that have held this directory, oldest first
+        if fd is not None:
+            _open_locks.add(self)
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: drop this copy of the file (the parent keeps the lock), write nothing."""
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+            self.state = "released"
 
     @property
     def held(self) -> bool:
@@ -77,6 +94,18 @@ class DirectoryLock:
             os.close(self._fd)  # closing the file releases the flock
             self._fd = None
             self.state = "released"
+
+
+_open_locks: "weakref.WeakSet[DirectoryLock]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lock in list(_open_locks):
+        lock._forget_in_child()
+    _open_locks.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def holder_text(holder: dict) -> str:

@@ -195,3 +195,24 @@ def test_a_sibling_rank_waits_for_its_run_to_show_up_in_a_stale_lock_file(tmp_pa
     finally:
         writer.join()
         os.close(sibling)
+
+
+def test_a_forked_child_does_not_keep_the_lock_after_the_engine_releases_it(tmp_path):
+    """DataLoader workers fork while the engine holds its lock; Megatron-LM shuts the engine down after
+    training and saves once more with a new one, in the same process, with the workers still alive."""
+    from megatron_ext.engine import lock as dir_lock
+
+    first = dir_lock.acquire(str(tmp_path), "aaaaaaaaaaaa", "save_dir")
+    child = os.fork()
+    if child == 0:  # a worker that outlives the engine
+        time.sleep(3)
+        os._exit(0)
+    try:
+        time.sleep(0.5)  # the worker is up (it dropped its copy of the lock file right after the fork)
+        first.release()
+        again = dir_lock.acquire(str(tmp_path), "bbbbbbbbbbbb", "save_dir")
+        assert again.held
+        again.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
