@@ -41,6 +41,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_ext.engine.commit import Committer, durable_status, job_key, rank_report, report_name, REPORTS
+from megatron_ext.engine.context import SaveContext
 from megatron_ext.engine.coordination import CommitChannel
 from megatron_ext.engine.jobs import CheckpointJob, LEVEL_SHARED
 from megatron_ext.engine.manifest import read_manifest
@@ -148,9 +149,13 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
         errors.append(exc)
         return True
 
-    committers = {r: Committer(r, ranks, run_id, lambda job: None, Telemetry(None, r), timeout_s, fail,
-                               lambda: None, may_remove=lambda root: True,
-                               channel=CommitChannel(store, store, r, ranks)) for r in real}
+    def context(rank: int) -> SaveContext:
+        return SaveContext(rank=rank, world_size=ranks, run_id=run_id, fail=fail, check=lambda: None,
+                           state_lock=threading.Lock(), timeout_s=timeout_s, telemetry=Telemetry(None, rank),
+                           local_dir=None, o_direct=False, chunk_bytes=1 << 20)
+
+    committers = {r: Committer(context(r), may_remove=lambda root: True, channel=CommitChannel(store, store, r, ranks))
+                  for r in real}
     light = CommitChannel(store, store, 1, ranks)  # posts for the ranks without a thread
     rows = []
     with OpCounter() as ops:

@@ -23,7 +23,9 @@ def test_bench_commit_json_and_per_rank_costs_independent_of_world_size(tmp_path
         assert {"ranks", "tensors_per_rank", "commit_latency_s", "metadata_ops_per_rank", "rank0_cpu_s",
                 "manifest_bytes"} <= set(row)
         assert row["tensors_per_rank"] == 5 and row["commit_latency_s"] > 0 and row["manifest_bytes"] > 0
-    assert rows[64]["metadata_ops_per_rank"] == rows[8]["metadata_ops_per_rank"] > 0
+    # a handful of calls (report: mkdir, temp file, rename, directory fsync), whatever the world size; which
+    # rank creates .reports first (one stat more or less) varies
+    assert 0 < rows[64]["metadata_ops_per_rank"] <= rows[8]["metadata_ops_per_rank"] + 1 <= 11
     # append, add, wait, get; and set by the one rank whose add completes the count
     assert all(4 <= row["store_ops_per_rank"] <= 5 for row in rows.values())
-    assert rows[64]["metadata_ops_rank0"] == rows[8]["metadata_ops_rank0"]
+    assert rows[64]["metadata_ops_rank0"] <= rows[8]["metadata_ops_rank0"] + 1
