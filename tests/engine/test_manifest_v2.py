@@ -14,6 +14,7 @@ import torch
 import xxhash
 
 from megatron_ext.engine import CheckpointError, read_manifest
+from megatron_ext.engine.commit import encode_json
 from megatron_ext.engine.inspect import describe
 from megatron_ext.engine.manifest import (FORMAT_VERSION, TensorIndex, build_manifest, file_tensors,
                                           summarize_report, validate_manifest)
@@ -166,7 +167,7 @@ def test_a_tampered_report_is_one_error_naming_it(make_engine, tmp_path, tamper,
     doc = json.loads(report.read_bytes())
     if tamper in ("offsets", "checksums"):
         (_shift_offsets if tamper == "offsets" else _swap_checksums)(doc)
-        report.write_text(json.dumps(doc, indent=1, sort_keys=True))  # as the engine writes it
+        report.write_bytes(encode_json(doc))  # as the engine writes it
     elif tamper == "symlink":
         shutil.copy(report, tmp_path / "copy.json")  # the same, valid bytes, reached through a link
         report.unlink()
