@@ -180,8 +180,8 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
                 report = rank_report(CheckpointJob(checkpoint=checkpoint, root=root, version=i, tag=run_id,
                                                    files=[SimulatedFile(checkpoint, r, run_id, tensors)]), r, ranks)
                 data = encode_json(report)
-                light.post(key, durable_status(report, data, f"{checkpoint}/{REPORTS}/{report_name(r, run_id)}"),
-                           from_committer=False)
+                rel = f"{checkpoint}/{REPORTS}/{report_name(r, run_id)}"
+                light.post_durable(key, *durable_status(report, data, rel))
             # They post before the threaded ranks are durable: an in-process store wakes every waiter at
             # every post, a TCPStore server only the waiter of the key set, so rank 0 waiting through
             # 4,096 posts would measure this simulation, not the protocol.

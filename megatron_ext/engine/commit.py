@@ -5,8 +5,8 @@
    atomically (temp file, fsync, rename, directory fsync). With a node-local level, the same report
    also goes to the local directory, recording that the local copy is complete. Then it posts its
    status, ``durable`` with what its report lists, to the commit store (coordination.py).
-2. Rank 0 waits for every rank's status, merges the summaries they carry, and writes
-   ``<ckpt>/manifest.json`` atomically. The manifest is the commit marker: a directory without
+2. Rank 0 waits for every rank's status, joins the shares of the manifest they carry (each rank
+   encoded its own: rank 0 decodes none), and writes ``<ckpt>/manifest.json`` atomically. The manifest is the commit marker: a directory without
    one is not a checkpoint and is never loaded. Then it publishes its decision.
 3. The other ranks wait for the decision. Callbacks (a framework's "latest" tracker) run only
    once the manifest is durable; on ranks other than 0 the file list is read from disk only if a callback asks for it.
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import re
 import threading
@@ -32,11 +31,11 @@ import time
 from typing import Callable
 
 from .context import SaveContext
-from .coordination import COMMITTED, DURABLE, FAILED, SKIPPED, CommitChannel, checkpoint_key
+from .coordination import COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, checkpoint_key
 from .files import atomic_write, atomic_write_json
 from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, FileJob, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
-from .manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, REPORTS, build_manifest, list_committed,  # noqa: F401
-                       read_manifest, report_name, summarize_report)  # (re-exported)
+from .manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, REPORTS, assemble_manifest, encode_json,  # noqa: F401
+                       list_committed, manifest_part, MANIFEST_SHARES, read_manifest, report_name, summary_of)  # (re-exported)
 from .messages import Discard
 
 #: Ranks other than 0 wait this much longer than rank 0 for the decision, so that when a rank is
@@ -88,39 +87,43 @@ def gc_paused():
             gc.enable()
 
 
-def encode_json(doc: dict) -> bytes:
-    """Reports and manifests as compact JSON: json's C encoder (an indented dump runs in Python,
-    three times the CPU; rank 0 writes a manifest of every rank's files each iteration)."""
-    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
-
-
-def durable_status(report: dict, data: bytes, rel: str) -> dict:
-    """What a rank posts once its files are durable: its report's summary (size, checksum, files).
+def durable_status(report: dict, data: bytes, rel: str) -> tuple[list, dict[str, bytes]]:
+    """What a rank posts once its files are durable: a small head and its share of the manifest,
+    encoded here (``manifest_part``), so rank 0 joins the N shares without decoding them.
 
     Never the tensor index: that stays in the report file, so the store and rank 0 handle O(files)
     bytes per rank, not O(tensors).
     """
-    return {"state": DURABLE, "summary": summarize_report(data, rel)}
+    return manifest_part(summary_of(report, data, rel))
 
 
 class ManifestOnDisk(dict):
-    """What ranks other than 0 get: the manifest's header; its file list is read only when asked for.
+    """A committed manifest's header; its ``files`` and ``reports`` are read from disk when asked for.
 
-    Sending every rank the whole list would cost the store O(ranks^2) bytes per checkpoint; a
-    callback that reads ``manifest["files"]`` pays one validated read of the manifest instead.
+    What every rank's callbacks get, rank 0's included: sending every rank the whole list would
+    cost the store O(ranks^2) bytes per checkpoint, and rank 0 writes the manifest from encoded
+    shares without decoding them. A callback that reads ``manifest["files"]`` pays one validated
+    read of the manifest.
     """
+
+    ON_DISK = ("files", "reports")
 
     def __init__(self, header: dict, checkpoint_dir: str):
         super().__init__(header)
         self.checkpoint_dir = checkpoint_dir
 
     def __missing__(self, key: str):
+        if key not in self.ON_DISK:
+            raise KeyError(key)
         manifest = read_manifest(self.checkpoint_dir)
         if manifest is None or manifest["run_id"] != self["run_id"]:
             raise CheckpointError(f"{os.path.join(self.checkpoint_dir, MANIFEST)}: not the manifest rank 0 "
                                   f"committed (run {self['run_id']})")
         self.update(manifest)
         return manifest[key]
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self or key in self.ON_DISK else default
 
 
 class Committer:
@@ -244,10 +247,10 @@ class Committer:
                 self._decide(job, key)
             job.committed.set()
             return
-        status = self._write_reports(job)
+        status, shares = self._write_reports(job)
         self._emit_levels(job)
         if post:
-            self.channel.post(key, status)
+            self.channel.post_durable(key, status, shares)
         if self.rank == 0:
             decision = self._decide(job, key)
         else:
@@ -260,23 +263,19 @@ class Committer:
             raise CheckpointSkipped(decision["message"], decision["report"])
         if decision["state"] != COMMITTED:
             raise CheckpointError(decision.get("error") or f"checkpoint {job.checkpoint} was not committed")
-        if self.rank == 0:
-            manifest = job.manifest
-        else:
-            manifest = ManifestOnDisk(decision["manifest"], os.path.join(job.root, job.checkpoint))
+        manifest = ManifestOnDisk(decision["manifest"], os.path.join(job.root, job.checkpoint))
         job.manifest = manifest
         job.committed_at = time.monotonic()
         for callback in job.on_committed:
             callback(manifest)
         first = min(f.submitted_at for f in job.files) if job.files else job.committed_at
         if self.rank == 0:
-            total = sum(f["size"] + f["state_size"] for f in manifest["files"].values())
-            self.telemetry.emit("commit", job.checkpoint, "all", total, job.committed_at - first,
+            self.telemetry.emit("commit", job.checkpoint, "all", job.committed_bytes, job.committed_at - first,
                                 world_size=self.world_size)
         job.committed.set()
 
-    def _write_reports(self, job: CheckpointJob) -> dict:
-        """This rank's report, durable on the shared level (and the local one); returns its status."""
+    def _write_reports(self, job: CheckpointJob) -> tuple[list, dict[str, bytes]]:
+        """This rank's report, durable on the shared level (and the local one); returns its durable status."""
         report = rank_report(job, self.rank, self.world_size)
         data = encode_json(report)
         reports_dir = os.path.join(job.root, job.checkpoint, REPORTS)
@@ -309,15 +308,16 @@ class Committer:
         """
         job.commit_waiting_for = lambda: "not every rank reported its files durable" + self._missing(key)
         try:
-            statuses, missing = self.channel.collect(key, self.timeout_s)
+            collected = self.channel.collect(key, self.timeout_s, MANIFEST_SHARES)
         finally:
             job.commit_waiting_for = None
         with gc_paused():
-            return self._settle(job, key, statuses, missing)
+            return self._settle(job, key, collected)
 
-    def _settle(self, job: CheckpointJob, key: str, statuses: list[dict], missing: list[int]) -> dict:
-        skipped = [s for s in statuses if s["state"] == SKIPPED]
-        failed = [s for s in statuses if s["state"] == FAILED]
+    def _settle(self, job: CheckpointJob, key: str, collected: Collected) -> dict:
+        skipped = [s for s in collected.others if s["state"] == SKIPPED]
+        failed = [s for s in collected.others if s["state"] != SKIPPED]
+        missing = collected.missing
         if skipped:
             first = skipped[0]
             detail = {"rank": first["rank"], "reason": first.get("reason"), "superseded_by": first.get("superseded_by"),
@@ -335,11 +335,11 @@ class Committer:
             decision = {"state": FAILED, "error": f"checkpoint {job.checkpoint} was abandoned on rank 0"}
         else:
             try:
-                job.manifest = self._write_manifest(job, [s["summary"] for s in statuses])
+                header = self._write_manifest(job, collected)
             except CheckpointError as exc:
                 decision = {"state": FAILED, "error": str(exc)}
             else:
-                header = {k: v for k, v in job.manifest.items() if k != "files"}
+                job.committed_bytes = sum(head[2] for head in collected.durable)
                 decision = {"state": COMMITTED, "manifest": header}
         return self.channel.settle(key, decision)
 
@@ -350,16 +350,16 @@ class Committer:
             return ""
         return " (missing ranks: " + ", ".join(map(str, missing)) + ")" if missing else ""
 
-    def _write_manifest(self, job: CheckpointJob, summaries: list[dict]) -> dict:
-        """The manifest from every rank's summary (in rank order), written atomically."""
+    def _write_manifest(self, job: CheckpointJob, collected: Collected) -> dict:
+        """The manifest from every rank's durable status and shares, written atomically; returns its header."""
         ckpt_dir = os.path.join(job.root, job.checkpoint)
-        # a second save of this id in this run: attempt_of names the run it belongs to
-        manifest = build_manifest(job.checkpoint, job.tag, job.version, self.world_size, summaries,
-                                  attempt_of=self.run_id if job.tag != self.run_id else None)
-        atomic_write(os.path.join(ckpt_dir, MANIFEST), encode_json(manifest))
+        attempt_of = self.run_id if job.tag != self.run_id else None  # a second save of this id in this run
+        header, data = assemble_manifest(job.checkpoint, job.tag, job.version, self.world_size,
+                                         collected.durable, collected.shares, attempt_of)
+        atomic_write(os.path.join(ckpt_dir, MANIFEST), data)
         if self.may_remove(job.root):
             _remove_other_runs(ckpt_dir, job.tag)
-        return manifest
+        return header
 
 
 _RUN_FILE = re.compile(r"\.([0-9a-f]{12})\.(safetensors|state\.json)$")

@@ -10,10 +10,13 @@ on), whose ``wait`` blocks on the server without polling.
 
 Per checkpoint attempt, under ``<root digest>/<checkpoint>/<tag>/``:
 
-* ``statuses``: every rank appends exactly one line (``durable``, ``skipped`` or ``failed``) and
-  increments ``count``; the rank whose increment reaches the world size sets ``all``. Per rank:
-  three store operations, whatever the world size.
-* ``decision``: rank 0 waits for ``all``, reads the lines in one ``get``, decides (``committed``,
+* ``durable`` or ``statuses``: every rank appends exactly one status and increments ``count``;
+  the rank whose increment reaches the world size sets ``all``. A durable rank appends a small
+  array (``durable``), after its share of the manifest, already encoded, to ``share.files`` and
+  ``share.reports``: rank 0 reads each as one value, every rank's shares joined by the store,
+  and decodes none of them. A rank that skips or fails appends an object (``statuses``). Per
+  rank: three to five store operations, whatever the world size.
+* ``decision``: rank 0 waits for ``all``, reads the statuses in two ``get``, decides (``committed``,
   ``skipped``, ``failed``) and sets it; first writer wins (``compare_set``), so a rank 0 that
   fails while others wait settles its open checkpoints at once. The other ranks wait for it.
 * ``skip``: the first rank that skips the checkpoint leaves its reason here, so the others can
@@ -26,17 +29,19 @@ one's keys any more and rank 0 deletes them: the store holds O(1) checkpoints' k
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
 import os
-from typing import Any
+from typing import Any, Mapping
 
 from .jobs import CheckpointError
 
-#: What a rank says about a checkpoint, and what rank 0 decides.
-DURABLE, SKIPPED, FAILED, COMMITTED = "durable", "skipped", "failed", "committed"
-_KEYS = ("statuses", "count", "all", "decision", "skip")
+#: What a rank says about a checkpoint it will not commit (else it posts a durable head), and what
+#: rank 0 decides.
+SKIPPED, FAILED, COMMITTED = "skipped", "failed", "committed"
+_KEYS = ("durable", "statuses", "count", "all", "decision", "skip")
 
 
 def checkpoint_key(root: str, checkpoint: str, tag: str) -> str:
@@ -59,14 +64,33 @@ class CommitChannel:
         self.notices = notices
         self.rank = rank
         self.world_size = world_size
-        self._settled: list[str] = []  # rank 0: checkpoints collected whose keys are not deleted yet
+        self._settled: list[tuple[str, tuple[str, ...]]] = []  # rank 0: collected, keys not deleted yet
 
     # ------------------------------------------------------------------ every rank
     def post(self, key: str, status: dict, *, from_committer: bool = True) -> None:
-        """This rank's one status for checkpoint ``key`` (the caller makes sure it is the only one)."""
+        """This rank's one status for checkpoint ``key``, not durable (``skipped`` or ``failed``).
+
+        The caller makes sure a rank posts one status per checkpoint, this or ``post_durable``.
+        """
         store = self.waiting if from_committer else self.notices
-        line = json.dumps(dict(status, rank=self.rank), separators=(",", ":")) + "\n"
-        store.append(f"{key}/statuses", line)
+        store.append(f"{key}/statuses", b"," + json.dumps(dict(status, rank=self.rank), separators=(",", ":")).encode())
+        self._count(store, key)
+
+    def post_durable(self, key: str, head: list, shares: Mapping[str, bytes]) -> None:
+        """This rank's one status for ``key``: durable, with ``head`` (a JSON array rank 0 checks)
+        and ``shares``, bytes appended to the key ``share.<name>`` as they are.
+
+        Rank 0 reads every rank's share of a name as one value the store concatenated and never
+        splits or decodes them; the heads, arrays, decode at a third of objects' cost. The shares
+        go first: a head in means its shares are in.
+        """
+        for name, share in shares.items():
+            if share:
+                self.waiting.append(f"{key}/share.{name}", share)
+        self.waiting.append(f"{key}/durable", b"," + json.dumps([self.rank, *head], separators=(",", ":")).encode())
+        self._count(self.waiting, key)
+
+    def _count(self, store: Any, key: str) -> None:
         if store.add(f"{key}/count", 1) == self.world_size:
             store.set(f"{key}/all", b"1")
 
@@ -92,8 +116,9 @@ class CommitChannel:
         return _loads(self.waiting.get(f"{key}/decision"), f"{key}/decision")
 
     # ------------------------------------------------------------------ rank 0
-    def collect(self, key: str, timeout_s: float) -> tuple[list[dict], list[int]]:
-        """Every rank's status of ``key`` and the ranks missing (none unless ``timeout_s`` ran out).
+    def collect(self, key: str, timeout_s: float, shares: tuple[str, ...] = ()) -> "Collected":
+        """Every rank's status of ``key`` once all are in (or ``timeout_s`` ran out: then some are
+        missing), and for each name in ``shares`` every rank's share joined (in arrival order).
 
         With every status in, every rank is done with the checkpoints before (module docstring):
         their keys are deleted here.
@@ -103,41 +128,65 @@ class CommitChannel:
         except Exception as exc:
             if not _is_timeout(exc):
                 raise CheckpointError(f"the commit store failed while waiting for the ranks: {exc}") from exc
-        statuses = self._statuses(self.waiting, key)
-        missing = [r for r in range(self.world_size) if r not in statuses]
+        durable, others = self._statuses(self.waiting, key)
+        joined = {name: self._get(self.waiting, f"{key}/share.{name}") for name in shares}
+        missing = self._missing(durable, others)
         if not missing:
-            for old in self._settled:
-                for name in _KEYS:
+            for old, names in self._settled:
+                for name in _KEYS + tuple(f"share.{n}" for n in names):
                     self.waiting.delete_key(f"{old}/{name}")
             self._settled = []
-        self._settled.append(key)
-        return [statuses[r] for r in sorted(statuses)], missing
+        self._settled.append((key, shares))
+        return Collected(durable, others, missing, joined)
 
     def missing(self, key: str) -> list[int]:
-        """The ranks whose status of ``key`` is not in yet (for messages; one ``get``, no wait)."""
-        statuses = self._statuses(self.notices, key)
-        return [r for r in range(self.world_size) if r not in statuses]
+        """The ranks whose status of ``key`` is not in yet (for messages; two ``get``, no wait)."""
+        return self._missing(*self._statuses(self.notices, key))
 
     def settle(self, key: str, decision: dict) -> dict:
         """Publish ``decision`` unless one is already there; returns the one that stands."""
         raw = self.notices.compare_set(f"{key}/decision", "", json.dumps(decision, separators=(",", ":")))
         return _loads(raw, f"{key}/decision")
 
-    def _statuses(self, store: Any, key: str) -> dict[int, dict]:
-        raw = store.get(f"{key}/statuses") if store.check([f"{key}/statuses"]) else b""
-        statuses: dict[int, dict] = {}
-        for line in raw.decode("utf-8").splitlines():
-            status = _loads(line.encode(), f"{key}/statuses")
-            statuses.setdefault(status["rank"], status)
-        return statuses
+    def _missing(self, durable: list[list], others: list[dict]) -> list[int]:
+        seen = {head[0] for head in durable} | {status["rank"] for status in others}
+        return [r for r in range(self.world_size) if r not in seen]
+
+    @staticmethod
+    def _get(store: Any, key: str) -> bytes:
+        return store.get(key) if store.check([key]) else b""
+
+    def _statuses(self, store: Any, key: str) -> tuple[list[list], list[dict]]:
+        """The durable heads and the other statuses in, each sorted by rank, each key's
+        ``,x,y,...`` (as the store concatenated them) decoded in one call."""
+        durable = _loads(b"[" + self._get(store, f"{key}/durable")[1:] + b"]", f"{key}/durable", list)
+        others = _loads(b"[" + self._get(store, f"{key}/statuses")[1:] + b"]", f"{key}/statuses", list)
+        if not all(type(h) is list and h and type(h[0]) is int for h in durable):
+            raise CheckpointError(f"commit store key {key}/durable: unexpected value {str(durable)[:200]}")
+        if not all(type(s) is dict and type(s.get("rank")) is int for s in others):
+            raise CheckpointError(f"commit store key {key}/statuses: unexpected value {str(others)[:200]}")
+        durable.sort()
+        others.sort(key=lambda status: status["rank"])
+        return durable, others
 
 
-def _loads(raw: bytes, where: str) -> dict:
+@dataclasses.dataclass
+class Collected:
+    """What rank 0 has of one checkpoint: the durable ranks' heads (``[rank, ...]``) and the other
+    ranks' statuses, each sorted by rank, the ranks missing, and the joined shares by name."""
+
+    durable: list[list]
+    others: list[dict]
+    missing: list[int]
+    shares: dict[str, bytes]
+
+
+def _loads(raw: bytes, where: str, kind: type = dict) -> Any:
     try:
         value = json.loads(raw)
     except ValueError as exc:
         raise CheckpointError(f"commit store key {where}: not JSON ({exc})") from None
-    if type(value) is not dict or ("rank" in value and type(value["rank"]) is not int):
+    if type(value) is not kind or (kind is dict and "rank" in value and type(value["rank"]) is not int):
         raise CheckpointError(f"commit store key {where}: unexpected value {str(value)[:200]}")
     return value
 

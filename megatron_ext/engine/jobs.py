@@ -103,6 +103,7 @@ class CheckpointJob:
     blocked_s: float = 0.0  # time the training thread spent inside save/wait_snapshot for it
     error: BaseException | None = None  # set when abandoned under on_failure="continue"
     committed_at: float | None = None
+    committed_bytes: int = 0  # rank 0: bytes of every rank's files in the manifest (for telemetry)
     #: "wait" or "supersede": what this checkpoint's snapshot does when the host cache is full.
     policy: str = "wait"
     #: Set when skipped under overload: {"reason", "superseded_by", "by_rank"}; never committed then.
