@@ -117,6 +117,12 @@ def test_a_new_save_supersedes_snapshots_queued_behind_a_full_cache(make_engine,
     engine.save(small, "B", version=2)  # no wait_snapshot in between: A is replaced, not waited for
     engine.commit("B")
     gate.set()
+    # B's copy may itself wait for space until the writer has dropped A's chunks; a wait_snapshot
+    # that found it waiting would skip B too (the policy), so let the flush drain first
+    deadline = time.monotonic() + 30
+    while not all(f.snapshot_done.is_set() for f in engine._files if f.job.checkpoint == "B"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     engine.wait_snapshot()
     engine.wait_persisted()
     assert committed_names(tmp_path / "ckpt") == ["B"]
