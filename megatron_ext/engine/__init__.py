@@ -11,9 +11,11 @@ A save goes one way through these steps, each stage handed the next one and one 
 3. ``RankWriter`` (flush.py): checksum and write each chunk to the first level (node-local if
    configured, else shared), fsync, and pass the durable file on.
 4. ``LevelStager`` (flush.py), only with a node-local level: copy the file to the shared level.
-5. ``Committer`` (commit.py), after ``CheckpointEngine.commit``: rank report; rank 0 writes the
-   manifest, the commit marker; then the commit's callbacks.
-6. Retention (retention.py), the last callback: delete what the keep policy no longer keeps.
+5. ``Committer`` (commit.py), after ``CheckpointEngine.commit``: rank report and status
+   (coordination.py); rank 0 joins the ranks' shares into the manifest, the commit marker, and
+   decides; then the commit's callbacks.
+6. ``RetentionStage`` (retention.py): delete what the keep policy no longer keeps, only where
+   this job holds the directory's lock (ownership.py).
 
 Overload decisions (overload.py) may drop a checkpoint between steps 2 and 5; its ``Discard``
 follows its chunks through steps 3 and 4. The read side is ``CommittedCheckpoint`` (committed.py).
@@ -21,11 +23,11 @@ follows its chunks through steps 3 and 4. The read side is ``CommittedCheckpoint
 
 from .codec import EncodeError, UnsafeCheckpointError, add_safe_classes, safe_classes
 from .commit import list_committed, read_manifest
-from .config import ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, OnFailure, OverloadPolicy
 from .engine import CheckpointEngine
 from .jobs import CheckpointError
 
 __all__ = [
-    "CheckpointEngine", "CheckpointError", "ConfigError", "EncodeError", "EngineConfig",
-    "UnsafeCheckpointError", "add_safe_classes", "list_committed", "read_manifest", "safe_classes",
+    "CheckpointEngine", "CheckpointError", "ConfigError", "EncodeError", "EngineConfig", "OnFailure",
+    "OverloadPolicy", "UnsafeCheckpointError", "add_safe_classes", "list_committed", "read_manifest", "safe_classes",
 ]

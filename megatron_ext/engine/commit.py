@@ -130,7 +130,8 @@ class Committer:
     """Background thread: rank reports and statuses, and on rank 0 the manifest and the decision."""
 
     def __init__(self, ctx: SaveContext, abandon: Callable[[CheckpointJob, CheckpointSkipped], None] = lambda job, exc: None,
-                 *, may_remove: Callable[[str], bool] = lambda root: False, channel: CommitChannel):
+                 *, may_remove: Callable[[str], bool] = lambda root: False, channel: CommitChannel,
+                 retention=None):
         self.ctx = ctx
         self.rank = ctx.rank
         self.world_size = ctx.world_size
@@ -144,6 +145,7 @@ class Committer:
         self.abandon = abandon  # a peer skipped the checkpoint: drop it here too
         self.may_remove = may_remove  # whether this rank holds the lock of a root (lock.py)
         self.channel = channel
+        self.retention = retention  # the next stage (retention.RetentionStage), or None
         self._cond = threading.Condition()
         self._pending: list[CheckpointJob] = []
         self._stopping = False
@@ -268,6 +270,8 @@ class Committer:
         job.committed_at = time.monotonic()
         for callback in job.on_committed:
             callback(manifest)
+        if self.retention is not None and job.retain:
+            self.retention.committed(job, manifest)
         first = min(f.submitted_at for f in job.files) if job.files else job.committed_at
         if self.rank == 0:
             self.telemetry.emit("commit", job.checkpoint, "all", job.committed_bytes, job.committed_at - first,

@@ -46,6 +46,24 @@ class CommittedCheckpoint:
         return bool(self.local_dir) and restore.local_copy_complete(self.local_dir, self.checkpoint,
                                                                     self.manifest, rank)
 
+    def agree_level(self, rank: int, world_size: int) -> str:
+        """Collective over all ranks: read node-local only if every rank's own files are complete there.
+
+        One all_reduce (MIN) of "my files are on my node-local level"; returns the level chosen
+        ("local" or "shared") and makes the readers use it.
+        """
+        local = int(self.local_copy_complete(rank))
+        if world_size > 1:
+            import torch
+            import torch.distributed as dist
+
+            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+            flag = torch.tensor([local], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            local = int(flag.item())
+        self.use_level("auto" if local else LEVEL_SHARED)
+        return LEVEL_LOCAL if local else LEVEL_SHARED
+
     def use_level(self, level: str) -> None:
         """Level for readers created from now on: "shared" always, "auto" node-local where complete."""
         if level not in ("auto", LEVEL_SHARED):

@@ -8,6 +8,7 @@ never in the middle of a run.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 import tempfile
@@ -20,10 +21,19 @@ MIB = 1 << 20
 # meaning here, ignored.
 _DEEPSPEED_COMPAT_KEYS = {"parser_threads"}
 
-#: What a save does when the host cache is full of checkpoints still flushing (see ``overload_policy``).
-OVERLOAD_WAIT = "wait"
-OVERLOAD_SUPERSEDE = "supersede"
-OVERLOAD_POLICIES = (OVERLOAD_WAIT, OVERLOAD_SUPERSEDE)
+class OverloadPolicy(enum.StrEnum):
+    """What a save does when the host cache is full of checkpoints still flushing (``overload_policy``)."""
+
+    WAIT = "wait"
+    SUPERSEDE = "supersede"
+
+
+class OnFailure(enum.StrEnum):
+    """What a failed flush or commit does to the run (``on_failure``)."""
+
+    STOP = "stop"
+    CONTINUE = "continue"
+
 
 
 #: Bounds checked before any conversion (a size in bytes, a deadline): beyond them nothing works anyway.
@@ -59,12 +69,12 @@ class EngineConfig:
     pickle_fallback: bool = False
     #: After a failed flush or commit: "stop" (every later engine call raises it) or "continue"
     #: (that checkpoint is abandoned, reported in the log and telemetry; training goes on).
-    on_failure: str = "stop"
+    on_failure: OnFailure = OnFailure.STOP
     #: When a snapshot finds the host cache full because earlier checkpoints are still flushing:
     #: "wait" (backpressure: training waits for the flush) or "supersede" (pending checkpoints that
     #: have not started flushing are dropped for the newer one, and a snapshot still waiting for
     #: cache space when ``wait_snapshot`` is called is abandoned; training never waits for a flush).
-    overload_policy: str = "wait"
+    overload_policy: OverloadPolicy = OverloadPolicy.WAIT
     #: With "supersede": if the newest checkpoint committed in this run is more than this many
     #: versions older than a new save, that save waits instead (None: no bound).
     max_durable_age: int | None = None
@@ -160,10 +170,11 @@ class EngineConfig:
         for name in ("pickle_fallback", "remove_partial_on_start", "peer_replica"):
             if type(getattr(self, name)) is not bool:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if type(self.on_failure) is not str or self.on_failure not in ("stop", "continue"):
-            raise ConfigError(f"on_failure must be \"stop\" or \"continue\", got {self.on_failure!r}")
-        if type(self.overload_policy) is not str or self.overload_policy not in OVERLOAD_POLICIES:
-            raise ConfigError(f"overload_policy must be one of {list(OVERLOAD_POLICIES)}, got {self.overload_policy!r}")
+        for name, choices in (("on_failure", OnFailure), ("overload_policy", OverloadPolicy)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in set(choices):
+                raise ConfigError(f"{name} must be one of {[str(c) for c in choices]}, got {value!r}")
+            object.__setattr__(self, name, choices(value))
         age = self.max_durable_age
         if age is not None and (type(age) is not int or age < 0):
             raise ConfigError(f"max_durable_age must be a whole number >= 0 (versions), got {age!r}")

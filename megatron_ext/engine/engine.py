@@ -20,26 +20,27 @@ import os
 import threading
 import time
 import traceback
-import uuid
 import weakref
 from typing import Any, Callable, Mapping
 
 import torch
 
-from . import codec, layout as file_layout, lock as dir_lock, restore, retention
+from . import codec, layout as file_layout, restore
 from .commit import Committer, report_name, REPORTS
 from .coordination import CommitChannel, open_stores
-from .config import ConfigError, EngineConfig, OVERLOAD_SUPERSEDE, OVERLOAD_WAIT, check_writable_dir
-from .manifest import RUN_ID, list_committed, read_manifest, run_of, valid_name
+from .config import ConfigError, EngineConfig, OnFailure, OverloadPolicy, check_writable_dir
+from .manifest import RUN_ID, list_committed, read_manifest, valid_name
 from .context import SaveContext
 from .copier import make_copier
 from .files import atomic_write_json
 from .flush import LevelStager, RankWriter
 from .host_cache import HostCache
-from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_SHARED
+from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_SHARED
 from .replica import PeerReplicas, default_replica_dir
 from .committed import CommittedCheckpoint
 from .overload import OverloadMixin
+from .ownership import DirectoryOwnership
+from .retention import RetentionStage
 from .snapshot import SnapshotScheduler
 from .telemetry import Telemetry
 
@@ -66,25 +67,6 @@ def attempt_tag(run_id: str, checkpoint: str, attempt: int) -> str:
     if attempt == 0:
         return run_id
     return hashlib.sha1(f"{run_id}/{checkpoint}/{attempt}".encode()).hexdigest()[:12]
-
-
-def _broadcast_from_zero(values: list) -> list:
-    """Rank 0's ``values`` on every rank (one small collective at start-up)."""
-    import torch.distributed as dist
-
-    box = list(values)
-    dist.broadcast_object_list(box, src=0)
-    return box
-
-
-def _any_rank_failed(failed: bool) -> bool:
-    """Whether any rank failed (one all-reduce at start-up), so every rank stops together."""
-    import torch.distributed as dist
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([int(failed)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 class CheckpointEngine(OverloadMixin):
@@ -117,15 +99,12 @@ class CheckpointEngine(OverloadMixin):
         self.classes = self.config.allowed_classes()  # safe_classes, resolved once
         if not read_only:
             self.config.validate(self.rank)
-        self._locks: dict[str, dir_lock.DirectoryLock] = {}  # root -> lock, on rank 0
-        self._runs_of_root: dict[str, set[str]] = {}  # root -> runs whose checkpoints retention may remove
-        self._manifests_seen: dict[str, dict] = {}  # root -> list_committed's cache, for retention
-        self.local_lock: dir_lock.DirectoryLock | None = None
-        self.run_id = self._start(run_id)
+        self.ownership = DirectoryOwnership(self.config, self.rank, self.world_size, read_only)
+        self.run_id = self.ownership.start(run_id)
         try:
             self._build()
         except BaseException:
-            self._release_locks()
+            self.ownership.release()
             raise
 
     def _build(self) -> None:
@@ -165,12 +144,13 @@ class CheckpointEngine(OverloadMixin):
         waiting, notices = open_stores(self.run_id, self.config.persist_timeout_s, 1 if read_only else self.world_size,
                                        self._commit_store, private=read_only)  # read-only: commits nothing
         self.channel = CommitChannel(waiting, notices, self.rank, self.world_size)
-        self.committer = Committer(ctx, self._abandon_for_peer, may_remove=self._holds_lock, channel=self.channel)
+        self.retention = RetentionStage(self.config, self.ownership, self._in_flight)
+        self.committer = Committer(ctx, self._abandon_for_peer, may_remove=self.ownership.holds, channel=self.channel,
+                                   retention=self.retention)
         self.stager = LevelStager(ctx, self.committer) if ctx.local_dir else None
         self.writer = RankWriter(ctx, self.cache, self.stager if self.stager is not None else self.committer)
         self.scheduler = SnapshotScheduler(ctx, self.cache, make_copier(self.use_cuda), self.writer,
                                            self._supersede_older, self._settle_skipped)
-        self.deleter: retention.Deleter | None = None  # started by the first retention that deletes
         self.replicas: PeerReplicas | None = None
         if self.config.peer_replica:  # creates a process group: collective, like the run id above
             self.replicas = PeerReplicas(
@@ -217,14 +197,14 @@ class CheckpointEngine(OverloadMixin):
         plan = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name,
                                                   "rank": str(self.rank), "run_id": tag})
         if job is None:
-            if policy == OVERLOAD_SUPERSEDE:
+            if policy == OverloadPolicy.SUPERSEDE:
                 self._before_superseding_save()
             if self._first_version is None:
                 self._first_version = version
             job = CheckpointJob(checkpoint=checkpoint, root=root, version=version, tag=tag, policy=policy)
-            if policy == OVERLOAD_SUPERSEDE:
+            if policy == OverloadPolicy.SUPERSEDE:
                 self._supersede_queued(job)
-            if policy == OVERLOAD_WAIT and self.config.overload_policy == OVERLOAD_SUPERSEDE:
+            if policy == OverloadPolicy.WAIT and self.config.overload_policy == OverloadPolicy.SUPERSEDE:
                 self.age_bound_waits += 1
             self._checkpoints[(root, checkpoint)] = job
             self.committer.track(job)
@@ -260,7 +240,7 @@ class CheckpointEngine(OverloadMixin):
         if on_committed is not None:
             job.on_committed.append(on_committed)
         if keep_last is not None or self.config.keep_last is not None:
-            job.on_committed.append(lambda manifest, root=root: self._apply_retention(root, keep_last))
+            job.retain, job.keep_last = True, keep_last
         self._request_commit(job)
         self.committer.poke()
         return job
@@ -316,29 +296,7 @@ class CheckpointEngine(OverloadMixin):
         started = time.monotonic()
         timeout = self.config.snapshot_timeout_s if timeout is None else timeout
         pending = [f for f in self._files if not f.snapshot_done.is_set()]
-        progress = self.scheduler.progress
-        waited_for_flush = False
-        for fjob in pending:
-            what = f"snapshot of {fjob.job.checkpoint}"
-            while True:
-                progress.clear()
-                if fjob.snapshot_done.is_set():
-                    break
-                self._raise_if_failed()
-                if time.monotonic() > started + timeout:
-                    raise CheckpointError(f"{what} did not finish in time (timeout)")
-                starved = self.scheduler.starved is fjob
-                if starved and fjob.job.policy == OVERLOAD_SUPERSEDE:
-                    self._skip(fjob.job, "no_cache_space")
-                    self.cache.wake()  # the copy gives up at once and releases the tensors
-                    fjob.snapshot_done.wait(_POLL_S)
-                    continue
-                t0 = time.monotonic()
-                progress.wait(_POLL_S)
-                if starved:
-                    waited_for_flush = True
-                    self.backpressure_wait_s += time.monotonic() - t0
-        self.backpressure_waits += waited_for_flush
+        self._await_snapshots(pending, started + timeout)
         self._raise_if_failed()
         blocked = time.monotonic() - started
         self.blocked_total_s += blocked
@@ -441,16 +399,7 @@ class CheckpointEngine(OverloadMixin):
         One all_reduce (MIN) of "my files are on my node-local level"; returns the level chosen
         ("local" or "shared") and makes ``committed``'s readers use it.
         """
-        local = int(committed.local_copy_complete(self.rank))
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-            flag = torch.tensor([local], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            local = int(flag.item())
-        committed.use_level("auto" if local else LEVEL_SHARED)
-        level = LEVEL_LOCAL if local else LEVEL_SHARED
+        level = committed.agree_level(self.rank, self.world_size)
         log.info("[datastates] rank %d reads %s from the %s level", self.rank, committed.checkpoint, level)
         return level
 
@@ -481,10 +430,9 @@ class CheckpointEngine(OverloadMixin):
             if self.stager is not None:
                 self.stager.stop(5)
             self.committer.stop(5)
-            if self.deleter is not None:
-                self.deleter.stop(60)
+            self.retention.stop(60)
             self.cache.close()
-            self._release_locks()
+            self.ownership.release()
             _live_engines.discard(self)
         self._raise_if_failed()
 
@@ -517,68 +465,18 @@ class CheckpointEngine(OverloadMixin):
         if self.read_only:
             raise CheckpointError("this engine was opened read_only: it loads, it does not save")
         root = self._root(root)
-        if self.rank == 0 and root not in self._locks:
-            try:
-                os.makedirs(root, exist_ok=True)
-            except OSError as exc:
-                raise CheckpointError(f"cannot create checkpoint directory {root}: {exc.strerror or exc}") from None
-            self._locks[root] = dir_lock.acquire(root, self.run_id, "checkpoint directory")
+        self.ownership.lock_root(root)
         return root
 
-    def _start(self, run_id: str | None) -> str:
-        """Agree on the run id, lock ``save_dir`` (rank 0) and ``local_dir`` (each node), remove crashed partials.
+    @property
+    def local_lock(self):
+        """This node's ``local_dir`` lock (None without a node-local level)."""
+        return self.ownership.local_lock
 
-        Rank 0 locks before any rank can write; with torch.distributed the outcome travels with
-        the run id, so a refused job stops on every rank at once, with the holder's name.
-        """
-        collective = run_id is None and self.world_size > 1
-        run_id = run_id or uuid.uuid4().hex[:12]
-        problem: str | None = None
-        save_dir = os.path.abspath(self.config.save_dir) if self.config.save_dir else None
-        if self.rank == 0 and save_dir and not self.read_only:
-            try:
-                self._locks[save_dir] = lock = dir_lock.acquire(save_dir, run_id, "save_dir")
-                if self.config.remove_partial_on_start and lock.held:
-                    removed = retention.remove_partial(save_dir)
-                    if removed:
-                        log.warning("[datastates] removed %d uncommitted checkpoint(s) left by a crash or skipped: %s",
-                                    len(removed), ", ".join(sorted(removed)))
-            except CheckpointError as exc:
-                problem = str(exc)
-        if collective:
-            run_id, problem = _broadcast_from_zero([run_id, problem])
-        if problem is not None:
-            self._release_locks()
-            raise dir_lock.LockedError(problem if self.rank == 0 else f"rank 0 could not start: {problem}")
-        if self.config.local_dir and not self.read_only:
-            failure: CheckpointError | None = None
-            try:
-                self.local_lock = dir_lock.acquire(os.path.abspath(self.config.local_dir), run_id, "local_dir",
-                                                   same_run_ok=True)
-            except CheckpointError as exc:
-                failure = exc
-            if (_any_rank_failed(failure is not None) if collective else failure is not None):
-                self._release_locks()
-                raise failure or dir_lock.LockedError("local_dir is locked by another job on another node")
-        return run_id
-
-    def _holds_lock(self, root: str) -> bool:
-        """Whether this rank may remove things under ``root``: it holds the lock of that directory."""
-        lock = self._locks.get(os.path.abspath(root))
-        return lock is not None and lock.held
-
-    def _release_locks(self) -> None:
-        for lock in list(self._locks.values()) + ([self.local_lock] if self.local_lock else []):
-            lock.release()
-
-    def _retention_runs(self, root: str) -> set[str]:
-        """Runs whose checkpoints under ``root`` retention may remove: those that held its lock."""
-        lock = self._locks.get(root)
-        if lock is not None:
-            return set(lock.runs) if lock.held else set()
-        if root not in self._runs_of_root:  # other ranks: the lock file's record, read once
-            self._runs_of_root[root] = set(dir_lock.runs_of(root)) | {self.run_id}
-        return self._runs_of_root[root]
+    @property
+    def deleter(self):
+        """Retention's background deleter (None until retention first deletes something)."""
+        return self.retention.deleter
 
     def _forget_finished(self) -> None:
         """Drop the records of finished checkpoints (a run may take 100,000), keeping only their ids."""
@@ -587,33 +485,12 @@ class CheckpointEngine(OverloadMixin):
                 del self._checkpoints[key]
                 self._committed_ids.add(key)
 
-    def _apply_retention(self, root: str, keep_last: int | None = None) -> None:
-        """After a commit: schedule deletion of what the retention policy no longer keeps.
-
-        Only checkpoints of runs that held ``root``'s lock count (never another job's, never a copy
-        brought in from elsewhere), and only a holder of a directory's lock removes anything there;
-        a rank that holds none lists nothing (no metadata load on the shared file system).
-        """
-        if not self._holds_lock(root) and not (self.local_lock is not None and self.local_lock.job_holds):
-            return
-        runs = self._retention_runs(root)
-        cache = self._manifests_seen.setdefault(root, {})
-        ours = [(name, m) for name, m in list_committed(root, cache) if run_of(m) in runs]
-        in_flight = {j.checkpoint for j in list(self._checkpoints.values())
-                     if j.root == root and not j.committed.is_set()}
-        if self.replicas is not None:  # the replication thread still reads them
-            in_flight |= self.replicas.pending()
-        owner = {name: m["run_id"] for name, m in ours}
-        local = self.config.local_dir if self.local_lock is not None and self.local_lock.job_holds else None
-        keep_every = self.config.keep_every if keep_last is None else None
-        keep_last = self.config.keep_last if keep_last is None else keep_last
-        for name in retention.to_delete([(n, m["version"]) for n, m in ours], keep_last, keep_every, in_flight):
-            if self.deleter is None:
-                self.deleter = retention.Deleter()
-            if self._holds_lock(root):
-                self.deleter.submit(retention.Removal(os.path.join(root, name), owner[name]))
-            if local:
-                self.deleter.submit(retention.Removal(os.path.join(local, name), None))
+    def _in_flight(self, root: str) -> set[str]:
+        """Checkpoints under ``root`` retention must leave alone: not committed yet, or still replicating."""
+        pending = {j.checkpoint for j in list(self._checkpoints.values()) if j.root == root and not j.committed.is_set()}
+        if self.replicas is not None:
+            pending |= self.replicas.pending()
+        return pending
 
     def _fail(self, exc: BaseException, job: CheckpointJob | None = None) -> bool:
         """A background thread failed. Returns True if the engine must stop (then every call raises).
@@ -622,7 +499,7 @@ class CheckpointEngine(OverloadMixin):
         that checkpoint (the committer then posts it as failed, in its turn). A fatal failure
         fails every open checkpoint on every rank at once, through the commit store.
         """
-        fatal = job is None or self.config.on_failure == "stop"
+        fatal = job is None or self.config.on_failure == OnFailure.STOP
         message = f"{type(exc).__name__}: {exc}"
         with self._error_lock:
             if fatal and self._error is None:

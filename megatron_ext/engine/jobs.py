@@ -103,6 +103,9 @@ class CheckpointJob:
     blocked_s: float = 0.0  # time the training thread spent inside save/wait_snapshot for it
     error: BaseException | None = None  # set when abandoned under on_failure="continue"
     committed_at: float | None = None
+    #: Whether retention runs after this commit, and its own ``keep_last`` (None: the config's).
+    retain: bool = False
+    keep_last: int | None = None
     committed_bytes: int = 0  # rank 0: bytes of every rank's files in the manifest (for telemetry)
     #: "wait" or "supersede": what this checkpoint's snapshot does when the host cache is full.
     policy: str = "wait"

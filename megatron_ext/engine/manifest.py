@@ -456,6 +456,20 @@ def run_of(manifest: dict) -> str:
     return manifest.get("attempt_of") or manifest["run_id"]
 
 
+def _identity(checkpoint_dir: str) -> tuple[int, int, int]:
+    st = os.lstat(os.path.join(checkpoint_dir, MANIFEST))
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def remember_committed(cache: dict, checkpoint_dir: str, manifest: dict) -> None:
+    """Put a manifest this process has just committed into a ``list_committed`` cache, so the next
+    listing does not read and validate it again (at 4,096 ranks: 1.5 MB and ~20 ms per commit)."""
+    try:
+        cache[checkpoint_dir] = (_identity(checkpoint_dir), manifest)
+    except OSError:
+        pass  # gone already: the listing will say so
+
+
 def list_committed(root: str, cache: dict | None = None) -> list[tuple[str, dict]]:
     """Committed checkpoints under ``root``, oldest first (by version, then commit time).
 
@@ -475,10 +489,9 @@ def list_committed(root: str, cache: dict | None = None) -> list[tuple[str, dict
             continue
         if cache is not None:
             try:
-                st = os.lstat(os.path.join(path, MANIFEST))
+                key = _identity(path)
             except OSError:
                 continue
-            key = (st.st_ino, st.st_size, st.st_mtime_ns)
             hit = cache.get(path)
             if hit is not None and hit[0] == key:
                 if hit[1] is not None:

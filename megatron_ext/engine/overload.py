@@ -13,26 +13,57 @@ writer and committer, so the decisions here exclude the flush starting and the r
 from __future__ import annotations
 
 import os
+import time
 
 from .commit import REPORTS, job_key, skip_report_name
-from .config import OVERLOAD_SUPERSEDE, OVERLOAD_WAIT
+from .config import OverloadPolicy
 from .files import atomic_write_json
 from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped
 from .messages import Discard
+
+_POLL_S = 0.05  # how often a wait re-checks for failures
 
 
 class OverloadMixin:
     """The overload, supersede and skip decisions of ``CheckpointEngine`` (see the module docstring)."""
 
+    def _await_snapshots(self, pending: list, deadline: float) -> None:
+        """``wait_snapshot``'s wait: each pending copy done, or under "supersede" skipped if it waits for space.
+
+        A copy waiting for cache space under "wait" is backpressure: counted, and waited for.
+        """
+        progress = self.scheduler.progress
+        waited_for_flush = False
+        for fjob in pending:
+            while True:
+                progress.clear()
+                if fjob.snapshot_done.is_set():
+                    break
+                self._raise_if_failed()
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"snapshot of {fjob.job.checkpoint} did not finish in time (timeout)")
+                starved = self.scheduler.starved is fjob
+                if starved and fjob.job.policy == OverloadPolicy.SUPERSEDE:
+                    self._skip(fjob.job, "no_cache_space")
+                    self.cache.wake()  # the copy gives up at once and releases the tensors
+                    fjob.snapshot_done.wait(_POLL_S)
+                    continue
+                t0 = time.monotonic()
+                progress.wait(_POLL_S)
+                if starved:
+                    waited_for_flush = True
+                    self.backpressure_wait_s += time.monotonic() - t0
+        self.backpressure_waits += waited_for_flush
+
     def _overload_policy_for(self, version: int | None) -> str:
         """This new checkpoint's policy: the configured one, unless the durable-age bound forces a wait."""
-        if self.config.overload_policy != OVERLOAD_SUPERSEDE or self.config.max_durable_age is None:
+        if self.config.overload_policy != OverloadPolicy.SUPERSEDE or self.config.max_durable_age is None:
             return self.config.overload_policy
         if version is None:
             raise CheckpointError("max_durable_age needs a version on every save (pass version=)")
         first = version if self._first_version is None else self._first_version
         newest = self._newest_durable if self._newest_durable is not None else first - 1
-        return OVERLOAD_WAIT if version - newest > self.config.max_durable_age else OVERLOAD_SUPERSEDE
+        return OverloadPolicy.WAIT if version - newest > self.config.max_durable_age else OverloadPolicy.SUPERSEDE
 
     def _note_durable(self, manifest: dict) -> None:
         version = manifest.get("version")

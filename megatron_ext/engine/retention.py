@@ -21,10 +21,11 @@ import dataclasses
 import logging
 import os
 import shutil
+from typing import Callable
 
 from .commit import REPORTS
-from .jobs import CheckpointError
-from .manifest import MANIFEST, read_manifest
+from .jobs import CheckpointError, CheckpointJob
+from .manifest import MANIFEST, list_committed, read_manifest, remember_committed, run_of
 from .worker import QueueWorker
 
 log = logging.getLogger("megatron_ext.engine")
@@ -125,3 +126,45 @@ class Deleter(QueueWorker):
             log.info("[datastates] retention removed %s", directory)
         except OSError as exc:  # a failed deletion loses nothing; report it, keep training
             log.warning("[datastates] retention could not remove %s: %s", directory, exc)
+
+
+class RetentionStage:
+    """The last stage of the save pipeline: after each commit, remove what the keep policy no longer keeps.
+
+    Only checkpoints of runs that held the root's lock count (never another job's, never a copy
+    brought in from elsewhere), and only a holder of a directory's lock removes anything there;
+    a rank that holds none lists nothing (no metadata load on the shared file system). The
+    manifest just committed is remembered, not read back.
+    """
+
+    def __init__(self, config, ownership, in_flight: Callable[[str], set[str]]):
+        self.config = config
+        self.ownership = ownership  # ownership.DirectoryOwnership
+        self.in_flight = in_flight  # root -> checkpoints still being saved or replicated there
+        self.deleter: Deleter | None = None  # started by the first retention that deletes
+        self._manifests_seen: dict[str, dict] = {}  # root -> list_committed's cache
+
+    def committed(self, job: CheckpointJob, manifest: dict) -> None:
+        """``job`` was just committed (``manifest``): apply the policy to its root."""
+        root, ownership = job.root, self.ownership
+        if not ownership.holds(root) and not ownership.holds_local:
+            return
+        runs = ownership.retention_runs(root)
+        cache = self._manifests_seen.setdefault(root, {})
+        remember_committed(cache, os.path.join(root, job.checkpoint), manifest)
+        ours = [(name, m) for name, m in list_committed(root, cache) if run_of(m) in runs]
+        owner = {name: m["run_id"] for name, m in ours}
+        local = self.config.local_dir if ownership.holds_local else None
+        keep_every = self.config.keep_every if job.keep_last is None else None
+        keep_last = self.config.keep_last if job.keep_last is None else job.keep_last
+        for name in to_delete([(n, m["version"]) for n, m in ours], keep_last, keep_every, self.in_flight(root)):
+            if self.deleter is None:
+                self.deleter = Deleter()
+            if ownership.holds(root):
+                self.deleter.submit(Removal(os.path.join(root, name), owner[name]))
+            if local:
+                self.deleter.submit(Removal(os.path.join(local, name), None))
+
+    def stop(self, timeout: float) -> None:
+        if self.deleter is not None:
+            self.deleter.stop(timeout)

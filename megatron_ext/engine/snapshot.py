@@ -17,7 +17,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from .config import OVERLOAD_SUPERSEDE
+from .config import OverloadPolicy
 from .context import SaveContext
 from .copier import CpuCopier
 from .host_cache import HostCache
@@ -79,7 +79,7 @@ class SnapshotScheduler(QueueWorker):
         ckpt = fjob.job
         if ckpt.abandoned:
             raise _Abandoned()
-        if ckpt.policy == OVERLOAD_SUPERSEDE and self.cache.free_slots == 0:
+        if ckpt.policy == OverloadPolicy.SUPERSEDE and self.cache.free_slots == 0:
             self.supersede(ckpt)
 
         def check() -> None:

@@ -27,7 +27,7 @@ from megatron_ext.engine import CheckpointEngine, ConfigError, EngineConfig
     ({"o_direct": "yes"}, r"o_direct must be true, false or \"auto\", got 'yes'"),
     ({"o_direct": "true"}, r"o_direct must be true, false or \"auto\""),
     ({"o_direct": None}, r"o_direct must be true, false or \"auto\""),
-    ({"on_failure": "ignore"}, r"on_failure must be \"stop\" or \"continue\", got 'ignore'"),
+    ({"on_failure": "ignore"}, r"on_failure must be one of \['stop', 'continue'\], got 'ignore'"),
     ({"keep_last": 0}, r"keep_last must be a whole number >= 1, got 0"),
     ({"keep_every": 2.5}, r"keep_every must be a whole number >= 1, got 2.5"),
     ({"keep_last": True}, r"keep_last must be a whole number >= 1, got True"),

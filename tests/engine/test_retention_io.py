@@ -43,3 +43,21 @@ def test_keep_last_and_keep_every(make_engine, tmp_path):
     reader = make_engine(**TINY, read_only=True)
     for step in (3, 6, 7):
         assert_same(reader.load(f"s{step}"), _state(step))
+
+
+def test_retention_lists_without_reading_back_the_manifest_it_just_committed(make_engine, tmp_path, monkeypatch):
+    from megatron_ext.engine import manifest as manifest_module
+
+    engine = make_engine(**TINY, keep_last=1)
+    reads = []
+    real = manifest_module.read_manifest
+    monkeypatch.setattr(manifest_module, "read_manifest", lambda path: reads.append(path) or real(path))
+    for step in range(1, 4):
+        engine.save(_state(step), f"s{step}", version=step)
+        engine.commit(f"s{step}")
+        engine.wait_persisted()
+    engine.shutdown()
+    # listing the root after each commit read no manifest: each was remembered when committed (the
+    # deleter still re-reads the ones it removes, through retention's own import)
+    assert reads == []
+    assert committed_names(tmp_path / "ckpt") == ["s3"]

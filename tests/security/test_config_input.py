@@ -31,7 +31,7 @@ from helpers.hostile import SMALL
     ({"snapshot_timeout_s": float("inf")}, "snapshot_timeout_s must be a finite number"),
     ({"restore_threads": 4.0}, "restore_threads must be a whole number in [1, 64], got 4.0"),
     ({"keep_last": "3"}, "keep_last must be a whole number >= 1, got '3'"),
-    ({"on_failure": ["stop"]}, 'on_failure must be "stop" or "continue"'),
+    ({"on_failure": ["stop"]}, "on_failure must be one of ['stop', 'continue'], got ['stop']"),
     ({"parser_threads": "8"}, "parser_threads must be a whole number"),
     ({"telemetry_path": "/tmp/{user}.jsonl"}, "only {rank} may be substituted"),
     ({"safe_classes": ["os.system"]}, "safe class 'os.system' is not a class defined under that exact name"),

@@ -1,0 +1,124 @@
+"""Who owns which directory: the run id every rank agrees on, and the locks that make one job the writer.
+
+At start-up rank 0 draws the run id and locks ``save_dir`` before any rank can write; the outcome
+travels with the run id (one broadcast), so a job refused by another job's lock stops on every
+rank at once, naming the holder. Each node locks its ``local_dir`` (one all-reduce tells every
+rank whether a node was refused). Other roots are locked by rank 0 on first use.
+
+Only a holder of a directory's lock removes anything there (lock.py); ``holds`` and
+``retention_runs`` are what retention and the committer ask before deleting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import torch
+
+from . import lock as dir_lock, retention
+from .config import EngineConfig
+from .jobs import CheckpointError
+
+log = logging.getLogger("megatron_ext.engine")
+
+
+def _broadcast_from_zero(values: list) -> list:
+    """Rank 0's ``values`` on every rank (one small collective at start-up)."""
+    import torch.distributed as dist
+
+    box = list(values)
+    dist.broadcast_object_list(box, src=0)
+    return box
+
+
+def _any_rank_failed(failed: bool) -> bool:
+    """Whether any rank failed (one all-reduce at start-up), so every rank stops together."""
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    flag = torch.tensor([int(failed)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+class DirectoryOwnership:
+    """The run id and this rank's directory locks, for the engine's life (``release`` at the end)."""
+
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, read_only: bool):
+        self.config, self.rank, self.world_size, self.read_only = config, rank, world_size, read_only
+        self.locks: dict[str, dir_lock.DirectoryLock] = {}  # root -> lock, on rank 0
+        self.local_lock: dir_lock.DirectoryLock | None = None
+        self._runs_of_root: dict[str, set[str]] = {}  # root -> runs whose checkpoints retention may remove
+        self.run_id: str | None = None
+
+    def start(self, run_id: str | None) -> str:
+        """Agree on the run id, lock ``save_dir`` (rank 0) and ``local_dir`` (each node), remove crashed partials."""
+        collective = run_id is None and self.world_size > 1
+        run_id = run_id or uuid.uuid4().hex[:12]
+        problem: str | None = None
+        save_dir = os.path.abspath(self.config.save_dir) if self.config.save_dir else None
+        if self.rank == 0 and save_dir and not self.read_only:
+            try:
+                self.locks[save_dir] = lock = dir_lock.acquire(save_dir, run_id, "save_dir")
+                if self.config.remove_partial_on_start and lock.held:
+                    removed = retention.remove_partial(save_dir)
+                    if removed:
+                        log.warning("[datastates] removed %d uncommitted checkpoint(s) left by a crash or skipped: %s",
+                                    len(removed), ", ".join(sorted(removed)))
+            except CheckpointError as exc:
+                problem = str(exc)
+        if collective:
+            run_id, problem = _broadcast_from_zero([run_id, problem])
+        if problem is not None:
+            self.release()
+            raise dir_lock.LockedError(problem if self.rank == 0 else f"rank 0 could not start: {problem}")
+        if self.config.local_dir and not self.read_only:
+            failure: CheckpointError | None = None
+            try:
+                self.local_lock = dir_lock.acquire(os.path.abspath(self.config.local_dir), run_id, "local_dir",
+                                                   same_run_ok=True)
+            except CheckpointError as exc:
+                failure = exc
+            if (_any_rank_failed(failure is not None) if collective else failure is not None):
+                self.release()
+                raise failure or dir_lock.LockedError("local_dir is locked by another job on another node")
+        self.run_id = run_id
+        return run_id
+
+    def lock_root(self, root: str) -> None:
+        """On rank 0, the job's lock on ``root`` (created if missing), taken at its first use."""
+        if self.rank != 0 or root in self.locks:
+            return
+        try:
+            os.makedirs(root, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create checkpoint directory {root}: {exc.strerror or exc}") from None
+        self.locks[root] = dir_lock.acquire(root, self.run_id, "checkpoint directory")
+
+    def holds(self, root: str) -> bool:
+        """Whether this rank may remove things under ``root``: it holds the lock of that directory."""
+        lock = self.locks.get(os.path.abspath(root))
+        return lock is not None and lock.held
+
+    @property
+    def holds_local(self) -> bool:
+        """Whether this rank's job holds its node's ``local_dir`` lock (then it may remove there)."""
+        return self.local_lock is not None and self.local_lock.job_holds
+
+    def retention_runs(self, root: str) -> set[str]:
+        """Runs whose checkpoints under ``root`` retention may remove: those that held its lock."""
+        lock = self.locks.get(root)
+        if lock is not None:
+            return set(lock.runs) if lock.held else set()
+        if root not in self._runs_of_root:  # other ranks: the lock file's record, read once
+            self._runs_of_root[root] = set(dir_lock.runs_of(root)) | {self.run_id}
+        return self._runs_of_root[root]
+
+    def release(self) -> None:
+        for lock in list(self.locks.values()) + ([self.local_lock] if self.local_lock else []):
+            lock.release()
+
+
+__all__ = ["DirectoryOwnership"]
