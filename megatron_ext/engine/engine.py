@@ -12,8 +12,6 @@ The engine knows nothing of Megatron or DeepSpeed: nested states of tensors in, 
 from __future__ import annotations
 
 import atexit
-import hashlib
-import itertools
 import json
 import logging
 import os
@@ -38,6 +36,7 @@ from .host_cache import HostCache
 from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_SHARED
 from .replica import PeerReplicas, default_replica_dir
 from .committed import CommittedCheckpoint
+from .job_table import JobTable
 from .overload import OverloadMixin
 from .ownership import DirectoryOwnership
 from .retention import RetentionStage
@@ -55,18 +54,6 @@ def _default_rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def attempt_tag(run_id: str, checkpoint: str, attempt: int) -> str:
-    """The tag of the ``attempt``-th save of ``checkpoint`` in run ``run_id`` (0: the run id itself).
-
-    Every rank derives the same tag, so a checkpoint id saved again in one run (Megatron-LM does,
-    on a batch-size ramp-up step or for its rerun state machine) gets new file names: the files
-    of the committed attempt stay untouched until the new manifest replaces the old one.
-    """
-    if attempt == 0:
-        return run_id
-    return hashlib.sha1(f"{run_id}/{checkpoint}/{attempt}".encode()).hexdigest()[:12]
 
 
 class CheckpointEngine(OverloadMixin):
@@ -113,9 +100,7 @@ class CheckpointEngine(OverloadMixin):
         self.use_cuda = torch.cuda.is_available()
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
-        self._checkpoints: dict[tuple[str, str], CheckpointJob] = {}
-        self._committed_ids: set[tuple[str, str]] = set()  # committed in this run (saving again: a new attempt)
-        self._attempts: dict[tuple[str, str], int] = {}  # checkpoints saved more than once in this run
+        self.jobs = JobTable(self.run_id)
         self._files: list[FileJob] = []
         self._closed = False
         self.last_load_level: str | None = None
@@ -140,7 +125,6 @@ class CheckpointEngine(OverloadMixin):
             telemetry=self.telemetry, local_dir=self.config.local_dir, o_direct=self.config.o_direct,
             chunk_bytes=self.cache.chunk_bytes)
         # The save pipeline, built from its end: each stage is handed the next one.
-        self._commit_seq = itertools.count()
         waiting, notices = open_stores(self.run_id, self.config.persist_timeout_s, 1 if read_only else self.world_size,
                                        self._commit_store, private=read_only)  # read-only: commits nothing
         self.channel = CommitChannel(waiting, notices, self.rank, self.world_size)
@@ -193,7 +177,7 @@ class CheckpointEngine(OverloadMixin):
         skeleton = encoder.encode(state)
         sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton},
                              separators=(",", ":")).encode("utf-8")
-        tag = job.tag if job is not None else self._tag(root, checkpoint)
+        tag = job.tag if job is not None else self.jobs.tag(root, checkpoint)
         plan = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name,
                                                   "rank": str(self.rank), "run_id": tag})
         if job is None:
@@ -206,8 +190,7 @@ class CheckpointEngine(OverloadMixin):
                 self._supersede_queued(job)
             if policy == OverloadPolicy.WAIT and self.config.overload_policy == OverloadPolicy.SUPERSEDE:
                 self.age_bound_waits += 1
-            self._checkpoints[(root, checkpoint)] = job
-            self.committer.track(job)
+            self.committer.track(self.jobs.add(job))
         base = f"{checkpoint}/{name}.{tag}"
         fjob = FileJob(job=job, name=name, layout=plan, sidecar=sidecar,
                        cuda_mark=self.scheduler.copier.mark([t for _, t in encoder.tensors]),
@@ -233,9 +216,8 @@ class CheckpointEngine(OverloadMixin):
         root = self._writable_root(root)
         job = self._open_job(root, checkpoint)
         if job is None:  # a rank with nothing to save still takes part in the commit
-            job = CheckpointJob(checkpoint=checkpoint, root=root, version=None, tag=self._tag(root, checkpoint))
-            self._checkpoints[(root, checkpoint)] = job
-            self.committer.track(job)
+            job = CheckpointJob(checkpoint=checkpoint, root=root, version=None, tag=self.jobs.tag(root, checkpoint))
+            self.committer.track(self.jobs.add(job))
         job.on_committed.append(self._note_durable)
         if on_committed is not None:
             job.on_committed.append(on_committed)
@@ -246,37 +228,18 @@ class CheckpointEngine(OverloadMixin):
         return job
 
     def _open_job(self, root: str, checkpoint: str) -> CheckpointJob | None:
-        """The job still open for new files of ``checkpoint``, or None (then the caller starts one).
-
-        A checkpoint already committed, or whose commit was requested, in this run is saved again
-        as a new attempt: first the earlier attempt is waited for (its commit stays valid until the
-        new one replaces it), then the new attempt gets its own tag. Every rank saves and commits
-        the same checkpoints in the same order, so every rank counts the same attempts.
-        """
-        key = (root, checkpoint)
-        self._forget_finished()
-        job = self._checkpoints.get(key)
-        if job is not None and not job.commit_requested:
-            return job
-        if job is None and key not in self._committed_ids:
-            return None
-        log.info("[datastates] rank %d: %s is saved again in this run; waiting for the earlier save to commit",
-                 self.rank, checkpoint)
-        if job is not None:
+        """The job still open for new files of ``checkpoint``, or None; saving a checkpoint id again
+        in this run first waits for the earlier attempt to commit (``JobTable.reusable``)."""
+        def wait_earlier(job: CheckpointJob) -> None:
+            log.info("[datastates] rank %d: %s is saved again in this run; waiting for the earlier save to commit",
+                     self.rank, checkpoint)
             self.wait_persisted(checkpoint, root=root)
-        self._committed_ids.discard(key)
-        self._attempts[key] = self._attempts.get(key, 0) + 1
-        return None
 
-    def _tag(self, root: str, checkpoint: str) -> str:
-        return attempt_tag(self.run_id, checkpoint, self._attempts.get((root, checkpoint), 0))
+        return self.jobs.reusable(root, checkpoint, wait_earlier)
 
     def _request_commit(self, job: CheckpointJob) -> None:
-        if not job.commit_requested:
-            job.commit_seq = next(self._commit_seq)  # the committer settles checkpoints in this order
-            if self.replicas is not None:
-                self.replicas.submit(job)  # every rank commits the same checkpoints in the same order
-        job.commit_requested = True
+        if self.jobs.request_commit(job) and self.replicas is not None:
+            self.replicas.submit(job)  # every rank commits the same checkpoints in the same order
 
     def save_and_commit(self, state: Any, checkpoint: str, name: str | None = None, **kwargs: Any) -> CheckpointJob:
         root = kwargs.pop("root", None)
@@ -312,12 +275,12 @@ class CheckpointEngine(OverloadMixin):
         deadline = time.monotonic() + (self.config.persist_timeout_s if timeout is None else timeout)
         if checkpoint is not None:
             key = (self._root(root), checkpoint)
-            if key not in self._checkpoints:
+            if key not in self.jobs.open:
                 raise CheckpointError(f"checkpoint {checkpoint} has nothing pending on rank {self.rank} "
                                       "(never saved here, or already waited for)")
-            jobs = [self._checkpoints[key]]
+            jobs = [self.jobs.open[key]]
         else:
-            jobs = list(self._checkpoints.values())
+            jobs = self.jobs.jobs()
         for job in jobs:
             if job.commit_requested:
                 self._wait_event(job.committed, deadline, f"commit of {job.checkpoint}",
@@ -331,7 +294,7 @@ class CheckpointEngine(OverloadMixin):
         if self.replicas is not None:
             self.replicas.wait(deadline)
         self._raise_if_failed()
-        self._forget_finished()
+        self.jobs.forget_finished()
 
     def _wait_event(self, event: threading.Event, deadline: float, what: str,
                     waiting_for: Callable[[], Callable[[], str] | None] = lambda: None) -> None:
@@ -417,7 +380,7 @@ class CheckpointEngine(OverloadMixin):
         clean = False
         try:
             if self._error is None:
-                for job in list(self._checkpoints.values()):
+                for job in self.jobs.jobs():
                     self._request_commit(job)
                 self.committer.poke()
                 self.wait_persisted(timeout=timeout)
@@ -478,16 +441,9 @@ class CheckpointEngine(OverloadMixin):
         """Retention's background deleter (None until retention first deletes something)."""
         return self.retention.deleter
 
-    def _forget_finished(self) -> None:
-        """Drop the records of finished checkpoints (a run may take 100,000), keeping only their ids."""
-        for key, job in list(self._checkpoints.items()):
-            if job.committed.is_set():
-                del self._checkpoints[key]
-                self._committed_ids.add(key)
-
     def _in_flight(self, root: str) -> set[str]:
         """Checkpoints under ``root`` retention must leave alone: not committed yet, or still replicating."""
-        pending = {j.checkpoint for j in list(self._checkpoints.values()) if j.root == root and not j.committed.is_set()}
+        pending = self.jobs.in_flight(root)
         if self.replicas is not None:
             pending |= self.replicas.pending()
         return pending
@@ -506,7 +462,7 @@ class CheckpointEngine(OverloadMixin):
                 self._error = exc
             if job is not None and job.error is None:
                 job.error = exc
-        for target in [job] if job is not None else list(self._checkpoints.values()):
+        for target in [job] if job is not None else self.jobs.jobs():
             try:  # the record, for inspect; the other ranks learn it through the commit store
                 reports = os.path.join(target.root, target.checkpoint, REPORTS)
                 os.makedirs(reports, exist_ok=True)
@@ -515,7 +471,7 @@ class CheckpointEngine(OverloadMixin):
             except OSError:
                 pass  # the file system itself may be what failed; the local error still stands
         if fatal:  # this rank settles nothing any more: every open checkpoint fails, on every rank, now
-            for target in list(self._checkpoints.values()):
+            for target in self.jobs.jobs():
                 if not target.committed.is_set():
                     try:
                         self.committer.post_failed(target, message)

@@ -134,7 +134,7 @@ class OverloadMixin:
 
     def _supersede_older(self, newer: CheckpointJob) -> None:
         """Snapshot thread, cache full: drop older checkpoints whose flush has not started."""
-        for job in list(self._checkpoints.values()):
+        for job in self.jobs.jobs():
             if job is newer:
                 return
             if job.committed.is_set() or not all(f.snapshot_done.is_set() for f in job.files):
@@ -150,7 +150,7 @@ class OverloadMixin:
         """
         if self.scheduler.starved is None:
             return
-        for job in list(self._checkpoints.values()):
+        for job in self.jobs.jobs():
             if job is not newer and not all(f.snapshot_done.is_set() for f in job.files):
                 self._skip(job, "superseded", superseded_by=newer)
         self.cache.wake()
@@ -161,7 +161,7 @@ class OverloadMixin:
 
     def _before_superseding_save(self) -> None:
         """Drop in-flight checkpoints another rank skipped, so their flush does not delay newer ones."""
-        for job in list(self._checkpoints.values()):
+        for job in self.jobs.jobs():
             if not job.abandoned and not job.committed.is_set():
                 detail = self.channel.peer_skip(job_key(job))
                 if detail is not None and detail.get("rank") != self.rank:
