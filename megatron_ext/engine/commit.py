@@ -32,7 +32,7 @@ from typing import Callable
 
 from .context import SaveContext
 from .coordination import COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, checkpoint_key
-from .files import atomic_write, atomic_write_json
+from .files import atomic_write
 from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, FileJob, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
 from .manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, REPORTS, assemble_manifest, encode_json,  # noqa: F401
                        list_committed, manifest_part, MANIFEST_SHARES, read_manifest, report_name, summary_of)  # (re-exported)

@@ -7,13 +7,16 @@ selectively (shard assembly, export) build a ``CommittedCheckpoint`` directly.
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from . import codec, restore
 from .config import EngineConfig
 from .host_cache import HostCache
 from .jobs import CheckpointError, LEVEL_LOCAL, LEVEL_PEER, LEVEL_SHARED
-from .manifest import TensorIndex
+from .manifest import TensorIndex, read_manifest
+
+if TYPE_CHECKING:
+    from .replica import PeerReplicas
 
 
 class CommittedCheckpoint:
@@ -40,6 +43,33 @@ class CommittedCheckpoint:
         self._readers: dict[str, restore.FileReader] = {}
         self.levels_used: set[str] = set()
         self.default_level = "auto"
+
+    @classmethod
+    def open(cls, root: str, checkpoint: str, config: EngineConfig, rank: int, *, verify: bool = True,
+             staging: HostCache | None = None, replicas: "PeerReplicas | None" = None,
+             classes: Mapping[codec.ClassKey, type] | None = None) -> "CommittedCheckpoint":
+        """Read and validate ``checkpoint``'s manifest under ``root``; error if it is not committed.
+
+        With ``replicas`` this is a collective: every rank takes part, even one that cannot load,
+        and ranks whose node-local copy is gone fetch their files from the peer holding them.
+        """
+        path = os.path.join(root, checkpoint)
+        problem: CheckpointError | None = None
+        try:
+            manifest = read_manifest(path)
+            if manifest is None:
+                problem = CheckpointError(f"{path} is not a committed checkpoint (no manifest)")
+        except CheckpointError as exc:
+            manifest, problem = None, exc
+        recovered: dict[str, str] = {}
+        if replicas is not None:
+            local = config.local_dir
+            have_local = bool(local) and manifest is not None and restore.local_copy_complete(
+                local, checkpoint, manifest, rank)
+            recovered = replicas.recover(checkpoint, manifest, have_local)
+        if problem is not None:
+            raise problem
+        return cls(root, config.local_dir, checkpoint, manifest, verify, config, staging, recovered, classes)
 
     def local_copy_complete(self, rank: int) -> bool:
         """Whether ``rank``'s files of this checkpoint are all on this node's local level."""

@@ -23,27 +23,26 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import codec, layout as file_layout, restore
-from .commit import Committer, report_name, REPORTS
-from .coordination import CommitChannel, open_stores
-from .config import ConfigError, EngineConfig, OnFailure, OverloadPolicy, check_writable_dir
-from .manifest import RUN_ID, list_committed, read_manifest, valid_name
+from . import codec, layout as file_layout
+from .commit import Committer
+from .committed import CommittedCheckpoint
+from .config import ConfigError, EngineConfig, check_writable_dir
 from .context import SaveContext
+from .coordination import CommitChannel, open_stores
 from .copier import make_copier
-from .files import atomic_write_json
+from .failure import FailureHandler
 from .flush import LevelStager, RankWriter
 from .host_cache import HostCache
-from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_SHARED
-from .replica import PeerReplicas, default_replica_dir
-from .committed import CommittedCheckpoint
 from .job_table import JobTable
+from .jobs import CheckpointError, CheckpointJob, FileJob
+from .manifest import RUN_ID, list_committed, valid_name
 from .overload import OverloadMixin
 from .ownership import DirectoryOwnership
+from .replica import PeerReplicas, default_replica_dir
 from .retention import RetentionStage
 from .snapshot import SnapshotScheduler
 from .telemetry import Telemetry
 
-_POLL_S = 0.05
 log = logging.getLogger("megatron_ext.engine")
 _live_engines: "weakref.WeakSet[CheckpointEngine]" = weakref.WeakSet()
 
@@ -98,30 +97,23 @@ class CheckpointEngine(OverloadMixin):
         """State, threads and host cache (after the locks: a failure here releases them)."""
         read_only = self.read_only
         self.use_cuda = torch.cuda.is_available()
-        self._error: BaseException | None = None
-        self._error_lock = threading.Lock()
         self.jobs = JobTable(self.run_id)
-        self._files: list[FileJob] = []
+        self._files: list[FileJob] = []  # saved files whose snapshot wait_snapshot has not seen done
         self._closed = False
         self.last_load_level: str | None = None
         self.blocked_total_s = 0.0  # all time the caller spent in save() and wait_snapshot()
         self.wait_total_s = 0.0  # the wait_snapshot() part of it
-        # Overload (see wait_snapshot): calls of wait_snapshot that waited for the flush to free
-        # cache space, and how long; saves the durable-age bound turned from supersede to wait.
-        self.backpressure_waits = 0
-        self.backpressure_wait_s = 0.0
-        self.age_bound_waits = 0
-        self._newest_durable: int | None = None  # newest version committed in this run
-        self._first_version: int | None = None
+        self._init_overload()
         # Guards the moves of a checkpoint that exclude each other: flush started, reported, skipped.
         self._state_lock = threading.Lock()
 
         self.telemetry = Telemetry(None if read_only else self.config.telemetry_file(self.rank), self.rank)
+        self.failures = FailureHandler(self.rank, self.run_id, self.config.on_failure, self.jobs, self.telemetry)
 
         self.cache = HostCache(self.config.host_cache_bytes, self.config.chunk_bytes, pin=self.use_cuda)
         self.save_context = ctx = SaveContext(
-            rank=self.rank, world_size=self.world_size, run_id=self.run_id, fail=self._fail,
-            check=self._raise_if_failed, state_lock=self._state_lock, timeout_s=self.config.persist_timeout_s,
+            rank=self.rank, world_size=self.world_size, run_id=self.run_id, fail=self.failures.fail,
+            check=self.failures.check, state_lock=self._state_lock, timeout_s=self.config.persist_timeout_s,
             telemetry=self.telemetry, local_dir=self.config.local_dir, o_direct=self.config.o_direct,
             chunk_bytes=self.cache.chunk_bytes)
         # The save pipeline, built from its end: each stage is handed the next one.
@@ -131,6 +123,7 @@ class CheckpointEngine(OverloadMixin):
         self.retention = RetentionStage(self.config, self.ownership, self._in_flight)
         self.committer = Committer(ctx, self._abandon_for_peer, may_remove=self.ownership.holds, channel=self.channel,
                                    retention=self.retention)
+        self.failures.committer = self.committer
         self.stager = LevelStager(ctx, self.committer) if ctx.local_dir else None
         self.writer = RankWriter(ctx, self.cache, self.stager if self.stager is not None else self.committer)
         self.scheduler = SnapshotScheduler(ctx, self.cache, make_copier(self.use_cuda), self.writer,
@@ -142,7 +135,7 @@ class CheckpointEngine(OverloadMixin):
                 self.config.replica_dir or default_replica_dir(self.config.save_dir), self.cache.chunk_bytes,
                 self.config.persist_timeout_s, ctx.first_level,
                 lambda job: ctx.directory(job, ctx.first_level), self.run_id, self.telemetry,
-                self._fail, self._raise_if_failed)
+                self.failures.fail, self.failures.check)
         _live_engines.add(self)
 
     # ------------------------------------------------------------------ saving
@@ -155,22 +148,17 @@ class CheckpointEngine(OverloadMixin):
         is copied into this file's manifest entry, for adapters that index what each file holds.
         """
         started = time.monotonic()
-        self._raise_if_failed()
+        self.failures.check()
         if self._closed:
             raise CheckpointError("save() after shutdown()")
         name = f"rank{self.rank:05d}" if name is None else name
-        if not valid_name(name) or len(name) > 200:
-            raise ValueError(f"file name {name!r} must be non-empty, at most 200 characters, without '/', "
-                             "not starting with '.'")
-        if not valid_name(checkpoint):
-            raise ValueError(f"checkpoint id {checkpoint!r} must be one non-hidden directory name")
+        _check_names(checkpoint, name)
         root = self._writable_root(root)
         job = self._open_job(root, checkpoint)
         if job is not None and any(f.name == name for f in job.files):
             raise CheckpointError(f"checkpoint {checkpoint} already has a file named {name!r}")
         if job is not None and job.version != version:
             raise CheckpointError(f"checkpoint {checkpoint}: version {version} differs from {job.version}")
-        policy = self._overload_policy_for(version) if job is None else job.policy
 
         # Everything that can refuse the state runs before the checkpoint is registered.
         encoder = codec.Encoder(pickle_fallback=self.config.pickle_fallback, classes=self.classes)
@@ -181,15 +169,7 @@ class CheckpointEngine(OverloadMixin):
         plan = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name,
                                                   "rank": str(self.rank), "run_id": tag})
         if job is None:
-            if policy == OverloadPolicy.SUPERSEDE:
-                self._before_superseding_save()
-            if self._first_version is None:
-                self._first_version = version
-            job = CheckpointJob(checkpoint=checkpoint, root=root, version=version, tag=tag, policy=policy)
-            if policy == OverloadPolicy.SUPERSEDE:
-                self._supersede_queued(job)
-            if policy == OverloadPolicy.WAIT and self.config.overload_policy == OverloadPolicy.SUPERSEDE:
-                self.age_bound_waits += 1
+            job = self._new_job(root, checkpoint, version, tag)  # overload.py: its policy under a full cache
             self.committer.track(self.jobs.add(job))
         base = f"{checkpoint}/{name}.{tag}"
         fjob = FileJob(job=job, name=name, layout=plan, sidecar=sidecar,
@@ -212,7 +192,7 @@ class CheckpointEngine(OverloadMixin):
         this checkpoint's root with that bound instead of the configured one (a root of
         short-lived checkpoints, such as Megatron-LM's non-persistent ones, keeps only the newest).
         """
-        self._raise_if_failed()
+        self.failures.check()
         root = self._writable_root(root)
         job = self._open_job(root, checkpoint)
         if job is None:  # a rank with nothing to save still takes part in the commit
@@ -260,7 +240,7 @@ class CheckpointEngine(OverloadMixin):
         timeout = self.config.snapshot_timeout_s if timeout is None else timeout
         pending = [f for f in self._files if not f.snapshot_done.is_set()]
         self._await_snapshots(pending, started + timeout)
-        self._raise_if_failed()
+        self.failures.check()
         blocked = time.monotonic() - started
         self.blocked_total_s += blocked
         self.wait_total_s += blocked
@@ -282,29 +262,11 @@ class CheckpointEngine(OverloadMixin):
         else:
             jobs = self.jobs.jobs()
         for job in jobs:
-            if job.commit_requested:
-                self._wait_event(job.committed, deadline, f"commit of {job.checkpoint}",
-                                 lambda job=job: job.commit_waiting_for)
-            else:
-                while not job.durable_on(LEVEL_SHARED) and not job.abandoned:
-                    self._raise_if_failed()
-                    if time.monotonic() > deadline:
-                        raise CheckpointError(f"flush of {job.checkpoint} did not finish in time")
-                    time.sleep(_POLL_S)
+            job.wait_settled(deadline, self.failures.check)
         if self.replicas is not None:
             self.replicas.wait(deadline)
-        self._raise_if_failed()
+        self.failures.check()
         self.jobs.forget_finished()
-
-    def _wait_event(self, event: threading.Event, deadline: float, what: str,
-                    waiting_for: Callable[[], Callable[[], str] | None] = lambda: None) -> None:
-        while not event.wait(_POLL_S):
-            self._raise_if_failed()
-            if time.monotonic() > deadline:
-                describe = waiting_for()
-                reason = f": {describe()}" if describe is not None else ""
-                raise CheckpointError(f"{what} did not finish in time (timeout){reason}")
-        self._raise_if_failed()
 
     # ------------------------------------------------------------------ loading
     def latest(self, root: str | None = None) -> str | None:
@@ -316,20 +278,19 @@ class CheckpointEngine(OverloadMixin):
              map_location: Any = None, allow_pickle: bool = False, verify: bool = True,
              level: str = "auto") -> Any:
         """Load one saved state of a committed checkpoint, from the node-local level when complete there."""
-        committed = self.open_checkpoint(checkpoint, root=root, verify=verify)
-        name = f"rank{self.rank:05d}" if name is None else name
-        reader = committed.reader(name, level)
-        self.last_load_level = reader.level
-        return reader.state(map_location, allow_pickle)
+        return self._reader(checkpoint, name, root, verify, level).state(map_location, allow_pickle)
 
     def load_into(self, checkpoint: str, template: Any, name: str | None = None, *, root: str | None = None,
                   allow_pickle: bool = False, verify: bool = True, level: str = "auto") -> Any:
         """Like ``load``, but the tensors are read into those of ``template`` (a state of the same structure,
         e.g. the live model's), through the host cache: no new tensor memory to fault in."""
+        return self._reader(checkpoint, name, root, verify, level).state_into(template, allow_pickle)
+
+    def _reader(self, checkpoint: str, name: str | None, root: str | None, verify: bool, level: str):
         committed = self.open_checkpoint(checkpoint, root=root, verify=verify)
         reader = committed.reader(f"rank{self.rank:05d}" if name is None else name, level)
         self.last_load_level = reader.level
-        return reader.state_into(template, allow_pickle)
+        return reader
 
     def open_checkpoint(self, checkpoint: str, *, root: str | None = None, verify: bool = True) -> "CommittedCheckpoint":
         """A committed checkpoint's manifest plus per-file readers, for adapters that read selectively.
@@ -337,24 +298,8 @@ class CheckpointEngine(OverloadMixin):
         With ``peer_replica`` this is a collective: ranks whose node-local copy is gone fetch
         their files from the peer holding their replica (``replica.py``).
         """
-        root = self._root(root)
-        path = os.path.join(root, checkpoint)
-        problem: CheckpointError | None = None
-        try:
-            manifest = read_manifest(path)
-            if manifest is None:
-                problem = CheckpointError(f"{path} is not a committed checkpoint (no manifest)")
-        except CheckpointError as exc:
-            manifest, problem = None, exc
-        recovered: dict[str, str] = {}
-        if self.replicas is not None:  # every rank takes part, even one that cannot load
-            local = self.config.local_dir
-            recovered = self.replicas.recover(checkpoint, manifest, bool(local) and manifest is not None and
-                                              restore.local_copy_complete(local, checkpoint, manifest, self.rank))
-        if problem is not None:
-            raise problem
-        return CommittedCheckpoint(root, self.config.local_dir, checkpoint, manifest, verify, self.config, self.cache,
-                                  recovered, self.classes)
+        return CommittedCheckpoint.open(self._root(root), checkpoint, self.config, self.rank, verify=verify,
+                                        staging=self.cache, replicas=self.replicas, classes=self.classes)
 
     def agree_load_level(self, committed: "CommittedCheckpoint") -> str:
         """Collective over all ranks: read node-local only if every rank's own files are complete there.
@@ -379,7 +324,7 @@ class CheckpointEngine(OverloadMixin):
         timeout = self.config.persist_timeout_s if timeout is None else timeout
         clean = False
         try:
-            if self._error is None:
+            if self.failures.error is None:
                 for job in self.jobs.jobs():
                     self._request_commit(job)
                 self.committer.poke()
@@ -397,7 +342,7 @@ class CheckpointEngine(OverloadMixin):
             self.cache.close()
             self.ownership.release()
             _live_engines.discard(self)
-        self._raise_if_failed()
+        self.failures.check()
 
     def __enter__(self) -> "CheckpointEngine":
         return self
@@ -412,11 +357,6 @@ class CheckpointEngine(OverloadMixin):
                 traceback.print_exc()
 
     # ------------------------------------------------------------------ internals
-    @property
-    def newest_durable_version(self) -> int | None:
-        """Version of the newest checkpoint committed in this run (what ``max_durable_age`` measures from)."""
-        return self._newest_durable
-
     def _root(self, root: str | None) -> str:
         root = root or self.config.save_dir
         if root is None:
@@ -448,51 +388,18 @@ class CheckpointEngine(OverloadMixin):
             pending |= self.replicas.pending()
         return pending
 
-    def _fail(self, exc: BaseException, job: CheckpointJob | None = None) -> bool:
-        """A background thread failed. Returns True if the engine must stop (then every call raises).
-
-        With ``on_failure="continue"`` a failure that belongs to one checkpoint only abandons
-        that checkpoint (the committer then posts it as failed, in its turn). A fatal failure
-        fails every open checkpoint on every rank at once, through the commit store.
-        """
-        fatal = job is None or self.config.on_failure == OnFailure.STOP
-        message = f"{type(exc).__name__}: {exc}"
-        with self._error_lock:
-            if fatal and self._error is None:
-                self._error = exc
-            if job is not None and job.error is None:
-                job.error = exc
-        for target in [job] if job is not None else self.jobs.jobs():
-            try:  # the record, for inspect; the other ranks learn it through the commit store
-                reports = os.path.join(target.root, target.checkpoint, REPORTS)
-                os.makedirs(reports, exist_ok=True)
-                atomic_write_json(os.path.join(reports, report_name(self.rank, self.run_id, error=True)),
-                                  {"rank": self.rank, "run_id": self.run_id, "error": message})
-            except OSError:
-                pass  # the file system itself may be what failed; the local error still stands
-        if fatal:  # this rank settles nothing any more: every open checkpoint fails, on every rank, now
-            for target in self.jobs.jobs():
-                if not target.committed.is_set():
-                    try:
-                        self.committer.post_failed(target, message)
-                    except Exception as store_exc:  # the others then time out, naming this rank
-                        log.error("[datastates] rank %d: could not tell the other ranks of the failure: %s",
-                                  self.rank, store_exc)
-        if not fatal:
-            log.error("[datastates] rank %d: checkpoint %s abandoned, training continues: %s",
-                      self.rank, job.checkpoint, message)
-            self.telemetry.emit("failed", job.checkpoint, "all", job.nbytes, error=message)
-        self.committer.poke()
-        return fatal
-
     def raise_if_failed(self) -> None:
         """Raise, on the caller's thread, the first failure of a background thread (cheap)."""
-        self._raise_if_failed()
+        self.failures.check()
 
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise CheckpointError(f"background checkpointing failed on rank {self.rank}: "
-                                  f"{type(self._error).__name__}: {self._error}") from self._error
+
+def _check_names(checkpoint: str, name: str) -> None:
+    """A checkpoint id and a file name become path components: refuse anything else before any I/O."""
+    if not valid_name(name) or len(name) > 200:
+        raise ValueError(f"file name {name!r} must be non-empty, at most 200 characters, without '/', "
+                         "not starting with '.'")
+    if not valid_name(checkpoint):
+        raise ValueError(f"checkpoint id {checkpoint!r} must be one non-hidden directory name")
 
 
 def _shutdown_live_engines() -> None:

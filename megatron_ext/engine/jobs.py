@@ -15,6 +15,7 @@ LEVEL_HOST = "host"
 LEVEL_LOCAL = "local"
 LEVEL_SHARED = "shared"
 LEVEL_PEER = "peer"  # a replica in another node's host memory (replica.py)
+_POLL_S = 0.05  # how often a wait re-checks for background failures
 
 
 class CheckpointError(RuntimeError):
@@ -129,3 +130,22 @@ class CheckpointJob:
 
     def durable_on(self, level: str) -> bool:
         return all(level in f.durable_at for f in self.files)
+
+    def wait_settled(self, deadline: float, check: Callable[[], None]) -> None:
+        """Block until committed (once its commit was requested), else until durable on the shared
+        level or abandoned. ``check`` raises a background failure; every poll runs it, so a failure
+        ends the wait at once instead of at the deadline."""
+        if self.commit_requested:
+            while not self.committed.wait(_POLL_S):
+                check()
+                if time.monotonic() > deadline:
+                    waiting_for = self.commit_waiting_for
+                    reason = f": {waiting_for()}" if waiting_for is not None else ""
+                    raise CheckpointError(f"commit of {self.checkpoint} did not finish in time (timeout){reason}")
+        else:
+            while not self.durable_on(LEVEL_SHARED) and not self.abandoned:
+                check()
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"flush of {self.checkpoint} did not finish in time")
+                time.sleep(_POLL_S)
+        check()

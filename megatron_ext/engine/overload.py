@@ -27,6 +27,30 @@ _POLL_S = 0.05  # how often a wait re-checks for failures
 class OverloadMixin:
     """The overload, supersede and skip decisions of ``CheckpointEngine`` (see the module docstring)."""
 
+    def _init_overload(self) -> None:
+        # Calls of wait_snapshot that waited for the flush to free cache space, and how long;
+        # saves the durable-age bound turned from supersede to wait.
+        self.backpressure_waits = 0
+        self.backpressure_wait_s = 0.0
+        self.age_bound_waits = 0
+        self._newest_durable: int | None = None  # newest version committed in this run
+        self._first_version: int | None = None
+
+    def _new_job(self, root: str, checkpoint: str, version: int | None, tag: str) -> CheckpointJob:
+        """A new checkpoint's job, with its overload policy; under "supersede" it replaces older
+        snapshots still waiting for cache space, and drops what another rank already skipped."""
+        policy = self._overload_policy_for(version)
+        if policy == OverloadPolicy.SUPERSEDE:
+            self._before_superseding_save()
+        if self._first_version is None:
+            self._first_version = version
+        job = CheckpointJob(checkpoint=checkpoint, root=root, version=version, tag=tag, policy=policy)
+        if policy == OverloadPolicy.SUPERSEDE:
+            self._supersede_queued(job)
+        if policy == OverloadPolicy.WAIT and self.config.overload_policy == OverloadPolicy.SUPERSEDE:
+            self.age_bound_waits += 1
+        return job
+
     def _await_snapshots(self, pending: list, deadline: float) -> None:
         """``wait_snapshot``'s wait: each pending copy done, or under "supersede" skipped if it waits for space.
 
@@ -39,7 +63,7 @@ class OverloadMixin:
                 progress.clear()
                 if fjob.snapshot_done.is_set():
                     break
-                self._raise_if_failed()
+                self.failures.check()
                 if time.monotonic() > deadline:
                     raise CheckpointError(f"snapshot of {fjob.job.checkpoint} did not finish in time (timeout)")
                 starved = self.scheduler.starved is fjob
@@ -64,6 +88,11 @@ class OverloadMixin:
         first = version if self._first_version is None else self._first_version
         newest = self._newest_durable if self._newest_durable is not None else first - 1
         return OverloadPolicy.WAIT if version - newest > self.config.max_durable_age else OverloadPolicy.SUPERSEDE
+
+    @property
+    def newest_durable_version(self) -> int | None:
+        """Version of the newest checkpoint committed in this run (what ``max_durable_age`` measures from)."""
+        return self._newest_durable
 
     def _note_durable(self, manifest: dict) -> None:
         version = manifest.get("version")

@@ -1,0 +1,89 @@
+"""What a background failure does to one rank's engine and to the checkpoints it had open.
+
+Any stage thread calls ``fail``; the training thread learns of it at its next engine call
+(``check``), and every wait re-checks it, so no failure waits for a timeout to surface. A fatal
+failure stops the engine and fails every open checkpoint on every rank at once, through the
+commit store. Under ``on_failure="continue"`` a failure that belongs to one checkpoint only
+abandons that checkpoint; the committer then posts it as failed, in its turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import TYPE_CHECKING
+
+from .commit import REPORTS, report_name
+from .config import OnFailure
+from .files import atomic_write_json
+from .job_table import JobTable
+from .jobs import CheckpointError, CheckpointJob
+from .telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from .commit import Committer
+
+log = logging.getLogger("megatron_ext.engine")
+
+
+class FailureHandler:
+    """The first fatal background failure of a rank (``error``), and how each failure is spread."""
+
+    def __init__(self, rank: int, run_id: str, on_failure: str, jobs: JobTable, telemetry: Telemetry):
+        self.rank, self.run_id, self.on_failure = rank, run_id, on_failure
+        self.jobs, self.telemetry = jobs, telemetry
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        #: The stage that tells the other ranks; the engine sets it once the committer is built.
+        self.committer: Committer | None = None
+
+    def fail(self, exc: BaseException, job: CheckpointJob | None = None) -> bool:
+        """A background thread failed (``job``: the checkpoint it belongs to, if only one).
+
+        Returns True if the engine must stop; from then on every engine call raises.
+        """
+        fatal = job is None or self.on_failure == OnFailure.STOP
+        message = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            if fatal and self.error is None:
+                self.error = exc
+            if job is not None and job.error is None:
+                job.error = exc
+        for target in [job] if job is not None else self.jobs.jobs():
+            self._write_error_report(target, message)
+        if fatal:  # this rank settles nothing any more: every open checkpoint fails, on every rank, now
+            for target in self.jobs.jobs():
+                if not target.committed.is_set() and self.committer is not None:
+                    try:
+                        self.committer.post_failed(target, message)
+                    except Exception as store_exc:  # the others then time out, naming this rank
+                        log.error("[datastates] rank %d: could not tell the other ranks of the failure: %s",
+                                  self.rank, store_exc)
+        else:
+            log.error("[datastates] rank %d: checkpoint %s abandoned, training continues: %s",
+                      self.rank, job.checkpoint, message)
+            self.telemetry.emit("failed", job.checkpoint, "all", job.nbytes, error=message)
+        if self.committer is not None:
+            self.committer.poke()
+        return fatal
+
+    def _write_error_report(self, job: CheckpointJob, message: str) -> None:
+        """The record of the failure in the checkpoint's reports, for ``inspect``; the other
+        ranks learn of it through the commit store, not from this file."""
+        try:
+            reports = os.path.join(job.root, job.checkpoint, REPORTS)
+            os.makedirs(reports, exist_ok=True)
+            atomic_write_json(os.path.join(reports, report_name(self.rank, self.run_id, error=True)),
+                              {"rank": self.rank, "run_id": self.run_id, "error": message})
+        except OSError:
+            pass  # the file system itself may be what failed; the error stands without its record
+
+    def check(self) -> None:
+        """Raise, on the caller's thread, the first fatal failure of a background thread (cheap)."""
+        if self.error is not None:
+            raise CheckpointError(f"background checkpointing failed on rank {self.rank}: "
+                                  f"{type(self.error).__name__}: {self.error}") from self.error
+
+
+__all__ = ["FailureHandler"]
