@@ -18,19 +18,31 @@ that path, so it would compare us with ourselves.
    (the bytes come from memory: what each format costs on the CPU). The figures are medians over
    rounds; every run is reported.
 
+3. In each round, the disk's limit for the same bytes: ``nproc`` processes started together, each
+   reading its rank's tensor files of the datastates checkpoint cold, with no work on them, into
+   reused buffers (read-ahead streams, 1 and ``restore_threads`` per process; the faster counts).
+   ``megatron_read_ceiling_s`` is its median; no loader of these bytes from this disk can beat it,
+   so ``megatron_load_speedup_bound`` (torch_dist cold / ceiling) is the most any loader could
+   show against torch_dist here, and ``megatron_load_vs_ceiling`` how close datastates comes.
+
 The default model (8 layers, hidden 1024, vocab 16384, bf16, distributed optimizer) makes a
 1.65 GB checkpoint, 0.8 GB per rank, so that bytes rather than fixed costs dominate.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import queue
 import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from megatron_ext.bench.common import drop_page_cache
+from megatron_ext.bench.restore_bench import read_seconds
+from megatron_ext.engine import read_manifest
 from megatron_ext.procs import run_logged
 from megatron_ext.testing import megatron_lm
 
@@ -45,6 +57,7 @@ FORMATS = {"datastates": ["--use-datastates", "--datastates-host-cache-size", "0
            "torch_dist": ["--ckpt-format", "torch_dist"]}
 _TIMER = re.compile(r"load-checkpoint \.*: \(([\d.]+), ([\d.]+)\)")
 RUN_TIMEOUT_S = 1200
+READ_STREAMS = 4  # the engine's default restore_threads
 
 
 def _progress(msg: str) -> None:
@@ -91,7 +104,10 @@ def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = M
                                "--save-interval", str(ITERS)], workdir, f"train-{fmt}", record)
         losses[fmt] = [(r["iteration"], r["loss"], r["grad_norm"]) for r in megatron_lm.read_records(record)]
     seconds: dict[str, list[float]] = {f"{fmt}_{temp}": [] for fmt in FORMATS for temp in ("cold", "warm")}
+    ceiling: list[float] = []
     for rep in range(repeats):
+        _progress(f"round {rep + 1}/{repeats}: plain cold read of the datastates checkpoint's files by {nproc} processes")
+        ceiling.append(min(plain_read_s(saved["datastates"], ITERS, nproc, streams) for streams in (1, READ_STREAMS)))
         for fmt in (list(FORMATS) if rep % 2 == 0 else list(FORMATS)[::-1]):
             for temp in ("cold", "warm"):
                 _progress(f"round {rep + 1}/{repeats}: Megatron-LM load_checkpoint of the {fmt} checkpoint ({temp})")
@@ -118,7 +134,50 @@ def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = M
     result["megatron_load_speedup"] = result["megatron_load_s_torch_dist"] / result["megatron_load_s_datastates"]
     result["megatron_load_speedup_warm"] = (result["megatron_load_s_torch_dist_warm"]
                                             / result["megatron_load_s_datastates_warm"])
+    result["megatron_read_ceiling_s"] = statistics.median(ceiling)
+    result["megatron_read_ceiling_s_runs"] = ceiling
+    result["megatron_load_vs_ceiling"] = result["megatron_read_ceiling_s"] / result["megatron_load_s_datastates"]
+    result["megatron_load_speedup_bound"] = result["megatron_load_s_torch_dist"] / result["megatron_read_ceiling_s"]
     return result
+
+
+def plain_read_s(root: str, iteration: int, nproc: int, streams: int) -> float:
+    """Seconds for ``nproc`` processes, started together, to read cold each its rank's tensor files of
+    checkpoint ``iteration`` under ``root`` (``streams`` read-ahead streams each, no work on the bytes)."""
+    checkpoint = os.path.join(root, f"iter_{iteration:07d}")
+    files = read_manifest(checkpoint)["files"].values()
+    per_rank = [[os.path.join(root, e["tensor_file"]) for e in files if e["rank"] == r] for r in range(nproc)]
+    drop_page_cache(checkpoint)
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(nproc), context.Queue()
+    procs = [context.Process(target=_read_files, args=(paths, streams, barrier, results)) for paths in per_rank]
+    for proc in procs:
+        proc.start()
+    took: list[float] = []
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        while len(took) < nproc:
+            try:
+                took.append(results.get(timeout=1))
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"plain read of {checkpoint}: reader exit codes {dead or 'none (timeout)'}")
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+    return max(took)
+
+
+def _read_files(paths: list[str], streams: int, barrier: "multiprocessing.synchronize.Barrier",
+                results: "multiprocessing.Queue") -> None:
+    barrier.wait(RUN_TIMEOUT_S)
+    start = time.perf_counter()
+    for path in paths:
+        read_seconds(path, streams, direct=False)
+    results.put(time.perf_counter() - start)
 
 
 def read_tree(root: str) -> None:
