@@ -267,6 +267,9 @@ def format_table(r: dict) -> str:
                      f" {r['megatron_load_s_datastates']:.2f}s vs torch_dist {r['megatron_load_s_torch_dist']:.2f}s"
                      f" = {r['megatron_load_speedup']:.2f}x (target >= 3); warm {r['megatron_load_s_datastates_warm']:.2f}s"
                      f" vs {r['megatron_load_s_torch_dist_warm']:.2f}s = {r['megatron_load_speedup_warm']:.2f}x")
+        lines.append(f"  disk's limit        a plain cold read of the same files by {r['megatron_nproc']} processes"
+                     f" {r['megatron_read_ceiling_s']:.2f}s: datastates at {r['megatron_load_vs_ceiling']:.2f} of it;"
+                     f" no loader can beat torch_dist by more than {r['megatron_load_speedup_bound']:.2f}x here")
     elif "megatron_load_skipped" in r:
         lines.append(f"  Megatron-LM load    skipped: {r['megatron_load_skipped']}")
     return "\n".join(lines)

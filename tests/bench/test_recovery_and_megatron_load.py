@@ -43,6 +43,25 @@ def test_megatron_load_timer_parsing():
         megatron_load_bench.load_timer_s("nothing")
 
 
+def test_plain_read_reads_each_ranks_files_in_processes_of_their_own(tmp_path):
+    """The Megatron load's disk limit: one process per rank, each reading that rank's tensor files."""
+    import torch
+
+    from megatron_ext.engine import CheckpointEngine
+
+    store = torch.distributed.HashStore()
+    engines = [CheckpointEngine({"save_dir": str(tmp_path), "host_cache_size": 0.01, "chunk_size_mb": 1},
+                                rank=r, world_size=2, run_id="0123456789ab", commit_store=store) for r in range(2)]
+    for rank, engine in enumerate(engines):
+        engine.save({"w": torch.full((1 << 18,), float(rank))}, "iter_0000002", version=2)
+        engine.commit("iter_0000002")
+    for engine in engines:
+        engine.shutdown()
+    assert megatron_load_bench.plain_read_s(str(tmp_path), 2, 2, 2) > 0
+    with pytest.raises(RuntimeError, match="reader exit codes"):  # a reader that dies is named, not waited for
+        megatron_load_bench.plain_read_s(str(tmp_path), 2, 2, 0)
+
+
 @pytest.mark.slow
 def test_recovery_run_reports_both_ways(tmp_path):
     r = recovery_bench.run(iters=4, warmup=1, workdir=str(tmp_path), model=TINY_TRAINER, max_interval=3, repeats=1)
@@ -67,7 +86,8 @@ def test_megatron_load_cold_and_warm(tmp_path):
     if "megatron_load_skipped" in r:
         pytest.skip(r["megatron_load_skipped"])
     for key in ("megatron_load_s_datastates", "megatron_load_s_torch_dist", "megatron_load_s_datastates_warm",
-                "megatron_load_s_torch_dist_warm", "megatron_load_speedup", "megatron_load_speedup_warm"):
+                "megatron_load_s_torch_dist_warm", "megatron_load_speedup", "megatron_load_speedup_warm",
+                "megatron_read_ceiling_s", "megatron_load_vs_ceiling", "megatron_load_speedup_bound"):
         assert r[key] > 0, key
     assert r["megatron_same_training"] is True and len(r["megatron_load_s_datastates_runs"]) == 1
     json.dumps(r)
