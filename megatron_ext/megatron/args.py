@@ -30,6 +30,9 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "background stage copies to --save. Restarts read it when every rank finds its files.")
     group.add_argument("--datastates-chunk-size-mb", type=float, default=None, metavar="MB",
                        help="Unit of copy and write in MiB (default 16).")
+    group.add_argument("--datastates-restore-threads", type=int, default=None, metavar="N",
+                       help="Threads per rank that read a checkpoint at load, each streaming its own part of "
+                            "a file (default 4; more can help on Lustre/GPFS, fewer on a node short of cores).")
     group.add_argument("--datastates-timeout", type=float, default=None, metavar="SECONDS",
                        help="Longest a flush or commit may take before every rank fails with an error "
                             "instead of hanging (default 1800).")
@@ -94,6 +97,7 @@ class MegatronAdapterOptions:
 
 # Flags whose value, when given, goes to the engine configuration key of the same meaning.
 _OPTIONAL_FLAGS = (("datastates_chunk_size_mb", "chunk_size_mb"), ("datastates_timeout", "persist_timeout_s"),
+                   ("datastates_restore_threads", "restore_threads"),
                    ("datastates_on_failure", "on_failure"), ("datastates_keep_last", "keep_last"),
                    ("datastates_keep_every", "keep_every"), ("datastates_overload_policy", "overload_policy"),
                    ("datastates_max_durable_age", "max_durable_age"), ("datastates_peer_replica", "peer_replica"),

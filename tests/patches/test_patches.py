@@ -214,6 +214,16 @@ def test_overload_flags_reach_the_engine_config(tmp_path):
     assert "overload_policy" not in engine_config_from_args(_args("--use-datastates", "--save", str(tmp_path)))
 
 
+def test_restore_threads_flag_reaches_the_engine_config_and_is_checked(tmp_path):
+    from megatron_ext.megatron.args import engine_config_from_args, validate_datastates_args
+
+    args = _args("--use-datastates", "--save", str(tmp_path), "--datastates-restore-threads", "2")
+    assert engine_config_from_args(args)["restore_threads"] == 2
+    assert "restore_threads" not in engine_config_from_args(_args("--use-datastates", "--save", str(tmp_path)))
+    with pytest.raises(ValueError, match="restore_threads must be a whole number in \\[1, 64\\], got 0"):
+        validate_datastates_args(_args("--use-datastates", "--save", str(tmp_path), "--datastates-restore-threads", "0"))
+
+
 def test_without_the_flag_nothing_is_checked():
     from megatron_ext.megatron.args import validate_datastates_args
 
