@@ -32,7 +32,7 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="Unit of copy and write in MiB (default 16).")
     group.add_argument("--datastates-restore-threads", type=int, default=None, metavar="N",
                        help="Threads per rank that read a checkpoint at load, each streaming its own part of "
-                            "a file (default 4; more can help on Lustre/GPFS, fewer on a node short of cores).")
+                            "a file (default 4).")
     group.add_argument("--datastates-timeout", type=float, default=None, metavar="SECONDS",
                        help="Longest a flush or commit may take before every rank fails with an error "
                             "instead of hanging (default 1800).")
