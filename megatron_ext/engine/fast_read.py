@@ -18,6 +18,9 @@ released during the system call) on a file descriptor of its own. Two ways to re
 
 Each tensor is checksummed on a second pool as soon as every piece it spans has arrived, so
 hashing overlaps reading (xxhash releases the GIL).
+
+GPU tensors cannot be read into: ``stream_into`` takes the pieces in file order through a few
+reused (pinned) staging slots instead of one host buffer the size of the file.
 """
 
 from __future__ import annotations
@@ -413,8 +416,11 @@ class Staging(Protocol):
 
     chunk_bytes: int
 
-    def acquire(self, timeout: float) -> int: ...
+    num_slots: int
+
+    def acquire(self, timeout: float, check: Callable[[], None] = ...) -> int: ...
     def release(self, slot: int) -> None: ...
+    def wake(self) -> None: ...
     def view(self, slot: int) -> torch.Tensor: ...
     def memory(self, slot: int, nbytes: int) -> memoryview: ...
 
@@ -425,8 +431,9 @@ def read_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging:
 
     The memory of freshly allocated tensors must be faulted in page by page, which on some
     machines costs more than the disk read itself; reading into tensors that already exist avoids
-    it. Buffered reads land in the tensors directly; O_DIRECT reads land in ``staging``'s aligned
-    slots first and are copied from there.
+    it. Buffered reads land in host tensors directly; O_DIRECT reads land in ``staging``'s aligned
+    slots first and are copied from there. Device tensors are filled through the slots by
+    ``stream_into``; strided ones (rare) from a fresh host buffer of their own.
     """
     metas = _metas(entry, targets)
     for name, target in targets.items():
@@ -434,16 +441,18 @@ def read_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging:
         if torch_dtype(meta["dtype"]) != target.dtype or list(meta["shape"]) != list(target.shape):
             raise CheckpointError(f"{path}: tensor {name!r} is {meta['dtype']}{meta['shape']} in the checkpoint, "
                                   f"the target is {target.dtype}{list(target.shape)}")
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in targets.values()):
-        # Devices and strided targets: one pinned host buffer, then async copies (CUDA path, thin).
-        fresh = read_tensors(path, entry, list(targets), verify=verify, o_direct=o_direct, threads=threads,
+    strided = {n: t for n, t in targets.items() if not t.is_contiguous()}
+    device = {n: t for n, t in targets.items() if n not in strided and t.device.type != "cpu"}
+    if strided:  # rare: a fresh host buffer of just these tensors (pinned on a GPU node), then copies
+        fresh = read_tensors(path, entry, list(strided), verify=verify, o_direct=o_direct, threads=threads,
                              pin=torch.cuda.is_available(), timeout_s=timeout_s)
-        for name, target in targets.items():
-            target.copy_(fresh[name], non_blocking=fresh[name].is_pinned())
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return
-    order = sorted((n for n in metas if metas[n]["offsets"][1] > metas[n]["offsets"][0]),
+        for name, target in strided.items():
+            target.copy_(fresh[name])
+    if device:
+        stream_into(path, entry, device, staging, verify=verify, o_direct=o_direct, threads=threads,
+                    timeout_s=timeout_s)
+    order = sorted((n for n in targets if n not in strided and n not in device
+                    and metas[n]["offsets"][1] > metas[n]["offsets"][0]),
                    key=lambda n: metas[n]["offsets"][0])
     if not order:
         return
@@ -471,6 +480,153 @@ def read_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging:
 
     reading = _Reading(path, pieces, direct, fd, read, on_tensor)
     reading.run(threads, deadline, timeout_s, None, lambda: _check_hashes(path, hashes, lock, deadline))
+
+
+def stream_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging: Staging, *, verify: bool = True,
+                o_direct: bool | str = "auto", threads: int = 4, timeout_s: float = 1800.0) -> None:
+    """Fill contiguous tensors on any device through ``staging``'s reused slots, in file order.
+
+    For targets a read cannot land in (GPU memory), no host buffer the size of the file is
+    allocated, let alone pinned: ``threads`` readers take the pieces in file order, each into a
+    free slot, and copy its bytes to the targets; this thread walks the pieces in the same order,
+    hashing each tensor's bytes on the slots (so its checksum streams), then frees the slot.
+    Readers take a slot before their next piece, so the piece walked next always holds one:
+    at least one slot suffices, ``threads`` + 1 keep every reader busy.
+    """
+    metas = _metas(entry, targets)
+    order = sorted((n for n in metas if metas[n]["offsets"][1] > metas[n]["offsets"][0]),
+                   key=lambda n: metas[n]["offsets"][0])
+    if not order:
+        return
+    size = entry["size"]
+    flat = {n: targets[n].detach().reshape(-1).view(torch.uint8) for n in order}  # written in place
+    deadline = time.monotonic() + timeout_s
+    fd, direct = open_for_read(path, o_direct)
+    pieces = _plan(metas, order, _spans([tuple(metas[n]["offsets"]) for n in order], size, align=direct),
+                   min(READ_PIECE, staging.chunk_bytes))
+
+    def land(slot: int, piece: _Piece) -> None:  # on the reader: copies of several pieces run in parallel
+        chunk = staging.view(slot)
+        for name, lo, hi in piece.segments:
+            begin = metas[name]["offsets"][0]
+            # From a pinned slot to the device: a synchronous copy, done before the slot is reused.
+            flat[name][lo - begin: hi - begin].copy_(chunk[lo - piece.off: hi - piece.off])
+
+    streamed = _Streamed(path, size, pieces, staging, fd, deadline, land)
+    hashers = {n: xxhash.xxh3_64() for n in order if verify and metas[n].get("xxh3_64") is not None}
+    try:
+        if not direct:
+            os.posix_fadvise(fd, pieces[0].off, pieces[-1].off + pieces[-1].length - pieces[0].off,
+                             os.POSIX_FADV_SEQUENTIAL)
+        streamed.start(threads)
+        for index, piece in enumerate(pieces):  # checksums stream in file order, on this thread
+            slot = streamed.wait(index)
+            try:
+                memory = staging.memory(slot, piece.length)
+                for name, lo, hi in piece.segments:
+                    if name not in hashers:
+                        continue
+                    hashers[name].update(memory[lo - piece.off: hi - piece.off])
+                    if hi == metas[name]["offsets"][1] and hashers[name].hexdigest() != metas[name]["xxh3_64"]:
+                        raise CheckpointError(f"{path}: tensor {name!r} fails its checksum")
+            finally:
+                streamed.consumed(index)
+        streamed.finish()
+    except cf.TimeoutError:
+        raise CheckpointError(f"reading {path} did not finish within {timeout_s:.0f}s (timeout)") from None
+    except (OSError, CacheError) as exc:
+        raise CheckpointError(f"reading {path} failed: {exc}") from exc
+    finally:
+        streamed.stop(timeout_s)
+        os.close(fd)
+
+
+class _Streamed:
+    """``stream_into``'s readers: pieces taken in file order, each read into a slot of its own.
+
+    A reader first takes a free slot, then the next piece (under one lock), so slots are held by
+    pieces in file order and the lowest piece not yet consumed is always being read or ready.
+    A failure on any thread stops the others and reaches the consumer.
+    """
+
+    def __init__(self, path: str, size: int, pieces: list[_Piece], staging: Staging, fd: int, deadline: float,
+                 land: Callable[[int, _Piece], None]):
+        self.path, self.size, self.pieces, self.staging, self.fd = path, size, pieces, staging, fd
+        self.deadline, self.land = deadline, land
+        self.cond = threading.Condition()
+        self.take = threading.Lock()
+        self.next = 0  # the next piece a reader takes
+        self.slots: dict[int, int] = {}  # piece index -> its slot, once read
+        self.held: set[int] = set()  # slots taken and not yet released
+        self.error: BaseException | None = None
+        self.futures: list[cf.Future] = []
+
+    def start(self, threads: int) -> None:
+        pool = _pool("read", threads)
+        self.futures = [pool.submit(self._reader) for _ in range(min(threads, len(self.pieces)))]
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _reader(self) -> None:
+        try:
+            while True:
+                with self.take:
+                    if self.next == len(self.pieces) or self.error is not None:
+                        return
+                    slot = self.staging.acquire(max(0.0, self.deadline - time.monotonic()), self._check)
+                    with self.cond:
+                        self.held.add(slot)
+                    index, self.next = self.next, self.next + 1
+                piece = self.pieces[index]
+                _read_fully(self.fd, [self.staging.memory(slot, piece.length)], piece.off,
+                            min(piece.length, self.size - piece.off), self.path)
+                self.land(slot, piece)
+                with self.cond:
+                    self.slots[index] = slot
+                    self.cond.notify_all()
+        except BaseException as exc:
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self.cond:
+            if self.error is None:
+                self.error = exc
+            self.cond.notify_all()
+        self.staging.wake()  # a reader waiting for a slot gives up now
+
+    def wait(self, index: int) -> int:
+        """The slot holding piece ``index`` once read (raises the first failure, or times out)."""
+        with self.cond:
+            while index not in self.slots and self.error is None:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise cf.TimeoutError()
+                self.cond.wait(left)
+            if index not in self.slots:
+                raise self.error
+            return self.slots[index]
+
+    def consumed(self, index: int) -> None:
+        with self.cond:
+            slot = self.slots.pop(index)
+            self.held.discard(slot)
+        self.staging.release(slot)
+
+    def finish(self) -> None:
+        for future in self.futures:
+            future.result(timeout=max(0.0, self.deadline - time.monotonic()))
+        self._check()
+
+    def stop(self, timeout: float) -> None:
+        """Stop the readers, wait for the running ones, and give back every slot they still hold."""
+        self._fail(CheckpointError(f"reading {self.path} was abandoned"))
+        _cancel(self.futures, timeout)
+        with self.cond:
+            held, self.held = list(self.held), set()
+        for slot in held:
+            self.staging.release(slot)
 
 
 def _direct_to_targets_reader(path: str, metas: dict[str, dict],

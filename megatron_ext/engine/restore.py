@@ -109,7 +109,8 @@ class FileReader:
         """Fill existing tensors (name -> tensor of the saved dtype and shape) in place, in parallel."""
         self._check_file()
         staging = self.staging
-        if staging is None or staging.chunk_bytes < MIN_STAGING_CHUNK:  # tiny slots: too many requests
+        # Tiny slots cost too many requests; fewer slots than readers + 1 leave readers idle.
+        if staging is None or staging.chunk_bytes < MIN_STAGING_CHUNK or staging.num_slots <= self.threads:
             staging = default_staging(self.threads)
         read_into(self.tensor_path, self.entry, targets, staging,
                   verify=self.verify, o_direct=self.o_direct, threads=self.threads, timeout_s=self.timeout_s)

@@ -3,8 +3,9 @@
 docs/ARCHITECTURE.md ("What no test here executes") lists them: ``CudaCopier`` (event after the
 compute stream, private copy stream, ``.contiguous()`` temporaries kept until synchronised, the
 stream synchronised for an abandoned copy), the pinned host cache, pinned restore buffers and
-``non_blocking`` host-to-GPU copies in ``fast_read``, ``restore._wants_cuda``, and the NCCL branch of
-``engine.agree_load_level``. The scenarios are shared with the CPU suite (``helpers.device_scenarios``).
+``non_blocking`` host-to-GPU copies in ``fast_read``, ``read_into`` of GPU tensors through pinned
+slots, ``restore._wants_cuda``, and the NCCL branch of ``engine.agree_load_level``. The scenarios
+are shared with the CPU suite (``helpers.device_scenarios``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,28 @@ def test_restore_buffers_are_pinned_for_the_gpu():
     host = {"a": fast_read.aligned_buffer(4096, pin=True).fill_(7)}
     moved = fast_read.to_device(host, "cuda")
     assert moved["a"].is_cuda and torch.equal(moved["a"].cpu(), host["a"])
+
+
+def test_read_into_cuda_tensors_streams_through_pinned_slots(tmp_path, monkeypatch):
+    """GPU targets never get a host buffer the size of the file: pieces go through reused pinned slots."""
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(3 * fast_read.READ_PIECE // 4 + 999, generator=g), "b": torch.randn(77, generator=g)}
+    with device_scenarios.engine(tmp_path, host_cache_size=0.01, restore_threads=3) as e:
+        e.save_and_commit(state, "A", version=1)
+        e.wait_persisted()
+        reader = e.open_checkpoint("A").reader("rank00000")
+
+        def no_file_sized_buffer(*args, **kwargs):
+            raise AssertionError("a CUDA target was read through a fresh host buffer")
+
+        monkeypatch.setattr(fast_read, "read_tensors", no_file_sized_buffer)
+        targets = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
+        reader.read_into(targets)
+        staging = fast_read.default_staging(3)
+        staging.wait_allocated(60)
+        assert staging.pinned and staging.free_slots == staging.num_slots
+        for name, want in state.items():
+            device_scenarios.assert_bits(targets[name], want, name)
 
 
 def test_bench_engine_on_cuda_prints_the_cpu_keys(tmp_path):
