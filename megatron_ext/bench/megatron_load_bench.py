@@ -20,10 +20,15 @@ that path, so it would compare us with ourselves.
 
 3. In each round, the disk's limit for the same bytes: ``nproc`` processes started together, each
    reading its rank's tensor files of the datastates checkpoint cold, with no work on them, into
-   reused buffers (read-ahead streams, 1 and ``restore_threads`` per process; the faster counts).
+   reused buffers (read-ahead streams, 1 and ``READ_STREAMS`` per process; the faster counts).
    ``megatron_read_ceiling_s`` is its median; no loader of these bytes from this disk can beat it,
    so ``megatron_load_speedup_bound`` (torch_dist cold / ceiling) is the most any loader could
    show against torch_dist here, and ``megatron_load_vs_ceiling`` how close datastates comes.
+   The same read (1 and ``READ_STREAMS`` streams) with the Adam moments' bytes landing in fresh
+   memory, as a load must place them (its optimizer allocates them for the load: one first-touch
+   fault per page, zeroed by the kernel), is ``megatron_fresh_read_ceiling_s``: the disk's limit plus the memory's, for these
+   bytes, which ``megatron_load_speedup_fresh_bound`` turns into the most a loader that fills
+   freshly allocated moments could show against torch_dist here.
 
 The default model (8 layers, hidden 1024, vocab 16384, bf16, distributed optimizer) makes a
 1.65 GB checkpoint, 0.8 GB per rank, so that bytes rather than fixed costs dominate.
@@ -31,6 +36,8 @@ The default model (8 layers, hidden 1024, vocab 16384, bf16, distributed optimiz
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import mmap
 import multiprocessing
 import os
 import queue
@@ -43,6 +50,7 @@ from pathlib import Path
 from megatron_ext.bench.common import drop_page_cache
 from megatron_ext.bench.restore_bench import read_seconds
 from megatron_ext.engine import read_manifest
+from megatron_ext.engine.manifest import TensorIndex
 from megatron_ext.procs import run_logged
 from megatron_ext.testing import megatron_lm
 
@@ -58,6 +66,9 @@ FORMATS = {"datastates": ["--use-datastates", "--datastates-host-cache-size", "0
 _TIMER = re.compile(r"load-checkpoint \.*: \(([\d.]+), ([\d.]+)\)")
 RUN_TIMEOUT_S = 1200
 READ_STREAMS = 4  # the engine's default restore_threads
+#: Tensors a load allocates for itself (torch Adam's moments, by a part of their names): fresh pages.
+MOMENTS = ("optimizer.state.exp_avg.", "optimizer.state.exp_avg_sq.")
+CHUNK = 16 << 20
 
 
 def _progress(msg: str) -> None:
@@ -105,9 +116,12 @@ def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = M
         losses[fmt] = [(r["iteration"], r["loss"], r["grad_norm"]) for r in megatron_lm.read_records(record)]
     seconds: dict[str, list[float]] = {f"{fmt}_{temp}": [] for fmt in FORMATS for temp in ("cold", "warm")}
     ceiling: list[float] = []
+    fresh_ceiling: list[float] = []
     for rep in range(repeats):
         _progress(f"round {rep + 1}/{repeats}: plain cold read of the datastates checkpoint's files by {nproc} processes")
         ceiling.append(min(plain_read_s(saved["datastates"], ITERS, nproc, streams) for streams in (1, READ_STREAMS)))
+        fresh_ceiling.append(min(plain_read_s(saved["datastates"], ITERS, nproc, streams, fresh=MOMENTS)
+                                 for streams in (1, READ_STREAMS)))
         for fmt in (list(FORMATS) if rep % 2 == 0 else list(FORMATS)[::-1]):
             for temp in ("cold", "warm"):
                 _progress(f"round {rep + 1}/{repeats}: Megatron-LM load_checkpoint of the {fmt} checkpoint ({temp})")
@@ -138,19 +152,32 @@ def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = M
     result["megatron_read_ceiling_s_runs"] = ceiling
     result["megatron_load_vs_ceiling"] = result["megatron_read_ceiling_s"] / result["megatron_load_s_datastates"]
     result["megatron_load_speedup_bound"] = result["megatron_load_s_torch_dist"] / result["megatron_read_ceiling_s"]
+    result["megatron_fresh_read_ceiling_s"] = statistics.median(fresh_ceiling)
+    result["megatron_fresh_read_ceiling_s_runs"] = fresh_ceiling
+    result["megatron_load_speedup_fresh_bound"] = (result["megatron_load_s_torch_dist"]
+                                                   / result["megatron_fresh_read_ceiling_s"])
     return result
 
 
-def plain_read_s(root: str, iteration: int, nproc: int, streams: int) -> float:
+def plain_read_s(root: str, iteration: int, nproc: int, streams: int, fresh: tuple[str, ...] = ()) -> float:
     """Seconds for ``nproc`` processes, started together, to read cold each its rank's tensor files of
-    checkpoint ``iteration`` under ``root`` (``streams`` read-ahead streams each, no work on the bytes)."""
+    checkpoint ``iteration`` under ``root`` (``streams`` read-ahead streams each, no work on the bytes).
+
+    With ``fresh`` (parts of tensor names), the streams read only the tensors' bytes, those of tensors so
+    named into one fresh anonymous mapping (first touched by the read), the others into reused buffers.
+    """
     checkpoint = os.path.join(root, f"iter_{iteration:07d}")
-    files = read_manifest(checkpoint)["files"].values()
-    per_rank = [[os.path.join(root, e["tensor_file"]) for e in files if e["rank"] == r] for r in range(nproc)]
+    manifest = read_manifest(checkpoint)
+    index = TensorIndex(checkpoint, manifest)
+    per_rank = [[(os.path.join(root, e["tensor_file"]), _segments(index.tensors(name), fresh))
+                 for name, e in manifest["files"].items() if e["rank"] == r] for r in range(nproc)]
+    if fresh and not any(into_fresh for plans in per_rank for _, segs in plans for _, _, into_fresh in segs):
+        raise RuntimeError(f"{checkpoint}: no tensor name holds {' or '.join(fresh)}: nothing would land in fresh memory")
     drop_page_cache(checkpoint)
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(nproc), context.Queue()
-    procs = [context.Process(target=_read_files, args=(paths, streams, barrier, results)) for paths in per_rank]
+    procs = [context.Process(target=_read_files, args=(plans, streams, bool(fresh), barrier, results))
+             for plans in per_rank]
     for proc in procs:
         proc.start()
     took: list[float] = []
@@ -171,13 +198,72 @@ def plain_read_s(root: str, iteration: int, nproc: int, streams: int) -> float:
     return max(took)
 
 
-def _read_files(paths: list[str], streams: int, barrier: "multiprocessing.synchronize.Barrier",
-                results: "multiprocessing.Queue") -> None:
+def _segments(tensors: dict, fresh: tuple[str, ...]) -> list[tuple[int, int, bool]]:
+    """A file's tensor bytes in file order, ``(begin, end, lands in fresh memory)``, neighbours merged."""
+    merged: list[tuple[int, int, bool]] = []
+    for name, meta in sorted(tensors.items(), key=lambda item: item[1]["offsets"][0]):
+        begin, end = meta["offsets"]
+        into_fresh = any(part in name for part in fresh)
+        if merged and merged[-1][2] == into_fresh and merged[-1][1] == begin:
+            merged[-1] = (merged[-1][0], end, into_fresh)
+        else:
+            merged.append((begin, end, into_fresh))
+    return merged
+
+
+def _read_files(plans: list[tuple[str, list[tuple[int, int, bool]]]], streams: int, fresh: bool,
+                barrier: "multiprocessing.synchronize.Barrier", results: "multiprocessing.Queue") -> None:
     barrier.wait(RUN_TIMEOUT_S)
     start = time.perf_counter()
-    for path in paths:
-        read_seconds(path, streams, direct=False)
+    if not fresh:
+        for path, _ in plans:
+            read_seconds(path, streams, direct=False)
+    else:
+        _read_into_fresh(plans, streams)
     results.put(time.perf_counter() - start)
+
+
+def _read_into_fresh(plans: list[tuple[str, list[tuple[int, int, bool]]]], streams: int) -> None:
+    """Read the planned bytes by ``streams`` threads, each a contiguous run of requests in file order
+    on descriptors of its own; bytes marked fresh land in one new anonymous mapping, the rest in
+    each thread's reused buffer."""
+    requests: list[tuple[str, int, int, int]] = []  # (path, file offset, length, place in fresh memory or -1)
+    landed = 0
+    for path, segments in plans:
+        for begin, end, into_fresh in segments:
+            for off in range(begin, end, CHUNK):
+                n = min(CHUNK, end - off)
+                requests.append((path, off, n, landed if into_fresh else -1))
+                landed += n if into_fresh else 0
+    target = memoryview(mmap.mmap(-1, max(1, landed)))
+    per_stream = -(-sum(r[2] for r in requests) // streams)
+    runs: list[list[tuple[str, int, int, int]]] = [[]]
+    in_run = 0
+    for request in requests:
+        if in_run >= per_stream:
+            runs.append([])
+            in_run = 0
+        runs[-1].append(request)
+        in_run += request[2]
+
+    def read(run: list[tuple[str, int, int, int]]) -> None:
+        reused = memoryview(mmap.mmap(-1, CHUNK))
+        fds: dict[str, int] = {}
+        try:
+            for path, off, n, place in run:
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY)
+                    os.posix_fadvise(fds[path], off, 0, os.POSIX_FADV_SEQUENTIAL)
+                dest = target[place:place + n] if place >= 0 else reused[:n]
+                if os.preadv(fds[path], [dest], off) != n:
+                    raise OSError(f"short read of {path} at {off}")
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    with cf.ThreadPoolExecutor(len(runs)) as pool:
+        for future in [pool.submit(read, run) for run in runs]:
+            future.result(timeout=RUN_TIMEOUT_S)
 
 
 def read_tree(root: str) -> None:

@@ -307,6 +307,9 @@ def format_table(r: dict) -> str:
         lines.append(f"  disk's limit        a plain cold read of the same files by {r['megatron_nproc']} processes"
                      f" {r['megatron_read_ceiling_s']:.2f}s: datastates at {r['megatron_load_vs_ceiling']:.2f} of it;"
                      f" no loader can beat torch_dist by more than {r['megatron_load_speedup_bound']:.2f}x here")
+        lines.append(f"  + fresh moments     the same read with the Adam moments landing in fresh pages"
+                     f" {r['megatron_fresh_read_ceiling_s']:.2f}s: no loader that allocates them can beat torch_dist"
+                     f" by more than {r['megatron_load_speedup_fresh_bound']:.2f}x here")
     elif "megatron_load_skipped" in r:
         lines.append(f"  Megatron-LM load    skipped: {r['megatron_load_skipped']}")
     return "\n".join(lines)

@@ -58,8 +58,23 @@ def test_plain_read_reads_each_ranks_files_in_processes_of_their_own(tmp_path):
     for engine in engines:
         engine.shutdown()
     assert megatron_load_bench.plain_read_s(str(tmp_path), 2, 2, 2) > 0
+    for streams in (1, 3):  # every byte into fresh pages
+        assert megatron_load_bench.plain_read_s(str(tmp_path), 2, 2, streams, fresh=("w",)) > 0
+    with pytest.raises(RuntimeError, match="no tensor name holds optimizer"):  # a renamed state is not silently missed
+        megatron_load_bench.plain_read_s(str(tmp_path), 2, 2, 1, fresh=megatron_load_bench.MOMENTS)
     with pytest.raises(RuntimeError, match="reader exit codes"):  # a reader that dies is named, not waited for
         megatron_load_bench.plain_read_s(str(tmp_path), 2, 2, 0)
+
+
+def test_fresh_read_plan_sends_only_the_moments_to_fresh_memory():
+    """The fresh-memory ceiling reads the moments' bytes into new pages, everything else into a reused buffer."""
+    tensors = {"shards/embedding": [0, 64], "shards/optimizer.state.exp_avg.w@0": [64, 96],
+               "shards/optimizer.state.exp_avg_sq.w@0": [96, 128], "shards/optimizer.state.fp32_param.w@0": [128, 160],
+               "shards/optimizer.state.exp_avg.v@1": [200, 208]}
+    index = {name: {"offsets": offsets} for name, offsets in tensors.items()}
+    assert megatron_load_bench._segments(index, megatron_load_bench.MOMENTS) == [
+        (0, 64, False), (64, 128, True), (128, 160, False), (200, 208, True)]
+    assert megatron_load_bench._segments(index, ()) == [(0, 160, False), (200, 208, False)]
 
 
 @pytest.mark.slow
@@ -87,7 +102,8 @@ def test_megatron_load_cold_and_warm(tmp_path):
         pytest.skip(r["megatron_load_skipped"])
     for key in ("megatron_load_s_datastates", "megatron_load_s_torch_dist", "megatron_load_s_datastates_warm",
                 "megatron_load_s_torch_dist_warm", "megatron_load_speedup", "megatron_load_speedup_warm",
-                "megatron_read_ceiling_s", "megatron_load_vs_ceiling", "megatron_load_speedup_bound"):
+                "megatron_read_ceiling_s", "megatron_load_vs_ceiling", "megatron_load_speedup_bound",
+                "megatron_fresh_read_ceiling_s", "megatron_load_speedup_fresh_bound"):
         assert r[key] > 0, key
     assert r["megatron_same_training"] is True and len(r["megatron_load_s_datastates_runs"]) == 1
     json.dumps(r)
