@@ -32,7 +32,14 @@ interleaved tests run PP = 4 with ``--no-overlap-p2p-communication``.
 
 CPU flags the runs pass: ``--distributed-backend gloo --transformer-impl local
 --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion
---no-bias-dropout-fusion --no-persist-layer-norm --no-rope-fusion`` (``CPU_FLAGS``).
+--no-bias-dropout-fusion --no-persist-layer-norm --no-rope-fusion --num-workers 0`` (``CPU_FLAGS``).
+``--num-workers 0``: the data loaders' worker processes are forked, and a CPython 3.11 without the
+fix of cpython gh-112275 (this machine has 3.11.7) can deadlock the forked child when, at that
+instant, another thread is creating its Python thread state: the child waits for the
+interpreter's head lock. Here that thread is a torch gloo work thread entering Python. One such
+hang was seen (2026-11-25, a fine-tuning test): a worker stuck in ``PyOS_AfterFork_Child``, and
+rank 0 waiting for its first batch. Data loading is not under test, and the batches do not depend
+on the number of workers.
 
 Recording: the rank that holds the last pipeline stage at tensor- and data-parallel rank 0
 appends one JSON line per training step, ``{"iteration", "loss", "grad_norm", "skipped", "lr",
@@ -62,7 +69,7 @@ HOW_TO_GET = ("Megatron-LM checkout not available: run `MEGATRON_LM_DIR=<a check
               "NVIDIA/Megatron-LM> scripts/fetch_megatron.sh` once")
 CPU_FLAGS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
              "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-             "--no-persist-layer-norm", "--no-rope-fusion"]
+             "--no-persist-layer-norm", "--no-rope-fusion", "--num-workers", "0"]
 # A GPT small enough for 2 CPU cores: mock data, no tokenizer files, no evaluation.
 TINY_GPT = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
