@@ -425,6 +425,14 @@ class Staging(Protocol):
     def memory(self, slot: int, nbytes: int) -> memoryview: ...
 
 
+def _byte_views(metas: dict[str, dict], targets: dict[str, torch.Tensor],
+                names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Byte views of the targets ``names`` that hold bytes in the file, in file order (filled in place)."""
+    order = sorted((n for n in names if metas[n]["offsets"][1] > metas[n]["offsets"][0]),
+                   key=lambda n: metas[n]["offsets"][0])
+    return {n: targets[n].detach().reshape(-1).view(torch.uint8) for n in order}
+
+
 def read_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging: Staging, *, verify: bool = True,
               o_direct: bool | str = "auto", threads: int = 4, timeout_s: float = 1800.0) -> None:
     """Fill existing tensors (e.g. a model's) with their saved bytes; checksums from the filled tensors.
@@ -451,13 +459,11 @@ def read_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging:
     if device:
         stream_into(path, entry, device, staging, verify=verify, o_direct=o_direct, threads=threads,
                     timeout_s=timeout_s)
-    order = sorted((n for n in targets if n not in strided and n not in device
-                    and metas[n]["offsets"][1] > metas[n]["offsets"][0]),
-                   key=lambda n: metas[n]["offsets"][0])
-    if not order:
+    flat = _byte_views(metas, targets, [n for n in targets if n not in strided and n not in device])
+    if not flat:
         return
+    order = list(flat)
     size = entry["size"]
-    flat = {n: targets[n].detach().reshape(-1).view(torch.uint8) for n in order}  # written in place
     deadline = time.monotonic() + timeout_s
     fd, direct = open_for_read(path, o_direct)
     ranges = [tuple(metas[n]["offsets"]) for n in order]
@@ -494,12 +500,11 @@ def stream_into(path: str, entry: dict, targets: dict[str, torch.Tensor], stagin
     at least one slot suffices, ``threads`` + 1 keep every reader busy.
     """
     metas = _metas(entry, targets)
-    order = sorted((n for n in metas if metas[n]["offsets"][1] > metas[n]["offsets"][0]),
-                   key=lambda n: metas[n]["offsets"][0])
-    if not order:
+    flat = _byte_views(metas, targets, targets)
+    if not flat:
         return
+    order = list(flat)
     size = entry["size"]
-    flat = {n: targets[n].detach().reshape(-1).view(torch.uint8) for n in order}  # written in place
     deadline = time.monotonic() + timeout_s
     fd, direct = open_for_read(path, o_direct)
     pieces = _plan(metas, order, _spans([tuple(metas[n]["offsets"]) for n in order], size, align=direct),
