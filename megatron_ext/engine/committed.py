@@ -10,6 +10,7 @@ import os
 from typing import TYPE_CHECKING, Mapping
 
 from . import codec, restore
+from .collectives import all_reduce_int
 from .config import EngineConfig
 from .host_cache import HostCache
 from .jobs import CheckpointError, LEVEL_LOCAL, LEVEL_PEER, LEVEL_SHARED
@@ -84,13 +85,9 @@ class CommittedCheckpoint:
         """
         local = int(self.local_copy_complete(rank))
         if world_size > 1:
-            import torch
             import torch.distributed as dist
 
-            device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-            flag = torch.tensor([local], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-            local = int(flag.item())
+            local = all_reduce_int(local, dist.ReduceOp.MIN)
         self.use_level("auto" if local else LEVEL_SHARED)
         return LEVEL_LOCAL if local else LEVEL_SHARED
 

@@ -18,6 +18,7 @@ import uuid
 import torch
 
 from . import lock as dir_lock, retention
+from .collectives import all_reduce_int
 from .config import EngineConfig
 from .jobs import CheckpointError
 
@@ -37,10 +38,7 @@ def _any_rank_failed(failed: bool) -> bool:
     """Whether any rank failed (one all-reduce at start-up), so every rank stops together."""
     import torch.distributed as dist
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([int(failed)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return bool(all_reduce_int(int(failed), dist.ReduceOp.MAX))
 
 
 class DirectoryOwnership:

@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
+from megatron_ext.engine.collectives import all_reduce_int
 from megatron_ext.engine.commit import MANIFEST
 from megatron_ext.engine.layout import torch_dtype
 from megatron_ext.megatron import optimizer_state, sharding
@@ -251,9 +252,8 @@ class MegatronCheckpointer:
                                                        args, strict, skip_load_to_model_and_opt)
             except CheckpointError as exc:
                 error = exc
-            failed = torch.tensor([0 if error is None else 1])
-            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
-            if not failed.item():
+            # On the world's device (CUDA under NCCL, which refuses host tensors).
+            if not all_reduce_int(0 if error is None else 1, torch.distributed.ReduceOp.MAX):
                 log.warning("[datastates] loaded %s from %s (%s level) in %.2fs: iteration %d",
                             checkpoint_name(candidate), root, levels, time.monotonic() - started, result[0])
                 if getattr(args, "save", None):

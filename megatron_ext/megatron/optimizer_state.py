@@ -14,6 +14,15 @@ groups, grad scaler) is the same on every rank. This is megatron-core's
 ``ShardedTensor`` rejects ``flattened_range``) nor read back with torch Adam (see
 ``load_model_space_state_dict``).
 
+Parameters whose model state is a ``ShardedTensorFactory`` (the gated MLP's ``linear_fc1`` split
+into its two halves, Mamba's and gated delta net's input projections split into their parts)
+are saved as the boxes the factory builds: ``model_boxes`` builds the factory on the live
+parameter, and where every piece is a contiguous run of the parameter's memory (a split along
+dimension 0), this rank's flat slice is cut at the pieces' boundaries, one leaf per piece it
+reaches. A factory whose pieces are copies or strided views (the legacy ``GroupedMLP``'s
+transposed expert weights) cannot be described per slice without a gather and is refused by
+name.
+
 Loading, on the torch-Adam path (no Transformer Engine or Apex, as on CPUs):
 
 * a fresh optimizer has no Adam state yet, and ``DistributedOptimizer.state_dict()`` fails
@@ -25,10 +34,12 @@ Loading, on the torch-Adam path (no Transformer Engine or Apex, as on CPUs):
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, Iterator
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from megatron_ext.megatron import sharding
 
@@ -56,10 +67,60 @@ def model_space_state_dict(optimizer: Any, model_sharded: dict, is_loading: bool
     optimizers = list(_distributed(optimizer))
     if not all(_is_distributed(opt) for opt in optimizers):
         return optimizer.sharded_state_dict(model_sharded, is_loading=is_loading)
-    by_param = {shard.data: shard for shard in sharding.sharded_leaves(model_sharded)
-                if isinstance(shard, ShardedTensor)}
+    by_param = model_boxes(model_sharded)
     states = [_model_space(opt, by_param) for opt in optimizers]
     return states[0] if len(states) == 1 else dict(enumerate(states))
+
+
+@dataclasses.dataclass(frozen=True)
+class Box:
+    """One model-space box of a parameter: its ShardedTensor and where it starts in the flat parameter."""
+
+    shard: ShardedTensor
+    offset: int  # first element of the box in the parameter's flat (row-major) memory
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shard.local_shape)
+
+
+def model_boxes(model_sharded: dict) -> dict[Any, list[Box]]:
+    """Each parameter of the model's sharded state dict -> its boxes in model space, in memory order.
+
+    A ShardedTensor is one box over the whole parameter; a ShardedTensorFactory is built on the
+    live parameter and each piece must be a contiguous run of its memory (see the module
+    docstring), else a ValueError names the factory.
+    """
+    boxes: dict[Any, list[Box]] = {}
+    for leaf in sharding.sharded_leaves(model_sharded):
+        if isinstance(leaf, ShardedTensor):
+            boxes[leaf.data] = [Box(leaf, 0)]
+        elif isinstance(leaf, ShardedTensorFactory) and isinstance(leaf.data, torch.Tensor):
+            boxes[leaf.data] = _factory_boxes(leaf)
+    return boxes
+
+
+def _factory_boxes(factory: ShardedTensorFactory) -> list[Box]:
+    param = factory.data
+    pieces = list(sharding.sharded_leaves(factory.build_fn(factory.key, param, factory.replica_id, None)))
+    base = param.untyped_storage().data_ptr() + param.storage_offset() * param.element_size()
+    boxes = []
+    for piece in pieces:
+        data = piece.data if isinstance(piece, ShardedTensor) else None
+        start = None if data is None else data.untyped_storage().data_ptr() + data.storage_offset() * data.element_size()
+        if (data is None or not data.is_contiguous() or data.dtype != param.dtype or start is None
+                or data.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()):
+            raise ValueError(f"the sharded state of parameter {factory.key!r} {tuple(param.shape)} comes from a "
+                             "ShardedTensorFactory whose pieces are not contiguous parts of the parameter; its "
+                             "optimizer state cannot be saved per data-parallel slice without a gather "
+                             "(docs/MEGATRON.md, factories)")
+        boxes.append(Box(piece, (start - base) // param.element_size()))
+    boxes.sort(key=lambda box: box.offset)
+    ends = [box.offset + box.numel for box in boxes]
+    if boxes[0].offset != 0 or ends[-1] != param.numel() or any(e != b.offset for e, b in zip(ends, boxes[1:])):
+        raise ValueError(f"the pieces ShardedTensorFactory {factory.key!r} builds do not tile its parameter "
+                         f"{tuple(param.shape)} exactly")
+    return boxes
 
 
 def _param_slices(opt: Any) -> Iterator[tuple[Any, slice]]:
@@ -107,20 +168,42 @@ def _model_space(opt: Any, by_param: dict) -> dict:
     state = _common_state(opt)
     param_state = {}
     for model_param, flat in _param_slices(opt):
-        model_shard = by_param.get(model_param)
-        if model_shard is None or len(model_shard.replica_id) != 3:
+        boxes = by_param.get(model_param)
+        if boxes is None or any(len(sharding.replica_tuple(box.shard.replica_id)) != 3 for box in boxes):
             raise ValueError(f"parameter of shape {tuple(model_param.shape)} has no (PP, TP, DP) ShardedTensor "
                              "in the model's sharded state dict")
-        replica_id = (*model_shard.replica_id[:2], opt.distributed_optimizer_instance_id)
         param_state[len(param_state)] = {
-            name: sharding.flat_shard(model_shard, f"optimizer.state.{name}.{model_shard.key}", tensor, flat,
-                                      replica_id)
-            for name, tensor in _param_tensors(opt, model_param).items()}
+            name: _slice_leaves(opt, boxes, name, tensor, flat) for name, tensor in _param_tensors(opt, model_param).items()}
     state["param_state"] = param_state
     state["param_state_sharding_type"] = MODEL_SPACE
     if not _has_stepped(opt):
         state[BEFORE_FIRST_STEP] = True  # main params only: the load template must not ask for moments
     return state
+
+
+def _slice_leaves(opt: Any, boxes: list[Box], name: str, tensor: torch.Tensor, flat: slice) -> Any:
+    """This rank's slice ``flat`` of a parameter's state ``name`` as model-space leaves (views of ``tensor``).
+
+    One leaf for a parameter of one box (the layout of every checkpoint so far); for a factory's
+    pieces, ``{piece number: leaf}`` for each piece the slice reaches, in memory order.
+    """
+    leaves = {}
+    for number, box in enumerate(boxes):
+        lo, hi = max(flat.start, box.offset), min(flat.stop, box.offset + box.numel)
+        if lo >= hi:
+            continue
+        replica_id = (*sharding.replica_tuple(box.shard.replica_id)[:2], opt.distributed_optimizer_instance_id)
+        leaves[number] = sharding.flat_shard(box.shard, f"optimizer.state.{name}.{box.shard.key}",
+                                             tensor[lo - flat.start:hi - flat.start],
+                                             slice(lo - box.offset, hi - box.offset), replica_id)
+    return leaves[0] if len(boxes) == 1 else leaves
+
+
+def _joined(loaded: Any) -> torch.Tensor:
+    """A loaded slice: one tensor, or the pieces ``_slice_leaves`` cut it into, joined in memory order."""
+    if isinstance(loaded, dict):
+        return torch.cat([loaded[k].reshape(-1) for k in sorted(loaded)])
+    return loaded
 
 
 def saved_before_first_step(saved_common: Any) -> bool:
@@ -151,15 +234,15 @@ def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
         scaled = getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
         stepped = not opt_state.get(BEFORE_FIRST_STEP)
         for index, (model_param, _) in enumerate(_param_slices(opt)):
+            loaded = {k: _joined(v) for k, v in param_state[index].items()}
             if scaled:  # the optimizer keeps scaled copies: megatron-core's own setter rescales
-                loaded = param_state[index]
                 opt._set_main_param_and_optimizer_states(
                     model_param, {"param" if k == "fp32_param" else k: v for k, v in loaded.items()})
                 continue
             with torch.no_grad():  # in fp32 the main params are the model's own (leaf) params
                 for name, tensor in _param_tensors(opt, model_param).items():
-                    if name in param_state[index]:
-                        tensor.copy_(param_state[index][name])
+                    if name in loaded:
+                        tensor.copy_(loaded[name])
         if not stepped:  # saved before the first step: so is this optimizer now (its next step starts the moments)
             opt.optimizer.state.clear()
     restore_adam_steps(optimizer)

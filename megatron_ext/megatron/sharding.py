@@ -60,13 +60,13 @@ def shard_id(shard: ShardedBase) -> str:
     return sid
 
 
-def _replica_tuple(replica_id: Any) -> tuple[int, ...]:
+def replica_tuple(replica_id: Any) -> tuple[int, ...]:
     return (int(replica_id),) if isinstance(replica_id, int) else tuple(int(r) for r in replica_id)
 
 
 def is_candidate(shard: ShardedBase) -> bool:
     """Main replica up to the data-parallel component (the last entry of ``replica_id``)."""
-    return all(r == 0 for r in _replica_tuple(shard.replica_id)[:-1])
+    return all(r == 0 for r in replica_tuple(shard.replica_id)[:-1])
 
 
 def shard_nbytes(shard: ShardedBase) -> int:

@@ -30,7 +30,13 @@ Megatron-LM's interleaved schedule with overlapped p2p communication (required a
 deterministic over gloo here (a run without checkpoints differs from run to run, even NaN): the
 interleaved tests run PP = 4 with ``--no-overlap-p2p-communication``.
 
-CPU flags the runs pass: ``--distributed-backend gloo --transformer-impl local
+* Megatron-LM's default process group as on a GPU node, ``--distributed-backend nccl``: its
+  ``nccl`` is ``megatron_ext.testing.emulated_nccl``'s group, which refuses every collective on a
+  tensor that would live in host memory on a GPU node, as NCCL does, and runs the rest on gloo.
+  Megatron-LM's explicit gloo groups stay gloo. ``--distributed-backend gloo`` still gives a
+  plain gloo default group.
+
+CPU flags the runs pass: ``--distributed-backend nccl --transformer-impl local
 --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion
 --no-bias-dropout-fusion --no-persist-layer-norm --no-rope-fusion --num-workers 0`` (``CPU_FLAGS``).
 ``--num-workers 0``: the data loaders' worker processes are forked, and a CPython 3.11 without the
@@ -67,7 +73,7 @@ REPO = Path(__file__).resolve().parents[2]
 FETCH_SCRIPT = REPO / "scripts" / "fetch_megatron.sh"
 HOW_TO_GET = ("Megatron-LM checkout not available: run `MEGATRON_LM_DIR=<a checkout or git mirror of "
               "NVIDIA/Megatron-LM> scripts/fetch_megatron.sh` once")
-CPU_FLAGS = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+CPU_FLAGS = ["--distributed-backend", "nccl", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
              "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
              "--no-persist-layer-norm", "--no-rope-fusion", "--num-workers", "0"]
 # A GPT small enough for 2 CPU cores: mock data, no tokenizer files, no evaluation.
@@ -77,6 +83,12 @@ TINY_GPT = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads",
             "--lr-decay-iters", "16",
             "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--log-interval", "1",
             "--eval-iters", "0", "--eval-interval", "1000", "--seed", "1234"]
+
+# What makes TINY_GPT a Llama-style model (gated MLP, RMSNorm, rotary, grouped-query attention,
+# untied embeddings, no biases), as the models users train.
+LLAMA_STYLE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+               "--group-query-attention", "--num-query-groups", "2", "--untie-embeddings-and-output-weights",
+               "--disable-bias-linear"]
 
 
 # ---------------------------------------------------------------------------- the checkout
@@ -411,6 +423,7 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
         signal_at: int | None = None, expire_at: int | None = None) -> None:
     """Run ``script`` (a checkout's ``pretrain_gpt.py``) as ``__main__`` with ``argv`` on CPU ranks."""
     from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
+    from megatron_ext.testing.emulated_nccl import enable_emulated_nccl
 
     checkout = str(script.resolve().parent)
     # After site-packages: megatron.core comes from the wheel (with its prebuilt helpers),
@@ -418,6 +431,7 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
     sys.path.append(checkout)
     if not torch.cuda.is_available():
         enable_cpu_emulation()
+        enable_emulated_nccl()  # after the device mode: it must see the device a call asks for first
         _patch_cuda_queries()
         _patch_megatron_training()
     if record:

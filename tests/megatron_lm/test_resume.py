@@ -1,6 +1,9 @@
-"""SIGKILL and resume in Megatron-LM's own loop, TP2 x PP2 x DP2: ours against Megatron's torch_dist.
+"""SIGKILL and resume in Megatron-LM's own loop, a Llama-style model at TP2 x PP2 x DP2: ours against torch_dist.
 
-Every rank SIGKILLs itself right after iteration 3's save call; with ``--use-datastates`` that
+The model is gated (SwiGLU), with RMSNorm, rotary embeddings, grouped-query attention and untied
+embeddings, as the models users train; the default process group is ``nccl`` (the harness's
+emulation refuses host tensors as NCCL does). Every rank SIGKILLs itself right after iteration 3's
+save call; with ``--use-datastates`` that
 checkpoint's copies and flushes are still in flight, so the restart loads the newest committed
 one (the tracker's). Both runs' per-iteration losses, grad norms and learning rates must be
 bit-identical to Megatron-LM's own checkpointing doing the same, including the iterations the
@@ -10,14 +13,16 @@ restart repeats.
 from __future__ import annotations
 
 from helpers.megatron_lm_runs import DATASTATES, NATIVE, Phase, assert_same_trajectory, run_scenario
+from megatron_ext.testing.megatron_lm import LLAMA_STYLE
 
 ITERS = 6
 KILL_AT = 3
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-COMMON = ["--bf16", "--use-distributed-optimizer", "--save-interval", "1", "--train-iters", str(ITERS), *LAYOUT]
+COMMON = ["--bf16", "--use-distributed-optimizer", "--save-interval", "1", "--train-iters", str(ITERS), *LAYOUT,
+          *LLAMA_STYLE]
 
 
-def test_sigkill_resume_tp2_pp2_dp2_matches_megatron_torch_dist(checkout, tmp_path):
+def test_llama_style_sigkill_resume_tp2_pp2_dp2_matches_megatron_torch_dist(checkout, tmp_path):
     phases = [Phase([], kill_at=KILL_AT), Phase([])]
     ours = run_scenario(checkout, 8, phases, tmp_path / "datastates", DATASTATES, COMMON)
     theirs = run_scenario(checkout, 8, phases, tmp_path / "torch_dist", NATIVE, COMMON)
