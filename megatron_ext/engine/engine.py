@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import codec, layout as file_layout
+from . import codec, faults, layout as file_layout
 from .commit import Committer
 from .committed import CommittedCheckpoint
 from .config import ConfigError, EngineConfig, check_writable_dir
@@ -178,6 +178,7 @@ class CheckpointEngine(OverloadMixin):
                        extra=json.loads(json.dumps(extra)) if extra is not None else None)
         job.files.append(fjob)
         self._files.append(fjob)
+        faults.saved()
         self.scheduler.submit(fjob)
         job.blocked_s += time.monotonic() - started
         self.blocked_total_s += time.monotonic() - started
@@ -239,6 +240,7 @@ class CheckpointEngine(OverloadMixin):
         started = time.monotonic()
         timeout = self.config.snapshot_timeout_s if timeout is None else timeout
         pending = [f for f in self._files if not f.snapshot_done.is_set()]
+        faults.waiting()
         self._await_snapshots(pending, started + timeout)
         self.failures.check()
         blocked = time.monotonic() - started
@@ -253,6 +255,7 @@ class CheckpointEngine(OverloadMixin):
                        timeout: float | None = None) -> None:
         """Block until saved files are durable on every level (peer replicas included) and commits are done."""
         deadline = time.monotonic() + (self.config.persist_timeout_s if timeout is None else timeout)
+        faults.waiting()  # a test's copy gate: waiting for durability waits for the copies too
         if checkpoint is not None:
             key = (self._root(root), checkpoint)
             if key not in self.jobs.open:
@@ -321,6 +324,7 @@ class CheckpointEngine(OverloadMixin):
         if self._closed:
             return
         self._closed = True
+        faults.waiting()
         timeout = self.config.persist_timeout_s if timeout is None else timeout
         clean = False
         try:

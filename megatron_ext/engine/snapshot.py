@@ -17,6 +17,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+from . import faults
 from .config import OverloadPolicy
 from .context import SaveContext
 from .copier import CpuCopier
@@ -61,6 +62,7 @@ class SnapshotScheduler(QueueWorker):
         try:
             if fjob.job.abandoned:
                 raise _Abandoned()
+            faults.before_copy()
             self._copy_file(fjob)
         except _Abandoned:
             self.copier.finish()  # no copy may still read the caller's tensors after snapshot_done

@@ -160,14 +160,21 @@ def storable_args(args: Any) -> argparse.Namespace:
 
 # ---------------------------------------------------------------------------- RNG states
 def capture_rng_state() -> dict:
-    """Every RNG a training step can consume on this rank (the ``rng`` part)."""
+    """Every RNG a training step can consume on this rank (the ``rng`` part).
+
+    The model-parallel tracker's states are state tensors, or ``torch.Generator`` objects when the
+    tracker is graph-safe (CUDA graphs, ``--te-rng-tracker``). A generator advances in place as it
+    draws, so it is stored as the state tensor it has now (a copy made here, at the save).
+    """
     from megatron.core import tensor_parallel
 
+    tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
     state = {
         "random": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "tracker": {name: value.get_state() if isinstance(value, torch.Generator) else value
+                    for name, value in tracker.items()},
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -175,7 +182,12 @@ def capture_rng_state() -> dict:
 
 
 def restore_rng_state(state: dict) -> None:
-    """Inverse of ``capture_rng_state``."""
+    """Inverse of ``capture_rng_state``: saved tracker states go back in the form the tracker keeps.
+
+    A graph-safe tracker keeps generators: the one it has under a name takes the saved state in
+    place (CUDA graphs hold that object); a name it lacks gets a generator made by megatron-core's
+    own conversion.
+    """
     from megatron.core import tensor_parallel
 
     random.setstate(state["random"])
@@ -183,7 +195,18 @@ def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    current = tracker.get_states()
+    graph_safe = tensor_parallel.is_graph_safe_cuda_rng_tracker(tracker)
+    restored = {}
+    for name, saved in state["tracker"].items():
+        mine = current.get(name)
+        if isinstance(mine, torch.Generator):
+            mine.set_state(saved)
+            restored[name] = mine
+        else:
+            restored[name] = tensor_parallel.convert_cuda_rng_state(saved, to_graphable=True) if graph_safe else saved
+    tracker.set_states(restored)
 
 
 # Megatron-LM's names for the RNG states in its ``rng_state`` entries, and ours.

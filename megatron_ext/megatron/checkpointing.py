@@ -163,6 +163,7 @@ class MegatronCheckpointer:
         sharded, common = save_preprocess(_sharded_state(model, optimizer, with_optimizer),
                                           validate_access_integrity=False)
         shards = list(sharding.sharded_leaves(sharded))
+        _copy_buffers_now(shards, model)
         plan = self.ownership(shards)
         tensors, objects, meta = sharding.split_owned(shards, plan)
         rank = torch.distributed.get_rank()
@@ -531,6 +532,23 @@ def install_lazy_wait(optimizer: Any, engine: CheckpointEngine, wait_after_step:
 
         optimizer.step = step
     optimizer._datastates_lazy_wait = True
+
+
+def _copy_buffers_now(shards: list, model: list) -> None:
+    """Copy, at the save, every shard that lives in a module buffer rather than a parameter.
+
+    The lazy snapshot may read a tensor until the next optimizer step, which is the first thing
+    to write parameters. Buffers are written elsewhere: ``--moe-router-enable-expert-bias``
+    updates the routers' ``expert_bias`` in ``finalize_model_grads``, before that step, so a lazy
+    copy of it could hold the next iteration's value. Buffers are small (one value per expert).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    storages = {b.untyped_storage().data_ptr() for chunk in model for b in chunk.buffers() if b.numel()}
+    for shard in shards:
+        data = shard.data if isinstance(shard, ShardedTensor) else None
+        if isinstance(data, torch.Tensor) and data.numel() and data.untyped_storage().data_ptr() in storages:
+            shard.data = data.clone()
 
 
 def _unwrap(model: Any) -> list:

@@ -8,7 +8,9 @@ makes the CPU runs refuse what NCCL refuses:
 
 * ``HostTensorMode`` (a torch function mode) marks the tensors that would live in host memory on a
   GPU node: those made by a factory without a device or with ``device='cpu'``, by ``.cpu()``,
-  ``.to('cpu')``, ``from_numpy``, and every result computed only from such tensors. Moving a
+  ``.to('cpu')``, ``from_numpy``, and every result computed only from such tensors. A device given
+  as a ``torch.device`` object (typically another tensor's ``.device``, which here says ``cpu`` for
+  every tensor) marks nothing: the emulation errs towards letting a call through. Moving a
   marked tensor to ``cuda`` gives an unmarked copy, as ``.cuda()`` copies on a GPU node. It sits
   above the CPU emulation's device mode, so it sees the device a call asked for before that mode
   answers it with the CPU.
@@ -69,7 +71,13 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _requested_device(func: Callable, args: tuple, kwargs: dict) -> str | None:
-    """'host', 'cuda', or None (the call does not name a device) for the device a call asks for."""
+    """The device a call asks for: 'host', 'cuda', 'unknown', or None when it names none.
+
+    Only spellings that mean the host on a GPU node count as 'host': the string ``'cpu'``,
+    ``.cpu()``, ``.pin_memory()``. A ``torch.device`` object is 'unknown': here a tensor's
+    ``.device`` answers ``cpu`` even for the emulation's CUDA tensors, so code passing
+    ``device=other.device`` must not be taken for a host request.
+    """
     device = kwargs.get("device")
     if func is torch.Tensor.to:
         device = device if device is not None else next(
@@ -84,7 +92,9 @@ def _requested_device(func: Callable, args: tuple, kwargs: dict) -> str | None:
         return "host"
     if device is None:
         return None
-    return "cuda" if is_cuda_device(device) else "host"
+    if is_cuda_device(device):
+        return "cuda"
+    return "host" if isinstance(device, str) else "unknown"
 
 
 class HostTensorMode(TorchFunctionMode):

@@ -394,7 +394,7 @@ def environment(base: dict | None = None) -> dict:
 
 def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, record: str | None = None,
                      kill_at: int | None = None, sigterm_at: int | None = None,
-                     expire_at: int | None = None) -> list[str]:
+                     expire_at: int | None = None, late_copies: bool = False) -> list[str]:
     """torchrun on this machine running ``pretrain_gpt.py`` of ``checkout`` through this harness."""
     from megatron_ext.procs import torchrun_command as torchrun
 
@@ -407,6 +407,8 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
         harness += ["--sigterm-at-iteration", str(sigterm_at)]
     if expire_at is not None:
         harness += ["--expire-duration-at-iteration", str(expire_at)]
+    if late_copies:
+        harness += ["--late-copies"]
     return torchrun(nproc, *harness, "--", *CPU_FLAGS, *megatron_args)
 
 
@@ -420,7 +422,7 @@ def read_records(path: str | Path) -> list[dict]:
 
 # ---------------------------------------------------------------------------- entry point
 def run(script: Path, argv: list[str], record: str | None = None, kill_at: int | None = None,
-        signal_at: int | None = None, expire_at: int | None = None) -> None:
+        signal_at: int | None = None, expire_at: int | None = None, late_copies: bool = False) -> None:
     """Run ``script`` (a checkout's ``pretrain_gpt.py``) as ``__main__`` with ``argv`` on CPU ranks."""
     from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
     from megatron_ext.testing.emulated_nccl import enable_emulated_nccl
@@ -442,6 +444,10 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
         _after_step(signal_at, lambda: os.kill(os.getpid(), signal.SIGTERM))
     if expire_at is not None:
         _after_step(expire_at, _age_training_clock)
+    if late_copies:  # every snapshot copied as late as the lazy contract allows: at the optimizer's wait
+        from megatron_ext.engine import faults
+
+        faults.hold_copies_until_wait()
     sys.argv = [str(script), *argv]
     runpy.run_path(str(script), run_name="__main__")
 
@@ -460,6 +466,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="send SIGTERM to every rank right after this iteration's step (--exit-signal-handler)")
     parser.add_argument("--expire-duration-at-iteration", type=int,
                         help="age the training clock a day right after this iteration's step (--exit-duration-in-mins)")
+    parser.add_argument("--late-copies", action="store_true",
+                        help="start each checkpoint's copies only when training waits for them (right before the "
+                             "optimizer step), so a tensor changed before that step is always caught")
     opts = parser.parse_args(argv[:split])
     checkout = Path(opts.checkout) if opts.checkout else None
     if checkout is None:
@@ -470,7 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     if not script.is_file():
         raise SystemExit(f"no {opts.script} in {checkout}")
     run(script, argv[split + 1:], record=opts.record, kill_at=opts.kill_at_iteration,
-        signal_at=opts.sigterm_at_iteration, expire_at=opts.expire_duration_at_iteration)
+        signal_at=opts.sigterm_at_iteration, expire_at=opts.expire_duration_at_iteration,
+        late_copies=opts.late_copies)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE
 from megatron_ext.testing import megatron_lm
@@ -38,6 +39,7 @@ class Phase:
     expect_failure: bool = False
     sigterm_at: int | None = None  # SIGTERM to every rank after that iteration's step
     expire_at: int | None = None  # the training clock jumps a day after that iteration's step
+    late_copies: bool = False  # each snapshot's copies start only at the optimizer's wait
 
 
 @dataclasses.dataclass
@@ -53,13 +55,14 @@ class RunResult:
 
 def run(checkout: Path, nproc: int, args: list[str], workdir: Path, name: str, kill_at: int | None = None,
         expect_failure: bool = False, model: list[str] = megatron_lm.TINY_GPT,
-        sigterm_at: int | None = None, expire_at: int | None = None) -> RunResult:
+        sigterm_at: int | None = None, expire_at: int | None = None, late_copies: bool = False) -> RunResult:
     """One torchrun of ``pretrain_gpt.py``; fails the test (with the log's tail) on an unexpected exit code."""
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / f"{name}.jsonl"
     record.unlink(missing_ok=True)
     cmd = megatron_lm.torchrun_command(nproc, [*model, *args], checkout, record=str(record),
-                                       kill_at=kill_at, sigterm_at=sigterm_at, expire_at=expire_at)
+                                       kill_at=kill_at, sigterm_at=sigterm_at, expire_at=expire_at,
+                                       late_copies=late_copies)
     log_path = workdir / f"{name}.log"
     returncode = run_to_completion(cmd, megatron_lm.environment(), log_path, RUN_TIMEOUT_S)
     log = log_path.read_text(errors="replace")
@@ -127,7 +130,7 @@ def run_scenario(checkout: Path, nproc: int, phases: list[Phase], workdir: Path,
     for n, phase in enumerate(phases):
         args = [*common, "--save", str(save_dir), "--load", str(save_dir), *checkpointing, *phase.args]
         runs.append(run(checkout, nproc, args, workdir, f"phase{n}", phase.kill_at, phase.expect_failure, model,
-                        phase.sigterm_at, phase.expire_at))
+                        phase.sigterm_at, phase.expire_at, phase.late_copies))
         trackers.append(read_tracker(save_dir))
     return ScenarioResult(runs, trajectory(*runs), save_dir, trackers)
 
@@ -156,3 +159,37 @@ def checkout_or_skip() -> Path:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0")
+
+
+def saved_tensor(save_dir: Path, iteration: int, key: str, datastates: bool) -> torch.Tensor:
+    """The whole tensor ``key`` of a checkpoint, from ours (the shards that tile it) or from torch_dist's."""
+    directory = save_dir / f"iter_{iteration:07d}"
+    if datastates:
+        from megatron_ext.megatron.export import open_iteration
+        from megatron_ext.megatron.shard_assembly import SavedShards
+
+        shards = SavedShards(open_iteration(str(save_dir), iteration))
+        shape = tuple(shards.global_shape(key))
+        return shards.read_shard(key, (0,) * len(shape), shape, 0, None)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = directory.parent / f".{directory.name}.{key}.pt"
+    dcp_to_torch_save(str(directory), str(flat))
+    try:
+        return torch.load(flat, weights_only=False)[key]
+    finally:
+        flat.unlink()
+
+
+def assert_same_saved_tensors(ours: Path, theirs: Path, keys: list[str], what: str) -> list[int]:
+    """``keys`` bit-identical in every iteration both save directories committed; returns those iterations."""
+    common = sorted(int(p.name[5:]) for p in ours.glob("iter_*") if (p / "manifest.json").exists()
+                    and (theirs / p.name / "metadata.json").exists())
+    assert common, f"{what}: no iteration saved by both"
+    for iteration in common:
+        for key in keys:
+            mine, native = (saved_tensor(d, iteration, key, d is ours) for d in (ours, theirs))
+            assert torch.equal(mine, native.to(mine.dtype)), (
+                f"{what}: iteration {iteration} saved a different {key}: max difference "
+                f"{(mine.float() - native.float()).abs().max().item()}")
+    return common

@@ -36,7 +36,8 @@ def main(out: str) -> None:
     result = {
         "backend": dist.get_backend(),
         "host_marked": [is_host_tensor(t) for t in (host, host.float(), host + 1, torch.zeros(2, device="cpu"))],
-        "gpu_marked": [is_host_tensor(t) for t in (on_gpu, moved, host.to("cuda"), torch.zeros(2, device="cuda"))],
+        "gpu_marked": [is_host_tensor(t) for t in (on_gpu, moved, host.to("cuda"), torch.zeros(2, device="cuda"),
+                                                   torch.zeros(1, device=on_gpu.device))],
         "refused": [refused(lambda: dist.all_reduce(host)), refused(lambda: dist.broadcast(host.float(), 0)),
                     refused(lambda: dist.all_gather_into_tensor(torch.zeros(2, device="cuda"), host))],
         "gpu_sum": on_gpu.tolist(), "moved_sum": moved.tolist(), "objects": objects,

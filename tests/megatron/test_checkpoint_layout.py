@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from megatron_ext.engine import CheckpointError
 from megatron_ext.engine.config import ConfigError
@@ -77,3 +78,38 @@ def test_adapter_options_from_args_and_validated():
     with pytest.raises(ConfigError, match="load_fallback"):
         MegatronAdapterOptions(load_fallback="yes")
 
+
+
+def test_graph_safe_tracker_generators_saved_as_states_and_restored_in_place(tmp_path):
+    """CUDA graphs and --te-rng-tracker keep torch.Generator objects in the RNG tracker (issue 26).
+
+    The saved state holds state tensors (the sidecar cannot hold a Generator), captured at the save
+    (a generator advances in place); the load puts them back into the tracker's own generators.
+    Here the generators are CPU ones; on a GPU they are CUDA generators (tests/gpu).
+    """
+    from megatron.core import tensor_parallel
+
+    from megatron_ext.engine import CheckpointEngine
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved_states = tracker.get_states()
+    generators = {"model-parallel-rng": torch.Generator().manual_seed(3), "expert-parallel-rng": torch.Generator()}
+    generators["expert-parallel-rng"].manual_seed(5)
+    tracker.set_states(dict(generators))
+    try:
+        captured = layout.capture_rng_state()
+        assert all(isinstance(v, torch.Tensor) for v in captured["tracker"].values())
+        expected = {name: torch.rand(4, generator=g) for name, g in generators.items()}  # draws after the save
+        engine = CheckpointEngine({"save_dir": str(tmp_path), "host_cache_size": 0.01})
+        engine.save({"rng": captured}, "ckpt", version=1)
+        engine.commit("ckpt")
+        engine.wait_persisted()
+        loaded = engine.load("ckpt")["rng"]
+        engine.shutdown()
+        layout.restore_rng_state(loaded)
+        after = tracker.get_states()
+        assert all(after[name] is generators[name] for name in generators)  # the same objects, set in place
+        for name, g in generators.items():
+            assert torch.equal(torch.rand(4, generator=g), expected[name])
+    finally:
+        tracker.set_states(saved_states)

@@ -14,8 +14,9 @@ import sys
 
 import pytest
 
-from helpers.megatron_lm_runs import (DATASTATES, NATIVE, STEP_FIELDS, Phase, assert_same_trajectory, copy_checkpoints,
-                                      read_tracker, run, run_scenario, trajectory)
+from helpers.megatron_lm_runs import (DATASTATES, NATIVE, STEP_FIELDS, Phase, assert_same_saved_tensors,
+                                      assert_same_trajectory, copy_checkpoints, read_tracker, run, run_scenario,
+                                      trajectory)
 from megatron_ext.testing.megatron_lm import TINY_GPT
 
 pytestmark = pytest.mark.slow
@@ -23,6 +24,8 @@ pytestmark = pytest.mark.slow
 BF16_DIST = ["--bf16", "--use-distributed-optimizer"]
 ITERS = ["--train-iters", "6"]
 KILL_RESUME = [Phase([], kill_at=3), Phase([])]
+MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
+       "--moe-token-dispatcher-type", "alltoall"]
 
 
 @dataclasses.dataclass
@@ -35,6 +38,8 @@ class Scenario:
     # Megatron-LM's own checkpointing can run it on CPUs (see fp16_first_steps_skipped).
     native: bool = True
     model: list[str] = dataclasses.field(default_factory=lambda: list(TINY_GPT))
+    # Tensors that must be saved bit-identical to torch_dist's in every iteration both committed.
+    same_tensors: list[str] = dataclasses.field(default_factory=list)
 
 
 def _with(flags: list[str], option: str, value: str) -> list[str]:
@@ -82,9 +87,15 @@ SCENARIOS = {
                                      model=_with(TINY_GPT, "--num-layers", "8")),
     "untied_embeddings_pp2": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--pipeline-model-parallel-size",
                                        "2", "--untie-embeddings-and-output-weights"], KILL_RESUME),
-    "moe_expert_parallel": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--num-experts", "4",
-                                     "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
-                                     "--moe-token-dispatcher-type", "alltoall"], KILL_RESUME),
+    "moe_expert_parallel": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", *MOE], KILL_RESUME),
+    # Aux-loss-free routing (DeepSeek-V3): finalize_model_grads updates every router's expert_bias
+    # in place before the optimizer step. The copies start as late as the lazy contract allows
+    # (at the optimizer's wait, after that update); a fast update rate makes routing feel it.
+    "moe_router_expert_bias": Scenario(
+        [*BF16_DIST, *ITERS, "--save-interval", "1", *MOE, "--moe-router-enable-expert-bias",
+         "--moe-router-score-function", "sigmoid", "--moe-router-bias-update-rate", "0.1"],
+        [Phase([], kill_at=4, late_copies=True), Phase([], late_copies=True)],
+        same_tensors=["decoder.layers.mlp.router.expert_bias"]),
 }
 
 
@@ -99,6 +110,8 @@ def test_scenario_matches_megatron_torch_dist(checkout, tmp_path, name):
                               scenario.common, model=scenario.model)
         assert_same_trajectory(ours.trajectory, theirs.trajectory, f"{name}: datastates vs torch_dist")
         assert ours.trackers[-1] == theirs.trackers[-1], (ours.trackers, theirs.trackers)
+        if scenario.same_tensors:
+            assert_same_saved_tensors(ours.save_dir, theirs.save_dir, scenario.same_tensors, name)
     if name.startswith("fp16"):
         assert any(step[STEP_FIELDS.index("skipped")] for step in ours.trajectory.values()), "no step was skipped"
     if scenario.uninterrupted:
