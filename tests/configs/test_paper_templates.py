@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.launch_site import placeholder_site
 from helpers.procs import REPO, child_env
 
 LAUNCH = REPO / "scripts" / "launch.sh"
@@ -97,13 +98,7 @@ def gpt_parameters(cfg: dict[str, str]) -> int:
 
 @pytest.fixture()
 def site(tmp_path):
-    megatron = tmp_path / "Megatron-LM"
-    megatron.mkdir()
-    (megatron / "pretrain_gpt.py").write_text("raise SystemExit('placeholder')\n")
-    env_file = tmp_path / "site.env"
-    env_file.write_text(f"MEGATRON_LM_DIR={megatron}\nCKPT_ROOT={tmp_path / 'lustre'}\n"
-                        f"LOCAL_SCRATCH={tmp_path / 'scratch'}\n")
-    return env_file
+    return placeholder_site(tmp_path)
 
 
 def dry_run(site: Path, config: str, nodes: int, **extra: str) -> subprocess.CompletedProcess:
@@ -259,11 +254,7 @@ def megatron_builds(tmp_path_factory):
 
     checkout = checkout_or_skip()
     tmp = tmp_path_factory.mktemp("megatron_count")
-    megatron = tmp / "Megatron-LM"
-    megatron.mkdir()
-    (megatron / "pretrain_gpt.py").write_text("")
-    site = tmp / "site.env"
-    site.write_text(f"MEGATRON_LM_DIR={megatron}\nCKPT_ROOT={tmp / 'lustre'}\nLOCAL_SCRATCH={tmp / 'scratch'}\n")
+    site = placeholder_site(tmp)
     requests = []
     for name in sorted(PUBLISHED):
         nodes = int(read_config(CONFIGS / f"{name}.env")["NODES"])

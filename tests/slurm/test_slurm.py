@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.launch_site import placeholder_site
 from helpers.procs import free_port
 from helpers.slurm_cluster import Cluster, ClusterUnavailable, ensure_installed
 
@@ -70,14 +71,7 @@ def cluster():
 @pytest.fixture()
 def site(tmp_path):
     """Site settings as a user would write them, pointing at placeholder paths."""
-    megatron = tmp_path / "Megatron-LM"
-    megatron.mkdir()
-    (megatron / "pretrain_gpt.py").write_text("raise SystemExit('placeholder')\n")
-    env_file = tmp_path / "site.env"
-    env_file.write_text(f"MEGATRON_LM_DIR={megatron}\nCKPT_ROOT={tmp_path / 'lustre'}\n"
-                        f"LOCAL_SCRATCH={tmp_path / 'scratch'}\nPYTHON={PYTHON}\n"
-                        f"MEGATRON_EXT_DIR={REPO}\n")
-    return env_file
+    return placeholder_site(tmp_path, PYTHON=PYTHON, MEGATRON_EXT_DIR=str(REPO))
 
 
 def _env(cluster: Cluster, site: Path, **extra: str) -> dict:
