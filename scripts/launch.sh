@@ -127,6 +127,69 @@ fi
 (( NUM_ATTENTION_HEADS % TP == 0 )) || die "$NUM_ATTENTION_HEADS heads do not split over TP=$TP"
 (( GLOBAL_BATCH_SIZE % (MICRO_BATCH_SIZE * DP) == 0 )) || die "global batch $GLOBAL_BATCH_SIZE is not a multiple of micro-batch $MICRO_BATCH_SIZE x DP $DP"
 
+# ------------------------------------------------------------------ architecture
+# Optional settings of the model config (docs/SLURM.md, "Architectures"). Unset, Megatron-LM builds
+# its default GPT: learned positions, LayerNorm (eps 1e-5), GeLU MLP of 4 x hidden, biases, output
+# layer tied to the embedding, dropout 0.1. Each one set becomes the flag of the pin's arguments.py.
+ARCH_VARS=(VOCAB_SIZE MAKE_VOCAB_SIZE_DIVISIBLE_BY FFN_HIDDEN_SIZE NUM_QUERY_GROUPS SWIGLU NORMALIZATION
+           NORM_EPSILON POSITION_EMBEDDING_TYPE ROTARY_BASE MAX_POSITION_EMBEDDINGS UNTIE_EMBEDDINGS
+           DISABLE_BIAS_LINEAR HIDDEN_DROPOUT ATTENTION_DROPOUT)
+is_count() { [[ "$1" =~ ^[1-9][0-9]*$ ]]; }
+is_real() { [[ "$1" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]]; }
+for v in VOCAB_SIZE MAKE_VOCAB_SIZE_DIVISIBLE_BY FFN_HIDDEN_SIZE NUM_QUERY_GROUPS ROTARY_BASE MAX_POSITION_EMBEDDINGS; do
+    [[ -z "${!v:-}" ]] || is_count "${!v}" || die "$v must be a positive whole number, not '${!v}'"
+done
+for v in SWIGLU UNTIE_EMBEDDINGS DISABLE_BIAS_LINEAR; do
+    [[ -z "${!v:-}" || "${!v}" == 0 || "${!v}" == 1 ]] || die "$v must be 0 or 1, not '${!v}'"
+done
+for v in NORM_EPSILON HIDDEN_DROPOUT ATTENTION_DROPOUT; do
+    [[ -z "${!v:-}" ]] || is_real "${!v}" || die "$v must be a non-negative number, not '${!v}'"
+done
+[[ -z "${NORM_EPSILON:-}" ]] || awk -v x="$NORM_EPSILON" 'BEGIN { exit !(x > 0) }' || die "NORM_EPSILON must be greater than 0, not '$NORM_EPSILON'"
+for v in HIDDEN_DROPOUT ATTENTION_DROPOUT; do
+    [[ -z "${!v:-}" ]] || awk -v x="${!v}" 'BEGIN { exit !(x < 1) }' || die "$v must be below 1, not '${!v}'"
+done
+(( HIDDEN_SIZE % NUM_ATTENTION_HEADS == 0 )) || die "hidden size $HIDDEN_SIZE is not a multiple of the $NUM_ATTENTION_HEADS attention heads"
+[[ -z "${VOCAB_SIZE:-}" ]] || (( VOCAB_SIZE >= 2 )) || die "VOCAB_SIZE must be at least 2, not '$VOCAB_SIZE'"
+if [[ -n "${FFN_HIDDEN_SIZE:-}" ]]; then
+    (( FFN_HIDDEN_SIZE % TP == 0 )) || die "FFN_HIDDEN_SIZE=$FFN_HIDDEN_SIZE does not split over TP=$TP"
+fi
+if [[ -n "${NUM_QUERY_GROUPS:-}" ]]; then
+    (( NUM_ATTENTION_HEADS % NUM_QUERY_GROUPS == 0 )) || die "$NUM_ATTENTION_HEADS attention heads do not split into NUM_QUERY_GROUPS=$NUM_QUERY_GROUPS key/value groups"
+    (( NUM_QUERY_GROUPS % TP == 0 || TP % NUM_QUERY_GROUPS == 0 )) || die "NUM_QUERY_GROUPS=$NUM_QUERY_GROUPS is neither a multiple nor a divisor of TP=$TP (Megatron-LM splits the key/value groups over the tensor-parallel ranks)"
+fi
+case "${NORMALIZATION:-LayerNorm}" in LayerNorm|RMSNorm) ;; *) die "NORMALIZATION must be LayerNorm or RMSNorm, not '$NORMALIZATION'" ;; esac
+case "${POSITION_EMBEDDING_TYPE:-learned_absolute}" in
+    learned_absolute|rope|none) ;;
+    *) die "POSITION_EMBEDDING_TYPE must be learned_absolute, rope or none, not '$POSITION_EMBEDDING_TYPE'" ;;
+esac
+[[ -z "${ROTARY_BASE:-}" || "${POSITION_EMBEDDING_TYPE:-}" == rope ]] || die "ROTARY_BASE=$ROTARY_BASE needs POSITION_EMBEDDING_TYPE=rope (it is '${POSITION_EMBEDDING_TYPE:-learned_absolute}')"
+MAX_POSITIONS="${MAX_POSITION_EMBEDDINGS:-$SEQ_LENGTH}"
+(( MAX_POSITIONS >= SEQ_LENGTH )) || die "MAX_POSITION_EMBEDDINGS=$MAX_POSITIONS is below SEQ_LENGTH=$SEQ_LENGTH"
+
+ARCH_ARGS=()
+[[ -n "${FFN_HIDDEN_SIZE:-}" ]] && ARCH_ARGS+=(--ffn-hidden-size "$FFN_HIDDEN_SIZE")
+[[ -n "${NUM_QUERY_GROUPS:-}" ]] && ARCH_ARGS+=(--group-query-attention --num-query-groups "$NUM_QUERY_GROUPS")
+[[ "${SWIGLU:-0}" == 1 ]] && ARCH_ARGS+=(--swiglu)
+[[ -n "${NORMALIZATION:-}" ]] && ARCH_ARGS+=(--normalization "$NORMALIZATION")
+[[ -n "${NORM_EPSILON:-}" ]] && ARCH_ARGS+=(--norm-epsilon "$NORM_EPSILON")
+[[ -n "${POSITION_EMBEDDING_TYPE:-}" ]] && ARCH_ARGS+=(--position-embedding-type "$POSITION_EMBEDDING_TYPE")
+[[ -n "${ROTARY_BASE:-}" ]] && ARCH_ARGS+=(--rotary-base "$ROTARY_BASE")
+[[ "${UNTIE_EMBEDDINGS:-0}" == 1 ]] && ARCH_ARGS+=(--untie-embeddings-and-output-weights)
+[[ "${DISABLE_BIAS_LINEAR:-0}" == 1 ]] && ARCH_ARGS+=(--disable-bias-linear)
+[[ -n "${MAKE_VOCAB_SIZE_DIVISIBLE_BY:-}" ]] && ARCH_ARGS+=(--make-vocab-size-divisible-by "$MAKE_VOCAB_SIZE_DIVISIBLE_BY")
+[[ -n "${HIDDEN_DROPOUT:-}" ]] && ARCH_ARGS+=(--hidden-dropout "$HIDDEN_DROPOUT")
+[[ -n "${ATTENTION_DROPOUT:-}" ]] && ARCH_ARGS+=(--attention-dropout "$ATTENTION_DROPOUT")
+# One line for the dry run: what Megatron-LM builds from these flags.
+ARCH_SUMMARY="$NUM_LAYERS layers, hidden $HIDDEN_SIZE, $NUM_ATTENTION_HEADS heads"
+[[ -n "${NUM_QUERY_GROUPS:-}" ]] && ARCH_SUMMARY+=" in $NUM_QUERY_GROUPS key/value groups"
+if [[ "${SWIGLU:-0}" == 1 ]]; then ARCH_SUMMARY+=", SwiGLU MLP ${FFN_HIDDEN_SIZE:-(Megatron-LM default)}"
+else ARCH_SUMMARY+=", GeLU MLP ${FFN_HIDDEN_SIZE:-$((4 * HIDDEN_SIZE))}"; fi
+ARCH_SUMMARY+=", ${NORMALIZATION:-LayerNorm}${NORM_EPSILON:+ eps $NORM_EPSILON}, positions ${POSITION_EMBEDDING_TYPE:-learned_absolute}${ROTARY_BASE:+ base $ROTARY_BASE}"
+ARCH_SUMMARY+=", vocabulary ${VOCAB_SIZE:-not set}"
+[[ "${UNTIE_EMBEDDINGS:-0}" == 1 ]] && ARCH_SUMMARY+=", untied output layer" || ARCH_SUMMARY+=", tied output layer"
+[[ "${DISABLE_BIAS_LINEAR:-0}" == 1 ]] && ARCH_SUMMARY+=", no biases" || ARCH_SUMMARY+=", biases"
+
 # ------------------------------------------------------------------ program
 COMMON_ARGS=(
     --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --use-distributed-optimizer
@@ -149,8 +212,12 @@ case "$TRAINER" in
         else
             PROGRAM=("$MEGATRON_LM_DIR/pretrain_gpt.py")
         fi
-        read -r -a DATA_ARGS <<< "${MEGATRON_DATA_ARGS:---mock-data --tokenizer-type NullTokenizer --vocab-size 32000}"
-        TRAINER_ARGS=("${COMMON_ARGS[@]}" --bf16 --max-position-embeddings "$SEQ_LENGTH"
+        # Mock data: the NullTokenizer adds its end-of-document id to --vocab-size, so the model gets
+        # VOCAB_SIZE ids (then padded to a multiple of MAKE_VOCAB_SIZE_DIVISIBLE_BY x TP, Megatron-LM's
+        # default 128 x TP). With a real tokenizer in MEGATRON_DATA_ARGS its vocabulary decides.
+        MOCK_DATA_ARGS="--mock-data --tokenizer-type NullTokenizer --vocab-size $(( ${VOCAB_SIZE:-32001} - 1 ))"
+        read -r -a DATA_ARGS <<< "${MEGATRON_DATA_ARGS:-$MOCK_DATA_ARGS}"
+        TRAINER_ARGS=("${COMMON_ARGS[@]}" --bf16 --max-position-embeddings "$MAX_POSITIONS" "${ARCH_ARGS[@]}"
             --lr 1.0e-4 --min-lr 1.0e-5 --lr-decay-style cosine --lr-warmup-iters 10
             --weight-decay 0.1 --clip-grad 1.0 --ckpt-format torch_dist
             --exit-signal-handler --log-interval 1 --eval-iters 0 --eval-interval "$TRAIN_ITERS"
@@ -164,8 +231,18 @@ case "$TRAINER" in
         ;;
     reference)
         [[ -z "$FIRST" ]] || die "the reference trainer has no uneven pipeline split"
+        # It builds a plain GPT (learned positions, LayerNorm, GeLU MLP of 4 x hidden, biases, tied
+        # output layer); of the architecture settings it takes the vocabulary and the dropout only.
+        UNSUPPORTED=()
+        for v in "${ARCH_VARS[@]}"; do
+            case "$v" in VOCAB_SIZE|HIDDEN_DROPOUT|ATTENTION_DROPOUT) ;; *) [[ -z "${!v:-}" ]] || UNSUPPORTED+=("$v=${!v}") ;; esac
+        done
+        [[ ${#UNSUPPORTED[@]} -eq 0 ]] || die "the reference trainer builds a plain GPT and cannot honour ${UNSUPPORTED[*]} of $CONFIG_NAME (use TRAINER=megatron)"
         PROGRAM=(-m megatron_ext.testing.reference_trainer)
         TRAINER_ARGS=("${COMMON_ARGS[@]}" --exit-signal-handler)
+        [[ -n "${VOCAB_SIZE:-}" ]] && TRAINER_ARGS+=(--vocab-size "$VOCAB_SIZE")
+        [[ -n "${HIDDEN_DROPOUT:-}" ]] && TRAINER_ARGS+=(--hidden-dropout "$HIDDEN_DROPOUT")
+        [[ -n "${ATTENTION_DROPOUT:-}" ]] && TRAINER_ARGS+=(--attention-dropout "$ATTENTION_DROPOUT")
         ;;
     *) die "TRAINER must be 'megatron' (pretrain_gpt.py in MEGATRON_LM_DIR)" \
            "or 'reference' (megatron_ext.testing.reference_trainer), not '$TRAINER'" ;;
@@ -200,6 +277,7 @@ if [[ $DRY_RUN -eq 1 ]]; then
     RDZV_ID="$RDZV_ID-${SLURM_RESTART_COUNT:-0}-0"  # as the first attempt of the run below
     NODE_SCRIPT="$(node_script "$MASTER_PORT" "$RDZV_ID")"
     echo "# $CONFIG_NAME: $NNODES nodes x $GPUS_PER_NODE ranks = $WORLD ranks, TP=$TP PP=$PP DP=$DP, trainer=$TRAINER"
+    echo "# model: $ARCH_SUMMARY"
     echo "# shared level (--save/--load): $CKPT_DIR ; node-local level: $LOCAL_DIR"
     echo "# site: ${SITE_FILE:-environment only}; rendezvous: c10d at $MASTER_ADDR:$MASTER_PORT id $RDZV_ID"
     # c10d numbers nodes in the sorted order of their host names: node k hosts ranks k*G .. k*G+G-1.

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.launch_site import placeholder_site
 from helpers.procs import free_port
 from helpers.slurm_cluster import Cluster, ClusterUnavailable, ensure_installed
 
@@ -35,6 +36,16 @@ TEMPLATES = {  # template -> nodes of 4x A100-40GB (paper configurations)
     "gpt_3b": 1, "gpt_7b": 2, "gpt_13b": 4, "gpt_30b": 8, "gpt_70b": 20, "gpt_70b_180gpu": 45,
 }
 PYTHON = sys.executable
+_LLAMA = ("--swiglu --normalization RMSNorm --norm-epsilon {eps} --position-embedding-type rope --rotary-base 10000 "
+          "--untie-embeddings-and-output-weights --disable-bias-linear --make-vocab-size-divisible-by 1")
+ARCHITECTURES = {  # template -> the architecture flags of its command line (docs/SLURM.md, "Architectures")
+    "gpt_3b": "--ffn-hidden-size 10240 --normalization LayerNorm --norm-epsilon 1e-5 --position-embedding-type none",
+    "gpt_7b": "--ffn-hidden-size 11008 " + _LLAMA.format(eps="1e-5"),
+    "gpt_13b": "--ffn-hidden-size 13824 " + _LLAMA.format(eps="1e-5"),
+    "gpt_30b": "--ffn-hidden-size 17920 " + _LLAMA.format(eps="1e-6"),
+    "gpt_70b": "--ffn-hidden-size 28672 --group-query-attention --num-query-groups 8 " + _LLAMA.format(eps="1e-5"),
+    "gpt_70b_180gpu": "--ffn-hidden-size 28672 --group-query-attention --num-query-groups 8 " + _LLAMA.format(eps="1e-5"),
+}
 
 
 @pytest.fixture(scope="session")
@@ -60,14 +71,7 @@ def cluster():
 @pytest.fixture()
 def site(tmp_path):
     """Site settings as a user would write them, pointing at placeholder paths."""
-    megatron = tmp_path / "Megatron-LM"
-    megatron.mkdir()
-    (megatron / "pretrain_gpt.py").write_text("raise SystemExit('placeholder')\n")
-    env_file = tmp_path / "site.env"
-    env_file.write_text(f"MEGATRON_LM_DIR={megatron}\nCKPT_ROOT={tmp_path / 'lustre'}\n"
-                        f"LOCAL_SCRATCH={tmp_path / 'scratch'}\nPYTHON={PYTHON}\n"
-                        f"MEGATRON_EXT_DIR={REPO}\n")
-    return env_file
+    return placeholder_site(tmp_path, PYTHON=PYTHON, MEGATRON_EXT_DIR=str(REPO))
 
 
 def _env(cluster: Cluster, site: Path, **extra: str) -> dict:
@@ -134,6 +138,10 @@ def test_dry_run_one_command_per_node(cluster, site, name):
         assert "--exit-signal-handler" in line
         # Megatron-LM asserts it when TP > 1, on GPUs too.
         assert "; export CUDA_DEVICE_MAX_CONNECTIONS=1; " in line
+        # The paper's architecture (tests/configs checks its size), no dropout.
+        assert ARCHITECTURES[name] + " " in line
+        assert "--hidden-dropout 0 --attention-dropout 0 " in line
+        assert ("--group-query-attention" in line) == name.startswith("gpt_70b")
     pp = 5 if name == "gpt_70b_180gpu" else nodes
     assert f"TP=4 PP={pp} DP={4 * nodes // (4 * pp)}" in res.stdout
 
