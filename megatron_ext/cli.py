@@ -212,8 +212,8 @@ def _demo(sub) -> None:
 
 
 def _main_job(sub) -> None:
-    p = sub.add_parser("main-job", help="Megatron-LM's pretrain_gpt.py on 8 CPU ranks with --use-datastates: "
-                                        "SIGKILL, resume, bit-exact comparison")
+    p = sub.add_parser("main-job", help="Megatron-LM's pretrain_gpt.py (a Llama-style GPT) on 8 CPU ranks or this "
+                                        "node's GPUs with --use-datastates: SIGKILL, resume, bit-exact comparison")
     p.add_argument("--out", default="runs/main", help="work directory (default runs/main)")
     p.add_argument("--trainer", choices=("auto", "megatron", "reference"), default="auto",
                    help="auto (default): Megatron-LM's pretrain_gpt.py when the patched checkout is available "
@@ -223,6 +223,14 @@ def _main_job(sub) -> None:
     p.add_argument("--crash-at", type=POSITIVE_INT, default=None,
                    help="every rank SIGKILLs itself after this iteration (default 6 with Megatron-LM, 7 otherwise)")
     p.add_argument("--host-cache-size", type=POSITIVE, default=0.05, help="GiB per rank")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu (default): CPU ranks, NCCL emulated; cuda: one rank per GPU of this node over NCCL "
+                        "(needs Megatron-LM: --checkout or scripts/fetch_megatron.sh)")
+    p.add_argument("--ranks", type=POSITIVE_INT, default=None,
+                   help="ranks (default 8 on CPUs, the node's GPU count with --device cuda); TP 2 and PP 2 where "
+                        "they divide, the rest data parallel")
+    p.add_argument("--checkout", default=None,
+                   help="a patched Megatron-LM checkout of the pin (default: scripts/fetch_megatron.sh's)")
 
     def run(args) -> int:
         from megatron_ext.testing import main_job

@@ -1,11 +1,15 @@
 """The README's main job: train, SIGKILL every rank mid-run, resume, compare bit for bit.
 
 The trainer is Megatron-LM's own ``pretrain_gpt.py`` (the patched checkout of the pin that
-``megatron_lm.find_checkout()`` provides) on 8 CPU ranks through the test harness
-``megatron_ext.testing.megatron_lm``. Without that checkout the job falls back to the reference
-trainer ``megatron_ext.testing.reference_trainer`` (a megatron-core GPT, same layout) and says so in its
-first line and in its summary. Either way: TP=2 x PP=2 x DP=2, bf16, distributed optimizer, and
-three runs of the same job:
+``megatron_lm.find_checkout()`` provides, or ``--checkout``) training a Llama-style GPT (SwiGLU,
+RMSNorm, rotary, grouped-query attention, untied embeddings) on 8 CPU ranks through the test
+harness ``megatron_ext.testing.megatron_lm``, whose default group refuses host tensors as NCCL
+does; or, with ``--device cuda`` (``scripts/gpu_check.sh``), on the node's GPUs over real NCCL,
+deterministic, with Transformer Engine when it imports. Without a checkout the CPU job falls back
+to the reference trainer ``megatron_ext.testing.reference_trainer`` (a megatron-core GPT, same
+layout) and says so in its first line and in its summary. Either way: TP=2 x PP=2 x DP=2 on 8
+ranks (``Layout.for_ranks`` for other counts), bf16, distributed optimizer, and three runs of the
+same job:
 
 1. uninterrupted, without checkpoints: the oracle;
 2. ``--use-datastates --save-interval 1``; every rank SIGKILLs itself right after iteration K's
@@ -36,10 +40,14 @@ from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE
 from megatron_ext.testing import megatron_lm
 
 RANKS = 8
-LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--bf16",
-          "--use-distributed-optimizer"]
 RUN_TIMEOUT_S = 900
 PROGRESS_POLL_S = 0.5
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def say(message: str) -> None:
@@ -65,28 +73,78 @@ class Trainer:
     compared: str  # what is compared bit for bit, for the verdict
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The job's ranks and how they split into tensor, pipeline and data parallelism."""
+
+    ranks: int
+    tp: int
+    pp: int
+
+    @property
+    def dp(self) -> int:
+        return self.ranks // (self.tp * self.pp)
+
+    @classmethod
+    def for_ranks(cls, ranks: int) -> "Layout":
+        """TP 2 when the ranks split in two, then PP 2 when they split in four, the rest data parallel."""
+        tp = 2 if ranks % 2 == 0 else 1
+        pp = 2 if ranks % (2 * tp) == 0 and ranks >= 4 else 1
+        return cls(ranks, tp, pp)
+
+    def flags(self) -> list[str]:
+        return ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp),
+                "--bf16", "--use-distributed-optimizer"]
+
+    def __str__(self) -> str:
+        return f"TP={self.tp} x PP={self.pp} x DP={self.dp}"
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # absent, or present without its CUDA libraries
+        return False
+    return True
+
+
 # ---------------------------------------------------------------------------- the two trainers
-def megatron_trainer(checkout: Path, iters: int) -> Trainer:
-    model = [*megatron_lm.TINY_GPT, *LAYOUT, "--train-iters", str(iters)]
+def megatron_trainer(checkout: Path, iters: int, layout: Layout, device: str = "cpu") -> Trainer:
+    """Megatron-LM's pretrain_gpt.py on a Llama-style model: CPU ranks (emulated NCCL) or the node's GPUs (NCCL).
+
+    On GPUs the run is deterministic (``--deterministic-mode`` and the environment it asks for) so
+    that a resumed run can equal the uninterrupted one bit for bit, and uses Transformer Engine
+    when it imports.
+    """
+    model = [*megatron_lm.TINY_GPT, *megatron_lm.LLAMA_STYLE, *layout.flags(), "--train-iters", str(iters)]
+    env = megatron_lm.environment(gpu=device == "cuda")
+    if device == "cuda":
+        impl = "transformer_engine" if transformer_engine_available() else "local"
+        model += ["--deterministic-mode", "--transformer-impl", impl]
+        env.update(NCCL_ALGO="Ring", CUBLAS_WORKSPACE_CONFIG=":4096:8", NVTE_ALLOW_NONDETERMINISTIC_ALGO="0")
+        where = f"on {layout.ranks} GPU(s) over NCCL, --transformer-impl {impl}"
+    else:
+        where = "on CPU ranks (NCCL emulated over gloo) through megatron_ext.testing.megatron_lm"
 
     def command(args: list[str], record: Path, kill_at: int | None) -> list[str]:
-        return megatron_lm.torchrun_command(RANKS, [*model, *args], checkout, record=str(record), kill_at=kill_at)
+        return megatron_lm.torchrun_command(layout.ranks, [*model, *args], checkout, record=str(record),
+                                            kill_at=kill_at)
 
     def read(record: Path) -> list[Step]:
         return [Step(r["iteration"], r["loss"], r["grad_norm"], r["lr"]) for r in megatron_lm.read_records(record)]
 
     return Trainer(f"Megatron-LM's own pretrain_gpt.py from {checkout} (the pinned core_v0.16.1 with the "
-                   f"megatron_ext patches), on CPU ranks through megatron_ext.testing.megatron_lm",
-                   command, megatron_lm.environment(), read, "loss and grad norm")
+                   f"megatron_ext patches), a Llama-style GPT (SwiGLU, RMSNorm, rotary, GQA, untied), {where}",
+                   command, env, read, "loss and grad norm")
 
 
-def reference_trainer_run(iters: int) -> Trainer:
-    model = [*LAYOUT, "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", str(iters)]
+def reference_trainer_run(iters: int, layout: Layout) -> Trainer:
+    model = [*layout.flags(), "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", str(iters)]
 
     def command(args: list[str], record: Path, kill_at: int | None) -> list[str]:
         crash = [] if kill_at is None else ["--crash-at-iteration", str(kill_at)]
-        return procs.torchrun_command(RANKS, "-m", "megatron_ext.testing.reference_trainer", *model, *args, *crash,
-                                      "--log-json", str(record))
+        return procs.torchrun_command(layout.ranks, "-m", "megatron_ext.testing.reference_trainer", *model, *args,
+                                      *crash, "--log-json", str(record))
 
     def read(record: Path) -> list[Step]:
         if not record.exists():
@@ -169,27 +227,41 @@ def main(args) -> int:
     ckpt = out / "checkpoints"
     started = time.monotonic()
 
+    device = getattr(args, "device", "cpu")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            say("error: --device cuda, but torch sees no CUDA device")
+            return 2
+    ranks = getattr(args, "ranks", None) or (_gpu_count() if device == "cuda" else RANKS)
+    layout = Layout.for_ranks(ranks)
     if args.trainer == "reference":
         checkout, reason = None, "--trainer reference was given"
+    elif getattr(args, "checkout", None):
+        checkout, reason = Path(args.checkout).resolve(), ""
+        if not (checkout / "pretrain_gpt.py").is_file():
+            say(f"error: --checkout {checkout} has no pretrain_gpt.py")
+            return 2
     else:
         checkout, reason = megatron_lm.find_checkout()
-        if checkout is None and args.trainer == "megatron":
-            say(f"error: --trainer megatron, but {reason}")
-            return 2
+    if checkout is None and (args.trainer == "megatron" or device == "cuda"):
+        say(f"error: {'--device cuda' if device == 'cuda' else '--trainer megatron'} needs Megatron-LM, but {reason}")
+        return 2
     iters = args.iters or (10 if checkout else 12)
     crash_at = args.crash_at or (6 if checkout else 7)
     if not 1 <= crash_at < iters:
         say(f"error: --crash-at must be between 1 and --iters - 1 ({iters - 1}), not {crash_at}")
         return 2
     if checkout is not None:
-        trainer = megatron_trainer(checkout, iters)
+        trainer = megatron_trainer(checkout, iters, layout, device)
         fallback = ""
         say(f"trainer: {trainer.title}")
     else:
-        trainer = reference_trainer_run(iters)
+        trainer = reference_trainer_run(iters, layout)
         fallback = (f"FALLBACK to the reference trainer, not Megatron-LM's pretrain_gpt.py: {reason}")
         say(fallback)
-    say(f"{RANKS} ranks: TP=2 x PP=2 x DP=2, bf16, distributed optimizer; {iters} iterations; work directory {out}")
+    say(f"{layout.ranks} ranks: {layout}, bf16, distributed optimizer; {iters} iterations; work directory {out}")
 
     datastates = ["--use-datastates", "--save", str(ckpt), "--save-interval", "1",
                   "--datastates-host-cache-size", str(args.host_cache_size)]
@@ -250,8 +322,8 @@ def main(args) -> int:
 
     say("summary")
     print(f"    trainer:         {fallback or trainer.title}", flush=True)
-    print(f"    run:             {RANKS} CPU ranks, TP=2 x PP=2 x DP=2, bf16, distributed optimizer, "
-          f"{iters} iterations", flush=True)
+    print(f"    run:             {layout.ranks} {'GPU' if device == 'cuda' else 'CPU'} ranks, {layout}, bf16, "
+          f"distributed optimizer, {iters} iterations", flush=True)
     print(f"    kill:            SIGKILL on every rank after iteration {crash_at}; newest committed checkpoint "
           f"then: iteration {committed}", flush=True)
     print(f"    resume:          from iteration {committed}, trained {committed + 1}..{iters}", flush=True)

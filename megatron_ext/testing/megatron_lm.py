@@ -234,7 +234,7 @@ def _keep_cpu_generator(build: Callable) -> Callable:
 
 
 def _patch_megatron_training() -> None:
-    from megatron.training import arguments, checkpointing, initialize, training
+    from megatron.training import arguments, checkpointing, training
 
     inner_initialize = training.initialize_megatron
 
@@ -243,7 +243,6 @@ def _patch_megatron_training() -> None:
         return inner_initialize(*args, **kwargs)
 
     training.initialize_megatron = initialize_megatron
-    initialize._compile_dependencies = lambda: None
     # Warm-up compiles the fused kernels with torch.compile and draws from the "CUDA" generator,
     # which on a CPU is the one dropout uses; the CPU flags switch those fusions off anyway.
     training.set_jit_fusion_options = lambda: None
@@ -252,14 +251,23 @@ def _patch_megatron_training() -> None:
     # Both names: training.py imported the function, and megatron_ext hands Megatron-format
     # checkpoints back to the module's.
     training.load_checkpoint = checkpointing.load_checkpoint = _native_loads_torch_adam(checkpointing.load_checkpoint)
+    _split_sizes_as_lists()
+    _torch_adam_loads_fully_reshardable()
+
+
+def _patch_megatron_any_device() -> None:
+    """What the harness changes on GPUs too: no compilation at start-up, TE's optional GEMM name."""
+    from megatron.training import initialize
+
+    # The dataset helpers are the megatron-core wheel's prebuilt helpers_cpp (building them needs
+    # make and pybind11); the fused kernels are switched off by the harness's flags.
+    initialize._compile_dependencies = lambda: None
     # megatron-core 0.16.1 imports Transformer Engine's GEMM for the MoE router only when TE is
     # installed, but tests the name unconditionally: without TE the name must exist, as None.
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    _split_sizes_as_lists()
-    _torch_adam_loads_fully_reshardable()
 
 
 def _native_loads_torch_adam(load_checkpoint: Callable) -> Callable:
@@ -384,11 +392,13 @@ def _install_killer(iteration: int) -> None:
 
 
 # ---------------------------------------------------------------------------- launching
-def environment(base: dict | None = None) -> dict:
-    """The environment of a CPU run: one thread per rank, no GPU, what TP > 1 asks of a GPU run."""
+def environment(base: dict | None = None, gpu: bool = False) -> dict:
+    """The environment of a run: one thread per rank, what TP > 1 asks of a GPU run; no GPU unless ``gpu``."""
     env = dict(os.environ if base is None else base)
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1",
+    env.update(OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p))
+    if not gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
@@ -431,11 +441,13 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
     # After site-packages: megatron.core comes from the wheel (with its prebuilt helpers),
     # megatron.training, gpt_builders and model_provider from the checkout.
     sys.path.append(checkout)
+    # On GPUs only the part shared with the CPU runs applies (``_patch_megatron_any_device``).
     if not torch.cuda.is_available():
         enable_cpu_emulation()
         enable_emulated_nccl()  # after the device mode: it must see the device a call asks for first
         _patch_cuda_queries()
         _patch_megatron_training()
+    _patch_megatron_any_device()
     if record:
         _install_recorder(record)
     if kill_at is not None:

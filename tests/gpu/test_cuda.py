@@ -99,3 +99,32 @@ def test_all_ranks_agree_on_one_level_over_nccl(tmp_path, drop_rank, level):
         result = json.loads((out / f"rank-{r}.json").read_text())
         assert result["backend"] == "nccl"
         assert result["level"] == level and result["levels_used"] == [level] and result["exact"], result
+
+
+def test_graph_safe_cuda_generators_round_trip_through_a_checkpoint(tmp_path):
+    """CUDA graphs / --te-rng-tracker: the tracker holds CUDA generators (issue 26); saved as states, set back in place."""
+    pytest.importorskip("megatron.core")
+    from megatron.core import tensor_parallel
+
+    from megatron_ext.engine import CheckpointEngine
+    from megatron_ext.megatron import checkpoint_layout as layout
+
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    kept = tracker.get_states()
+    generators = {"model-parallel-rng": torch.cuda.default_generators[0].clone_state()}
+    generators["model-parallel-rng"].manual_seed(11)
+    tracker.set_states(dict(generators))
+    try:
+        captured = layout.capture_rng_state()
+        expected = torch.rand(8, device="cuda", generator=generators["model-parallel-rng"])
+        engine = CheckpointEngine({"save_dir": str(tmp_path), "host_cache_size": 0.01})
+        engine.save({"rng": captured}, "ckpt", version=1)
+        engine.commit("ckpt")
+        engine.wait_persisted()
+        loaded = engine.load("ckpt")["rng"]
+        engine.shutdown()
+        layout.restore_rng_state(loaded)
+        assert tracker.get_states()["model-parallel-rng"] is generators["model-parallel-rng"]
+        assert torch.equal(torch.rand(8, device="cuda", generator=generators["model-parallel-rng"]), expected)
+    finally:
+        tracker.set_states(kept)
