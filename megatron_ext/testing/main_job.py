@@ -246,7 +246,7 @@ def main(args) -> int:
     else:
         checkout, reason = megatron_lm.find_checkout()
     if checkout is None and (args.trainer == "megatron" or device == "cuda"):
-        say(f"error: {'--device cuda' if device == 'cuda' else '--trainer megatron'} needs Megatron-LM, but {reason}")
+        say(f"error: {'--device cuda' if device == 'cuda' else '--trainer megatron'}, but {reason}")
         return 2
     iters = args.iters or (10 if checkout else 12)
     crash_at = args.crash_at or (6 if checkout else 7)
