@@ -286,3 +286,17 @@ def test_engine_round_trip_keeps_the_blob_bit_for_bit(tmp_path):
     assert equal(state["m._extra_state"], blob)
     assert isinstance(state["old._extra_state"], io.BytesIO)
     assert tes.check_extra_state(state, allow_pickle=False, where=str(Path(tmp_path))) == 2
+
+
+def test_the_flag_is_an_adapter_option():
+    import argparse
+
+    from megatron_ext.engine.config import ConfigError
+    from megatron_ext.megatron.args import MegatronAdapterOptions, add_datastates_args
+
+    parser = add_datastates_args(argparse.ArgumentParser())
+    assert not MegatronAdapterOptions.from_args(parser.parse_args(["--use-datastates"])).allow_pickle
+    assert MegatronAdapterOptions.from_args(parser.parse_args(["--use-datastates", "--datastates-allow-pickle"])
+                                            ).allow_pickle
+    with pytest.raises(ConfigError, match="allow_pickle"):
+        MegatronAdapterOptions(allow_pickle="yes")
