@@ -42,11 +42,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed, read_manifest
 from megatron_ext.engine.config import ConfigError, EngineConfig
 from megatron_ext.engine.files import atomic_write
+from megatron_ext.megatron.te_extra_state import check_extra_state
 
 log = logging.getLogger("megatron_ext.deepspeed")
 
 POINTER_FORMAT = "megatron_ext.datastates.pointer"
-_ADAPTER_KEYS = {"commit_wait"}
+_ADAPTER_KEYS = {"commit_wait", "allow_pickle"}
 
 #: The exact DeepSpeed classes DeepSpeed 0.19.8's checkpoints hold, found by saving real checkpoints
 #: (2 CPU ranks: ZeRO 0, 1, 2 and 3; fp32, bf16 and fp16; with and without the WarmupLR scheduler).
@@ -90,6 +91,9 @@ class DeepSpeedDataStatesEngine:
         self.commit_wait = section.pop("commit_wait", "snapshot")
         if self.commit_wait not in ("snapshot", "durable"):
             raise ConfigError(f"datastates_ckpt.commit_wait must be \"snapshot\" or \"durable\", got {self.commit_wait!r}")
+        self.allow_pickle = section.pop("allow_pickle", False)
+        if type(self.allow_pickle) is not bool:
+            raise ConfigError(f"datastates_ckpt.allow_pickle must be true or false, got {self.allow_pickle!r}")
         user_classes = section.get("safe_classes", [])
         if not isinstance(user_classes, list):
             raise ConfigError(f"datastates_ckpt.safe_classes must be a list of class names, got {user_classes!r}")
@@ -135,7 +139,11 @@ class DeepSpeedDataStatesEngine:
             log.warning("[datastates] tag %r under %s is not committed (its bytes may not be durable); "
                         "loading the newest committed tag %r instead", tag, root, fallback[-1])
             tag = fallback[-1]
-        return self.engine.load(tag, name, root=root, map_location=map_location)
+        state = self.engine.load(tag, name, root=root, map_location=map_location)
+        # DeepSpeed hands the module state to load_state_dict, where Transformer Engine unpickles its extra state.
+        check_extra_state(state, allow_pickle=self.allow_pickle, where=os.path.join(root, tag, name),
+                          opt_in='"allow_pickle": true in datastates_ckpt')
+        return state
 
     def wait(self, persist: bool = True) -> None:
         self.engine.wait_snapshot()

@@ -57,6 +57,10 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--datastates-load-fallback", action="store_true",
                        help="If the newest committed checkpoint fails its checks (a flipped byte, a truncated "
                             "or missing file), load the next older committed one instead of stopping.")
+    group.add_argument("--datastates-allow-pickle", action="store_true",
+                       help="Trust the checkpoint's pickles: Transformer Engine's fp8 extra state goes to its "
+                            "modules (which unpickle it) without the check that it holds only TE's fp8 metadata. "
+                            "Only for checkpoints from a source you trust: unpickling can run any code.")
     group.add_argument("--datastates-peer-replica", action="store_true", default=None,
                        help="Also send each rank's checkpoint files to the host memory (/dev/shm) of the rank "
                             "with the same local index on the next node; a restart after losing one node "
@@ -82,9 +86,12 @@ class MegatronAdapterOptions:
     """``--use-datastates``: Megatron-LM's ``save_checkpoint``/``load_checkpoint`` route to this adapter."""
     load_fallback: bool = False
     """``--datastates-load-fallback``: a checkpoint that fails its checks makes every rank load the previous one."""
+    allow_pickle: bool = False
+    """``--datastates-allow-pickle``: Transformer Engine's pickled extra state is handed to its modules unchecked
+    (``te_extra_state``); by default one holding more than TE's fp8 metadata is refused."""
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "load_fallback"):
+        for name in ("enabled", "load_fallback", "allow_pickle"):
             if type(getattr(self, name)) is not bool:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
@@ -92,7 +99,8 @@ class MegatronAdapterOptions:
     def from_args(cls, args: Any) -> "MegatronAdapterOptions":
         """The options the parsed flags describe (absent flags take their defaults)."""
         return cls(enabled=bool(getattr(args, "use_datastates", False)),
-                   load_fallback=bool(getattr(args, "datastates_load_fallback", False)))
+                   load_fallback=bool(getattr(args, "datastates_load_fallback", False)),
+                   allow_pickle=bool(getattr(args, "datastates_allow_pickle", False)))
 
 
 # Flags whose value, when given, goes to the engine configuration key of the same meaning.
@@ -145,6 +153,14 @@ def validate_datastates_args(args: Any) -> None:
         problems.append("--use-datastates needs --save")
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
         problems.append("--use-datastates does not support FSDP")
+    fp8_moments = [flag for flag in ("exp_avg_dtype", "exp_avg_sq_dtype")
+                   if getattr(args, "use_precision_aware_optimizer", False) and str(getattr(args, flag, "")) in
+                   ("fp8", "torch.uint8")]
+    if fp8_moments:
+        problems.append(f"--use-datastates cannot save fp8 Adam moments exactly "
+                        f"({', '.join('--' + f.replace('_', '-') + ' fp8' for f in fp8_moments)}: Transformer Engine "
+                        "keeps them as Float8Tensors); use bf16 (exact in any layout) or fp16 (exact on the saved "
+                        "layout)")
     if problems:
         raise ValueError("invalid datastates configuration: " + "; ".join(problems))
     try:

@@ -15,7 +15,10 @@ checkpoint is committed, i.e. every rank's bytes are durable), with one file per
   ``checkpoint_layout`` lists them.
 
 Loading into the same TP/PP/DP layout reads each shard by id; into another layout, each shard
-is assembled from the saved shards that overlap it (``shard_assembly.py``).
+is assembled from the saved shards that overlap it (``shard_assembly.py``). Before the model
+state reaches ``load_state_dict``, Transformer Engine's pickled fp8 extra state is checked
+(``te_extra_state.py``); before the optimizer state is read, its stored form is compared with the
+optimizer's (``optimizer_state.check_stored_form``).
 
 ``save_checkpoint`` returns as soon as the engine has recorded the tensors; the copies overlap
 with the next forward/backward, and ``install_lazy_wait`` makes the optimizer wait right before
@@ -48,7 +51,7 @@ from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committe
 from megatron_ext.engine.collectives import all_reduce_int
 from megatron_ext.engine.commit import MANIFEST
 from megatron_ext.engine.layout import torch_dtype
-from megatron_ext.megatron import optimizer_state, sharding
+from megatron_ext.megatron import optimizer_state, sharding, te_extra_state
 from megatron_ext.megatron.args import MegatronAdapterOptions, engine_config_from_args
 from megatron_ext.megatron.checkpoint_layout import (CHECKPOINT_VERSION, COMMON, META, NON_PERSISTENT_SUBDIR, RELEASE,
                                                      RERUN_STATE, RNG, TRACKER_FILE, capture_rng_state, checkpoint_dir,
@@ -340,6 +343,9 @@ class MegatronCheckpointer:
         if with_optimizer and optimizer_format == DP_RESHARDABLE and saved_shards is not None:
             raise CheckpointError(f"{ckpt.checkpoint} holds the optimizer in bucket space (dp_reshardable), which "
                                   "loads on the saved TP/PP/DP layout only")
+        if with_optimizer and optimizer_format != DP_RESHARDABLE:  # before anything is read or allocated
+            optimizer_state.check_stored_form(optimizer, common.get("optimizer"), checkpoint=ckpt.checkpoint,
+                                              resharding=saved_shards is not None)
         if with_optimizer and not optimizer_state.saved_before_first_step(common.get("optimizer")):
             optimizer_state.allocate_state(optimizer)  # every value is read into it below; else main params only
         sharded, nonpersistent, factories = load_preprocess(_sharded_state(model, optimizer, with_optimizer,
@@ -347,6 +353,7 @@ class MegatronCheckpointer:
         sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"
         missing: list[str] = []
         prefetched = {} if saved_shards is not None else _read_own_shards(ckpt, tensor_index, sharded)
+        object_sources: dict[int, str] = {}  # id of a loaded object -> its file and shard id
 
         def fill(leaf: Any) -> Any:
             if not isinstance(leaf, (ShardedTensor, ShardedObject)):
@@ -356,13 +363,17 @@ class MegatronCheckpointer:
                 if sid not in object_index:
                     missing.append(sid)
                     return None
-                return ckpt.reader(object_index[sid]).part("shards", "objects", sid)
+                reader = ckpt.reader(object_index[sid])
+                value = reader.part("shards", "objects", sid)
+                path = reader.tensor_path if isinstance(value, torch.Tensor) else reader.state_path
+                object_sources[id(value)] = f"{path} (shard {sid})"
+                return value
             if saved_shards is not None:
-                return _assemble(saved_shards, leaf)
+                return _same_kind(sid, _assemble(saved_shards, leaf), leaf)
             if sid not in prefetched:
                 missing.append(sid)
                 return None
-            tensor = prefetched[sid]
+            tensor = _same_kind(sid, prefetched[sid], leaf)
             expected = tuple(leaf.data.shape) if leaf.data is not None else tuple(leaf.local_shape)
             if tuple(tensor.shape) != expected:
                 # A shard converted from torch_dist keeps megatron-core's prepended axes of size 1.
@@ -382,6 +393,12 @@ class MegatronCheckpointer:
 
         loaded_iteration = 0 if finetune or release else meta["iteration"]
         if not skip_load_to_model_and_opt:
+            # Transformer Engine unpickles its fp8 extra state in load_state_dict: checked first, every chunk.
+            allow_pickle = MegatronAdapterOptions.from_args(args).allow_pickle
+            for key in _model_keys(model):
+                te_extra_state.check_extra_state(
+                    state[key], allow_pickle=allow_pickle,
+                    where=lambda _, value: object_sources.get(id(value), f"{ckpt.checkpoint} in {load_dir}"))
             for key, chunk in zip(_model_keys(model), model):
                 _load_model_chunk(chunk, state[key], strict)
         if with_optimizer:
@@ -799,6 +816,21 @@ def _read_own_shards(ckpt: Any, tensor_index: dict[str, tuple[str, str]], sharde
         for tensor_name, tensor in ckpt.reader(file_name).tensors(names).items():
             found[names[tensor_name]] = tensor
     return found
+
+
+def _same_kind(sid: str, tensor: torch.Tensor, leaf: Any) -> torch.Tensor:
+    """A model-space optimizer shard loads only into a tensor of its saved dtype: never int16 remainders into fp32.
+
+    (Model weights may be cast, as in Megatron-LM's own load.) Checkpoints record the optimizer's
+    stored form and ``check_stored_form`` refuses another one first; this also holds for those
+    saved before the record existed.
+    """
+    if leaf.key.startswith("optimizer.state.") and tensor.dtype != leaf.dtype:
+        raise CheckpointError(f"optimizer shard {sid}: the checkpoint holds {tensor.dtype}, this run's optimizer keeps "
+                              f"{leaf.dtype} there; it was saved by an optimizer that stores its state in another form "
+                              "(--use-precision-aware-optimizer, --main-params-dtype, --exp-avg-dtype, "
+                              "--exp-avg-sq-dtype): resume with the flags it was saved with, or pass --no-load-optim")
+    return tensor
 
 
 def _live_target(meta: dict, data: Any) -> torch.Tensor | None:

@@ -93,9 +93,17 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+    from megatron_ext.megatron.optimizer_state import describe, is_plain, saved_forms
+
     committed = open_iteration(root, iteration)
     meta = saved_meta(committed)
     common = committed.reader(ckpt_layout.file_of_rank(committed.manifest, 0)).part(ckpt_layout.COMMON)
+    stored = [form for form in saved_forms(common.get("optimizer")) if not is_plain(form)]
+    if stored:  # megatron-core's torch_dist optimizer formats hold unscaled fp32 state
+        raise CheckpointError(f"{ckpt_layout.checkpoint_dir(root, iteration)}: its optimizer state is in the stored "
+                              f"form of --use-precision-aware-optimizer ({describe(stored[0])}), which megatron-core's "
+                              "torch_dist optimizer formats do not hold; convert does not support it (the model "
+                              "weights export with `megatron-ext export`)")
     layout = meta["layout"]
     target = _new_checkpoint_dir(out, iteration)
     shards = SavedShards(committed)

@@ -1,18 +1,46 @@
 """The distributed optimizer's state in model space, as the lazy snapshot sees it, and two load-time repairs.
 
 Saving: each data-parallel rank of a ``DistributedOptimizer`` holds, for every parameter that
-reaches into its slice of the grad buffers, a contiguous slice of that parameter's fp32 main copy
+reaches into its slice of the grad buffers, a contiguous slice of that parameter's main copy
 and Adam moments. ``model_space_state_dict`` describes these as ``sharding.FlatShardedTensor``
-leaves ``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<model key>``: the parameter's global
-box (key, offset, shape, from the model's sharded state dict) plus the slice of its flattened box
-(``flattened_range``). The data are the optimizer's own tensors, so the snapshot copies straight
-from the optimizer's memory: no gather, no staging copy. Unlike the bucket-space
-``dp_reshardable`` format, nothing depends on how parameters are packed into buckets, so a
-checkpoint loads into another TP/PP/DP layout; the remaining, non-parameter state (param
-groups, grad scaler) is the same on every rank. This is megatron-core's
-``fully_sharded_model_space`` format, which its 0.16.1 release can neither build (its
-``ShardedTensor`` rejects ``flattened_range``) nor read back with torch Adam (see
-``load_model_space_state_dict``).
+leaves ``optimizer.state.<name>.<model key>``: the parameter's global box (key, offset, shape,
+from the model's sharded state dict) plus the slice of its flattened box (``flattened_range``).
+The data are the optimizer's own tensors, so the snapshot copies straight from the optimizer's
+memory: no gather, no staging copy. Unlike the bucket-space ``dp_reshardable`` format, nothing
+depends on how parameters are packed into buckets, so a checkpoint loads into another TP/PP/DP
+layout; the remaining, non-parameter state (param groups, grad scaler) is the same on every
+rank. This is megatron-core's ``fully_sharded_model_space`` format, which its 0.16.1 release can
+neither build (its ``ShardedTensor`` rejects ``flattened_range``) nor read back with torch Adam
+(see ``load_model_space_state_dict``).
+
+Stored forms. What is saved is the optimizer's *stored* form, never a converted copy:
+
+* plain (torch Adam, or TE's/Apex's FusedAdam without ``--use-precision-aware-optimizer``):
+  megatron-core's fp32 main params and fp32 moments, ``fp32_param``, ``exp_avg``, ``exp_avg_sq``;
+* ``--use-precision-aware-optimizer`` (TE's FusedAdam keeps the main params and moments, see
+  ``megatron_ext/testing/te_fused_adam.py`` for what it stores): each tensor as FusedAdam holds it,
+  named by its kind so that no reader can take one kind for another: ``fp32_param``/``exp_avg``/
+  ``exp_avg_sq`` when fp32, ``main_param_remainders`` (int16: the low 16 bits of the fp32 main
+  params whose high 16 bits are the bf16 model params themselves, ``store_param_remainders``),
+  ``exp_avg_bf16``/``exp_avg_sq_bf16`` (no scale), and ``main_param_fp16``/``exp_avg_fp16``/
+  ``exp_avg_sq_fp16``, which FusedAdam keeps divided by a per-tensor scale (one fp32 value per
+  parameter slice of this rank, ``FusedAdam._scales``), saved beside them as an object shard
+  ``optimizer.state.<name>_scale.<model key>#<start>:<stop>``.
+
+Reading the stored tensors directly is what makes the save zero-copy: megatron-core's own
+``_get_main_param_and_optimizer_states`` (through FusedAdam's ``get_unscaled_state``) and
+``DistributedOptimizer.state_dict`` (through FusedAdam's ``state_dict``) each build fp32 copies of
+every non-fp32 moment, on the GPU, at every save. The common state here is built from torch's
+``Optimizer.state_dict`` of the inner optimizer instead, which references the state (no copy).
+
+What cannot be made exact is refused with a ``CheckpointError``: fp8 moments
+(``--exp-avg-dtype fp8``: FusedAdam keeps TE ``Float8Tensor``s, whose data and scale-inverse this
+module does not save; refused at start-up and at the first save), and loading a scaled form
+(fp16) into another TP/PP/DP layout (a slice's scale does not describe the resharded slices; the
+other forms are elementwise and reshard exactly). The stored form (``stored_form``) is recorded
+in the common state (``datastates_stored_form``), and a load whose optimizer keeps another form
+is refused naming both and the flags (``check_stored_form``); a checkpoint without the record
+(saved before it existed) holds the plain form.
 
 Parameters whose model state is a ``ShardedTensorFactory`` (the gated MLP's ``linear_fc1`` split
 into its two halves, Mamba's and gated delta net's input projections split into their parts)
@@ -30,21 +58,38 @@ Loading, on the torch-Adam path (no Transformer Engine or Apex, as on CPUs):
 * after the load every param shares one ``step`` tensor holding the pre-load value, so
   ``restore_adam_steps`` gives each param its own ``step`` equal to the checkpointed count kept
   in ``param_groups[i]['step']``.
+
+Loading a precision-aware form writes every stored tensor and scale back as it was saved
+(``load_model_space_state_dict``), after megatron-core's ``load_state_dict`` has restored the
+param groups (which re-creates FusedAdam's state tensors).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any, Iterator
 
 import torch
-from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
+from megatron_ext.engine import CheckpointError
 from megatron_ext.megatron import sharding
 
 MODEL_SPACE = "fully_sharded_model_space"
 BEFORE_FIRST_STEP = "saved_before_first_step"
+STORED_FORM = "datastates_stored_form"
+#: Keys of a distributed optimizer's common state that only this module reads.
+_OWN_KEYS = ("param_state", "param_state_sharding_type", BEFORE_FIRST_STEP, STORED_FORM)
+
+_KINDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "fp8"}
+REMAINDERS = "bf16 + int16 remainders"  # fp32 main params as the bf16 model params plus their low 16 bits
+#: The stored form of a checkpoint saved before the form was recorded: the only one that was exact then.
+PLAIN_FORM = {"main_params": "fp32", "exp_avg": "fp32", "exp_avg_sq": "fp32", "precision_aware_optimizer": False}
+_COMPARED = ("main_params", "exp_avg", "exp_avg_sq")
+SCALE_SUFFIX = "_scale"
 
 
 def _distributed(optimizer: Any) -> Iterator[Any]:
@@ -137,15 +182,134 @@ def _has_stepped(opt: Any) -> bool:
     return any(len(s) for s in opt.optimizer.state.values())
 
 
+def _holds_main_params(opt: Any) -> bool:
+    """Whether the inner optimizer keeps the main params (``--use-precision-aware-optimizer``: TE's FusedAdam)."""
+    return bool(getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False))
+
+
+def _is_hybrid(opt: Any) -> bool:
+    """megatron-core's ``HybridDeviceOptimizer`` (``--optimizer-cpu-offload``): its own fp32 tensors on the host."""
+    return type(opt.optimizer).__name__ == "HybridDeviceOptimizer"
+
+
+def stored_form(opt: Any) -> dict:
+    """How ``opt`` stores its main params and moments (the kinds compared at load, and the flag)."""
+    inner, config = opt.optimizer, opt.config
+    dtypes = getattr(inner, "name_to_dtype_map", None) or {}  # TE's FusedAdam: the dtype of each state
+
+    def kind(name: str) -> str:
+        dtype = dtypes.get(name, torch.float32)
+        return _KINDS.get(dtype, str(dtype).removeprefix("torch."))
+
+    main = "fp32"
+    if _holds_main_params(opt) and not _is_hybrid(opt):
+        main = kind("master_param")
+        if getattr(inner, "store_param_remainders", False) and getattr(config, "bf16", False):
+            main = REMAINDERS
+    return {"main_params": main, "exp_avg": kind("exp_avg"), "exp_avg_sq": kind("exp_avg_sq"),
+            "precision_aware_optimizer": bool(getattr(config, "use_precision_aware_optimizer", False))}
+
+
+def describe(form: dict) -> str:
+    return f"main params {form['main_params']}, exp_avg {form['exp_avg']}, exp_avg_sq {form['exp_avg_sq']}"
+
+
+def _flags(form: dict) -> str:
+    """The Megatron-LM flags that give an optimizer of this stored form."""
+    if all(form[k] == "fp32" for k in _COMPARED) and not form.get("precision_aware_optimizer"):
+        return "without --use-precision-aware-optimizer"
+    main = {REMAINDERS: "fp32", "fp16": "fp16"}.get(form["main_params"], "fp32")
+    flags = (f"--use-precision-aware-optimizer --main-params-dtype {main} --exp-avg-dtype {form['exp_avg']} "
+             f"--exp-avg-sq-dtype {form['exp_avg_sq']}")
+    if form["main_params"] == REMAINDERS:
+        flags += " with --bf16 (megatron-core's OptimizerConfig.store_param_remainders, on by default with TE >= 2.1)"
+    elif form["main_params"] == "fp32":
+        flags += " (with --bf16: OptimizerConfig.store_param_remainders off)"
+    return flags
+
+
+FP8_REFUSED = ("--use-datastates cannot save fp8 optimizer state ({}): Transformer Engine's FusedAdam keeps it as "
+               "Float8Tensors, whose exact form (fp8 data plus a per-tensor scale) megatron_ext does not store; use "
+               "--exp-avg-dtype/--exp-avg-sq-dtype bf16 (exact in any layout) or fp16 (exact on the saved layout)")
+
+
+def _refuse_fp8(form: dict) -> None:
+    fp8 = [name for name in _COMPARED if form[name] == "fp8"]
+    if fp8:
+        raise CheckpointError(FP8_REFUSED.format(", ".join(fp8)))
+
+
+def _stored(opt: Any, param: Any, key: str, tensor: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One state tensor of the inner optimizer as saved: ``({shard name: tensor}, {shard name: its scale})``."""
+    base = "main_param" if key in ("master_param", "param") else key
+    declared = (getattr(opt.optimizer, "name_to_dtype_map", None) or {}).get(key)
+    if declared == torch.uint8 or hasattr(tensor, "_scale_inv"):  # a TE Float8Tensor (its dtype says float32)
+        raise CheckpointError(FP8_REFUSED.format(key))
+    if type(tensor) is not torch.Tensor:
+        raise CheckpointError(f"the optimizer keeps {key} as {type(tensor).__name__}, which megatron_ext does not save")
+    if tensor.dtype == torch.float32:
+        return {"fp32_param" if base == "main_param" else base: tensor}, {}
+    if tensor.dtype == torch.int16 and base == "main_param":
+        return {"main_param_remainders": tensor}, {}
+    if tensor.dtype == torch.bfloat16 and base != "main_param":
+        return {f"{base}_bf16": tensor}, {}
+    if tensor.dtype == torch.float16:  # FusedAdam keeps fp16 state divided by a per-tensor scale
+        name = f"{base}_fp16"
+        return {name: tensor}, {name: opt.optimizer._scales[param][key]}
+    raise CheckpointError(f"the optimizer keeps {key} as {tensor.dtype}, a stored form megatron_ext does not save")
+
+
+def _stored_tensors(opt: Any, model_param: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The optimizer's own stored tensors of this rank's slice of ``model_param`` (no copy), and their scales.
+
+    Plain optimizers: megatron-core's fp32 main param and the inner optimizer's moments. With
+    ``--use-precision-aware-optimizer`` the inner FusedAdam's state as it stores it (``_stored``);
+    before its first step it holds nothing (the main params are the model's own until then).
+    """
+    group_index, group_order = opt.model_param_group_index_map[model_param]
+    param = opt.optimizer.param_groups[group_index]["params"][group_order]
+    slices: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    if _holds_main_params(opt):
+        if not _has_stepped(opt):
+            return slices, scales
+        state = (opt._get_main_param_and_optimizer_states(model_param) if _is_hybrid(opt)  # its own tensors
+                 else opt.optimizer.state[param])
+    else:
+        slices["fp32_param"] = param
+        if not _has_stepped(opt):  # only the main param exists (reading the state would create empty entries)
+            return slices, scales
+        state = opt.optimizer.state[param]
+    for key, tensor in state.items():
+        if key != "step":  # kept in param_groups (one count for all params)
+            more, more_scales = _stored(opt, param, key, tensor)
+            slices.update(more)
+            scales.update(more_scales)
+    return slices, scales
+
+
 def _param_tensors(opt: Any, model_param: Any) -> dict[str, torch.Tensor]:
-    """The optimizer's own fp32 main param and Adam moments of this rank's slice of ``model_param``."""
-    if not _has_stepped(opt):  # only the main param exists (reading the state would create empty entries)
-        group_index, group_order = opt.model_param_group_index_map[model_param]
-        return {"fp32_param": opt.optimizer.param_groups[group_index]["params"][group_order]}
-    tensors = opt._get_main_param_and_optimizer_states(model_param)
-    tensors["fp32_param"] = tensors.pop("param")
-    tensors.pop("step", None)  # kept in param_groups (one count for all params)
-    return tensors
+    """The optimizer's own stored tensors of this rank's slice of ``model_param``, by shard name (no copy)."""
+    return _stored_tensors(opt, model_param)[0]
+
+
+@contextlib.contextmanager
+def _state_dict_without_copies(opt: Any) -> Iterator[None]:
+    """Within the block the inner optimizer's ``state_dict`` is torch's, which references the state.
+
+    TE's FusedAdam overrides it to return fp32 copies of every non-fp32 state (``get_unscaled_state``);
+    megatron-core's ``DistributedOptimizer.state_dict`` calls it and then drops the state, keeping the
+    param groups. torch's own gives the same param groups without the copies.
+    """
+    inner = opt.optimizer
+    if not hasattr(inner, "get_unscaled_state") or not isinstance(inner, torch.optim.Optimizer):
+        yield
+        return
+    inner.state_dict = functools.partial(torch.optim.Optimizer.state_dict, inner)
+    try:
+        yield
+    finally:
+        del inner.state_dict
 
 
 def _common_state(opt: Any) -> dict:
@@ -155,7 +319,8 @@ def _common_state(opt: Any) -> dict:
     step count from the per-parameter state); the groups then say step 0, as its loader expects.
     """
     if _has_stepped(opt):
-        return opt.state_dict()
+        with _state_dict_without_copies(opt):
+            return opt.state_dict()
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "step": 0}
               for group in opt.optimizer.state_dict()["param_groups"]]
     state: dict = {"optimizer": {"param_groups": groups}}
@@ -165,6 +330,8 @@ def _common_state(opt: Any) -> dict:
 
 
 def _model_space(opt: Any, by_param: dict) -> dict:
+    form = stored_form(opt)
+    _refuse_fp8(form)
     state = _common_state(opt)
     param_state = {}
     for model_param, flat in _param_slices(opt):
@@ -172,10 +339,18 @@ def _model_space(opt: Any, by_param: dict) -> dict:
         if boxes is None or any(len(sharding.replica_tuple(box.shard.replica_id)) != 3 for box in boxes):
             raise ValueError(f"parameter of shape {tuple(model_param.shape)} has no (PP, TP, DP) ShardedTensor "
                              "in the model's sharded state dict")
-        param_state[len(param_state)] = {
-            name: _slice_leaves(opt, boxes, name, tensor, flat) for name, tensor in _param_tensors(opt, model_param).items()}
+        slices, scales = _stored_tensors(opt, model_param)
+        entry: dict[str, Any] = {name: _slice_leaves(opt, boxes, name, tensor, flat) for name, tensor in slices.items()}
+        first = boxes[0].shard
+        replica_id = (*sharding.replica_tuple(first.replica_id)[:2], opt.distributed_optimizer_instance_id)
+        for name, scale in scales.items():  # one value per slice: an object of this rank's slice
+            entry[name + SCALE_SUFFIX] = ShardedObject(
+                f"optimizer.state.{name}{SCALE_SUFFIX}.{first.key}#{flat.start}:{flat.stop}", scale,
+                tuple(first.global_shape), tuple(first.global_offset), replica_id)
+        param_state[len(param_state)] = entry
     state["param_state"] = param_state
     state["param_state_sharding_type"] = MODEL_SPACE
+    state[STORED_FORM] = form
     if not _has_stepped(opt):
         state[BEFORE_FIRST_STEP] = True  # main params only: the load template must not ask for moments
     return state
@@ -206,12 +381,67 @@ def _joined(loaded: Any) -> torch.Tensor:
     return loaded
 
 
+def _saved_states(optimizers: list, saved: Any) -> list:
+    """The saved common state of each (chained) optimizer, in order."""
+    return [saved] if len(optimizers) == 1 else [saved[i] for i in sorted(saved)]
+
+
+def _common_states(saved_common: Any) -> list:
+    """Each (chained) optimizer's part of a checkpoint's common ``optimizer`` state."""
+    if not isinstance(saved_common, dict):
+        return []
+    return [saved_common] if "param_state_sharding_type" in saved_common else list(saved_common.values())
+
+
+def _recorded_form(saved: dict) -> dict:
+    recorded = saved.get(STORED_FORM)
+    return {**PLAIN_FORM, **recorded} if isinstance(recorded, dict) else dict(PLAIN_FORM)
+
+
+def saved_forms(saved_common: Any) -> list[dict]:
+    """The stored form of every model-space optimizer state in a checkpoint's common ``optimizer`` state."""
+    return [_recorded_form(saved) for saved in _common_states(saved_common)
+            if isinstance(saved, dict) and saved.get("param_state_sharding_type") == MODEL_SPACE]
+
+
+def is_plain(form: dict) -> bool:
+    return all(form[k] == "fp32" for k in _COMPARED)
+
+
+def check_stored_form(optimizer: Any, saved_common: Any, *, checkpoint: str, resharding: bool) -> None:
+    """Refuse, before anything is read, a model-space optimizer state saved in another stored form.
+
+    ``saved_common`` is the checkpoint's common ``optimizer`` state. Checkpoints in megatron-core's
+    own formats (converted from torch_dist) hold its unscaled values and are not checked here.
+    """
+    optimizers = list(_distributed(optimizer))
+    if not isinstance(saved_common, dict):
+        return
+    for opt, saved in zip(optimizers, _saved_states(optimizers, saved_common)):
+        if not _is_distributed(opt) or not isinstance(saved, dict) or \
+                saved.get("param_state_sharding_type") != MODEL_SPACE:
+            continue
+        saved_form = _recorded_form(saved)
+        now = stored_form(opt)
+        if any(saved_form.get(k) != now[k] for k in _COMPARED):
+            when = "" if isinstance(saved.get(STORED_FORM), dict) else \
+                " (saved before megatron_ext recorded the form: the plain one)"
+            raise CheckpointError(
+                f"{checkpoint}: its optimizer state was saved in another form than this run's optimizer keeps: saved "
+                f"{describe(saved_form)}{when}, now {describe(now)}. Loading it would copy values of one kind into "
+                f"tensors of another; resume {_flags(saved_form)} (this run: {_flags(now)}), or pass "
+                "--no-load-optim to load the weights only")
+        scaled = [k for k in _COMPARED if saved_form[k] == "fp16"]
+        if resharding and scaled:
+            raise CheckpointError(
+                f"{checkpoint}: its optimizer keeps {', '.join(scaled)} in fp16 divided by a scale per parameter "
+                "slice of each data-parallel rank, which does not carry over to another TP/PP/DP layout exactly; "
+                "load it on the layout it was saved with (or pass --no-load-optim)")
+
+
 def saved_before_first_step(saved_common: Any) -> bool:
     """Whether a checkpoint's optimizer (its common part) was saved before the first step."""
-    if not isinstance(saved_common, dict):
-        return False
-    states = [saved_common] if "param_state_sharding_type" in saved_common else list(saved_common.values())
-    return any(isinstance(s, dict) and s.get(BEFORE_FIRST_STEP) for s in states)
+    return any(isinstance(s, dict) and s.get(BEFORE_FIRST_STEP) for s in _common_states(saved_common))
 
 
 def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
@@ -226,22 +456,19 @@ def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
         optimizer.load_state_dict(state)
         restore_adam_steps(optimizer)
         return
-    states = [state] if len(optimizers) == 1 else [state[i] for i in sorted(state)]
-    for opt, opt_state in zip(optimizers, states):
+    for opt, opt_state in zip(optimizers, _saved_states(optimizers, state)):
         param_state = opt_state.get("param_state", {})
-        opt.load_state_dict({k: v for k, v in opt_state.items()
-                             if k not in ("param_state", "param_state_sharding_type", BEFORE_FIRST_STEP)})
-        scaled = getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
+        # Param groups and grad scaler; with TE's FusedAdam this also re-creates its state tensors,
+        # so the stored values are written below, into the tensors it keeps from now on.
+        opt.load_state_dict({k: v for k, v in opt_state.items() if k not in _OWN_KEYS})
         stepped = not opt_state.get(BEFORE_FIRST_STEP)
         for index, (model_param, _) in enumerate(_param_slices(opt)):
             loaded = {k: _joined(v) for k, v in param_state[index].items()}
-            if scaled:  # the optimizer keeps scaled copies: megatron-core's own setter rescales
-                opt._set_main_param_and_optimizer_states(
-                    model_param, {"param" if k == "fp32_param" else k: v for k, v in loaded.items()})
-                continue
+            slices, scales = _stored_tensors(opt, model_param)
+            targets = {**slices, **{name + SCALE_SUFFIX: scale for name, scale in scales.items()}}
             with torch.no_grad():  # in fp32 the main params are the model's own (leaf) params
-                for name, tensor in _param_tensors(opt, model_param).items():
-                    if name in loaded:
+                for name, tensor in targets.items():
+                    if name in loaded and loaded[name] is not tensor:
                         tensor.copy_(loaded[name])
         if not stepped:  # saved before the first step: so is this optimizer now (its next step starts the moments)
             opt.optimizer.state.clear()
@@ -304,11 +531,8 @@ def check_param_groups(optimizer: Any, saved: Any) -> None:
     """
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
-    from megatron_ext.engine import CheckpointError
-
     optimizers = list(_distributed(optimizer))
-    saved_states = [saved] if len(optimizers) == 1 else [saved[i] for i in sorted(saved)]
-    for opt, state in zip(optimizers, saved_states):
+    for opt, state in zip(optimizers, _saved_states(optimizers, saved)):
         if not _is_distributed(opt):
             continue
 
@@ -331,8 +555,7 @@ def load_fully_reshardable_state_dict(optimizer: Any, state: Any) -> None:
     ``param_index_map`` order, all ranks' parameters counted; each rank copies its slice.
     """
     optimizers = list(_distributed(optimizer))
-    states = [state] if len(optimizers) == 1 else [state[i] for i in sorted(state)]
-    for opt, opt_state in zip(optimizers, states):
+    for opt, opt_state in zip(optimizers, _saved_states(optimizers, state)):
         if not _is_distributed(opt):
             opt.load_state_dict(opt_state)
             continue
@@ -348,8 +571,10 @@ def load_fully_reshardable_state_dict(optimizer: Any, state: Any) -> None:
                     sliced = {name: saved.reshape(-1)[flat] for name, saved in param_state[index].items()}
                     if scaled:  # the optimizer keeps scaled copies: megatron-core's own setter rescales
                         opt._set_main_param_and_optimizer_states(model_param, sliced)
-                    else:
-                        for name, tensor in _param_tensors(opt, model_param).items():
-                            tensor.copy_(sliced["param" if name == "fp32_param" else name])
+                    else:  # megatron-core's names for the plain optimizer's own tensors (no copies there)
+                        with torch.no_grad():
+                            for name, tensor in opt._get_main_param_and_optimizer_states(model_param).items():
+                                if name != "step":
+                                    tensor.copy_(sliced[name])
                 index += 1
     restore_adam_steps(optimizer)
