@@ -15,7 +15,6 @@ import logging
 import os
 import uuid
 
-
 from . import lock as dir_lock, retention
 from .collectives import all_reduce_int
 from .config import EngineConfig
