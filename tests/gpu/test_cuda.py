@@ -106,7 +106,7 @@ def test_graph_safe_cuda_generators_round_trip_through_a_checkpoint(tmp_path):
     pytest.importorskip("megatron.core")
     from megatron.core import tensor_parallel
 
-    from megatron_ext.engine import CheckpointEngine
+    from helpers.states import through_a_checkpoint
     from megatron_ext.megatron import checkpoint_layout as layout
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -117,12 +117,7 @@ def test_graph_safe_cuda_generators_round_trip_through_a_checkpoint(tmp_path):
     try:
         captured = layout.capture_rng_state()
         expected = torch.rand(8, device="cuda", generator=generators["model-parallel-rng"])
-        engine = CheckpointEngine({"save_dir": str(tmp_path), "host_cache_size": 0.01})
-        engine.save({"rng": captured}, "ckpt", version=1)
-        engine.commit("ckpt")
-        engine.wait_persisted()
-        loaded = engine.load("ckpt")["rng"]
-        engine.shutdown()
+        loaded = through_a_checkpoint(tmp_path, {"rng": captured})["rng"]
         layout.restore_rng_state(loaded)
         assert tracker.get_states()["model-parallel-rng"] is generators["model-parallel-rng"]
         assert torch.equal(torch.rand(8, device="cuda", generator=generators["model-parallel-rng"]), expected)
