@@ -34,8 +34,9 @@ from .context import SaveContext
 from .coordination import COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, checkpoint_key
 from .files import atomic_write
 from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, FileJob, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
-from .manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, REPORTS, assemble_manifest, encode_json,  # noqa: F401
-                       list_committed, manifest_part, MANIFEST_SHARES, read_manifest, report_name, summary_of)  # (re-exported)
+from .manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, REPORTS, assemble_manifest, check_assembled,  # noqa: F401
+                       check_report, encode_json, list_committed, manifest_part, MANIFEST_SHARES, read_manifest,
+                       report_name, summary_of)  # (re-exported)
 from .messages import Discard
 
 #: Ranks other than 0 wait this much longer than rank 0 for the decision, so that when a rank is
@@ -249,7 +250,12 @@ class Committer:
                 self._decide(job, key)
             job.committed.set()
             return
-        status, shares = self._write_reports(job)
+        try:
+            status, shares = self._write_reports(job)
+        except BaseException as exc:
+            if post:  # the others learn it now, not when rank 0's wait runs out
+                self.channel.post(key, {"state": FAILED, "error": f"{type(exc).__name__}: {exc}"})
+            raise
         self._emit_levels(job)
         if post:
             self.channel.post_durable(key, status, shares)
@@ -281,6 +287,7 @@ class Committer:
     def _write_reports(self, job: CheckpointJob) -> tuple[list, dict[str, bytes]]:
         """This rank's report, durable on the shared level (and the local one); returns its durable status."""
         report = rank_report(job, self.rank, self.world_size)
+        check_report(report, self.rank)  # what a loader will ask of it, before it counts
         data = encode_json(report)
         reports_dir = os.path.join(job.root, job.checkpoint, REPORTS)
         os.makedirs(reports_dir, exist_ok=True)
@@ -360,7 +367,9 @@ class Committer:
         attempt_of = self.run_id if job.tag != self.run_id else None  # a second save of this id in this run
         header, data = assemble_manifest(job.checkpoint, job.tag, job.version, self.world_size,
                                          collected.durable, collected.shares, attempt_of)
-        atomic_write(os.path.join(ckpt_dir, MANIFEST), data)
+        path = os.path.join(ckpt_dir, MANIFEST)
+        check_assembled(job.checkpoint, data, collected.durable, collected.shares, path)  # before it counts
+        atomic_write(path, data)
         if self.may_remove(job.root):
             _remove_other_runs(ckpt_dir, job.tag)
         return header

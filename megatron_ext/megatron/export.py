@@ -62,7 +62,10 @@ def saved_meta(committed: CommittedCheckpoint) -> dict:
     zero = file_of_rank(committed.manifest, 0)
     if zero is None:
         raise CheckpointError(f"{committed.checkpoint} has no file of rank 0")
-    return committed.reader(zero).part(META)
+    meta = committed.reader(zero).part(META)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{committed.reader(zero).state_path}: its meta is not a dict")
+    return meta
 
 
 def model_keys(shards: SavedShards) -> list[str]:
