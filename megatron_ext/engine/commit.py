@@ -6,8 +6,12 @@
    also goes to the local directory, recording that the local copy is complete. Then it posts its
    status, ``durable`` with what its report lists, to the commit store (coordination.py).
 2. Rank 0 waits for every rank's status, joins the shares of the manifest they carry (each rank
-   encoded its own: rank 0 decodes none), and writes ``<ckpt>/manifest.json`` atomically. The manifest is the commit marker: a directory without
-   one is not a checkpoint and is never loaded. Then it publishes its decision.
+   encoded its own), validates the result exactly as a loader will read it back
+   (``manifest.check_assembled``; each rank checked its own report the same way before posting),
+   and writes ``<ckpt>/manifest.json`` atomically. The manifest is the commit marker: a directory without
+   one is not a checkpoint and is never loaded. A manifest that fails validation is never
+   written: the checkpoint fails on every rank, naming the rank whose share broke the rule, and
+   nothing is deleted. Then it publishes its decision.
 3. The other ranks wait for the decision. Callbacks (a framework's "latest" tracker) run only
    once the manifest is durable; on ranks other than 0 the file list is read from disk only if a callback asks for it.
 

@@ -97,7 +97,8 @@ class EngineConfig:
     #: Ranks per node for the peer mapping; None: torchrun's LOCAL_WORLD_SIZE. Smaller values
     #: simulate several nodes on one machine.
     ranks_per_node: int | None = None
-    #: Host-memory directory for the replicas this node holds; None: ``/dev/shm/megatron_ext-replicas-<hash of save_dir>``.
+    #: Host-memory directory for the replicas this node holds, created private (0700, checked before
+    #: every use); None: ``/dev/shm/megatron_ext-<uid>/replicas-<hash of save_dir>``.
     replica_dir: str | None = None
     #: Ignored, accepted for DeepSpeed compatibility.
     parser_threads: int | None = None

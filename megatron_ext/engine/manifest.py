@@ -579,7 +579,7 @@ def check_sidecar_volume(raw: bytes, tensors: int, where: str) -> None:
         raise CheckpointError(f"{where}: {len(raw)} bytes, more than a sidecar may have ({MAX_SIDECAR_BYTES}; "
                               "large data belongs in tensors)")
     limit = SIDECAR_VALUES + SIDECAR_VALUES_PER_TENSOR * tensors
-    if len(raw) > limit:  # cheaper than counting: fewer bytes than the limit cannot hold more values
+    if len(raw) >= limit:  # no need to count: a value takes a byte, so fewer bytes hold fewer values
         values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
         if values > limit:
             raise CheckpointError(f"{where}: up to {values} JSON values, more than the {limit} a sidecar of "
@@ -663,4 +663,3 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return type(value) in (int, float) and math.isfinite(value)
-

@@ -139,6 +139,18 @@ def rank_state(shards: dict, rng: dict | None = None, rerun_state: dict | None =
     return state
 
 
+def read_run_meta(reader: Any) -> dict:
+    """Rank 0's ``meta`` part (``run_meta``) from its file's reader, checked before any use: a dict
+    with a whole-number ``iteration`` and a ``layout`` of whole-number ``tp``, ``pp``, ``dp``."""
+    meta = reader.part(META)
+    layout = meta.get("layout") if isinstance(meta, dict) else None
+    if not isinstance(layout, dict) or not all(type(layout.get(k)) is int and layout[k] >= 1 for k in ("tp", "pp", "dp")):
+        raise CheckpointError(f"{reader.state_path}: its meta records no parallel layout (whole-number tp, pp, dp)")
+    if type(meta.get("iteration")) is not int:
+        raise CheckpointError(f"{reader.state_path}: its meta's iteration {meta.get('iteration')!r} is not a whole number")
+    return meta
+
+
 def rank_extra(objects: Any, layout: dict) -> dict:
     """The manifest's ``extra`` of a rank's file: the object shard ids it holds, its parallel layout."""
     return {"objects": sorted(objects), "layout": layout}

@@ -89,9 +89,7 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
     common = committed.reader(ckpt_layout.file_of_rank(committed.manifest, 0)).part(ckpt_layout.COMMON)
     if not isinstance(common, dict):
         raise CheckpointError(f"{committed.checkpoint}: rank 0's common state is not a dict")
-    layout = meta.get("layout")
-    if not isinstance(layout, dict) or not all(type(layout.get(k)) is int for k in ("tp", "pp", "dp")):
-        raise CheckpointError(f"{committed.checkpoint}: rank 0's meta has no parallel layout (tp, pp, dp)")
+    layout = meta["layout"]
     shards = SavedShards(committed)
     shards.check()  # every shard's metadata and tensor, every key covered: before anything is written
     target = _new_checkpoint_dir(out, iteration)

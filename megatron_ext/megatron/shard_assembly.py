@@ -128,8 +128,8 @@ def check_shard_meta(meta, tensor: bool, where: str) -> dict:
     fragments = meta.get("axis_fragmentations")
     if fragments is not None:
         fragments = _whole_numbers(fragments, "axis_fragmentations", where)
-        if fragments and (len(fragments) != len(global_shape) or 0 in fragments):
-            raise CheckpointError(f"{where}: axis_fragmentations {list(fragments)} do not match global_shape "
+        if 0 in fragments or len(fragments) > len(global_shape):
+            raise CheckpointError(f"{where}: axis_fragmentations {list(fragments)} do not fit global_shape "
                                   f"{list(global_shape)}")
     return dict(meta, global_shape=list(global_shape), global_offset=list(offset), local_shape=list(local),
                 prepend_axis_num=prepend, flattened_range=list(flat) if flat is not None else None,

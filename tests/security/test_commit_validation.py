@@ -61,28 +61,18 @@ def _absurd_size(files: bytes) -> bytes:
     return re.sub(rb'"state_size":\d+', b'"state_size":1000000000000', files)
 
 
-@pytest.mark.parametrize("damage", [_escaping_path, _malformed, _claims_another_rank, _absurd_size],
-                         ids=lambda f: f.__name__.strip("_"))
-def test_a_bad_share_fails_the_checkpoint_on_every_rank_and_deletes_nothing(tmp_path, monkeypatch, damage):
-    root = tmp_path / "ckpt"
+def _second_checkpoint_fails_on_both_ranks(root, damage_from_now_on, error: str) -> None:
+    """C1 commits; ``damage_from_now_on()``; C2 must fail on both ranks with ``error``, leaving C1
+    the newest committed checkpoint, intact (``keep_last=1`` would have deleted it after a commit)."""
     engines = _two_ranks(root, keep_last=1)
     try:
         _save_both(engines, C1, 1)
         for engine in engines:
             engine.wait_persisted()
-
-        real = commit_module.manifest_part
-
-        def damaged(summary):
-            head, shares = real(summary)
-            if summary["rank"] == 1:
-                shares = dict(shares, files=damage(shares["files"]))
-            return head, shares
-
-        monkeypatch.setattr(commit_module, "manifest_part", damaged)
+        damage_from_now_on()
         _save_both(engines, C2, 2)
         for engine in engines:
-            with pytest.raises(CheckpointError, match=rf"checkpoint {C2}.*rank 1"):
+            with pytest.raises(CheckpointError, match=error):
                 engine.wait_persisted()
     finally:
         _shutdown(engines)
@@ -94,31 +84,34 @@ def test_a_bad_share_fails_the_checkpoint_on_every_rank_and_deletes_nothing(tmp_
             assert torch.equal(reader.load(C1, f"rank{rank:05d}")["w"], genuine_state(10 + rank)["w"])
 
 
+@pytest.mark.parametrize("damage", [_escaping_path, _malformed, _claims_another_rank, _absurd_size],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_bad_share_fails_the_checkpoint_on_every_rank_and_deletes_nothing(tmp_path, monkeypatch, damage):
+    real = commit_module.manifest_part
+
+    def damaged(summary):
+        head, shares = real(summary)
+        if summary["rank"] == 1:
+            shares = dict(shares, files=damage(shares["files"]))
+        return head, shares
+
+    _second_checkpoint_fails_on_both_ranks(tmp_path / "ckpt", lambda: monkeypatch.setattr(
+        commit_module, "manifest_part", damaged), rf"checkpoint {C2}.*rank 1")
+
+
 def test_a_rank_report_that_would_not_load_fails_its_commit(tmp_path, monkeypatch):
     """Each rank holds its own report (the tensor index rank 0 never reads) to the loader's rules."""
-    root = tmp_path / "ckpt"
     real = commit_module.rank_report
 
     def past_the_end(job, rank, world_size):
         report = real(job, rank, world_size)
-        if rank == 1 and job.checkpoint == C2:
+        if rank == 1:
             entry = report["files"][0]
             entry["tensors"]["w"]["offsets"] = [entry["size"], entry["size"] + 4000]
         return report
 
-    monkeypatch.setattr(commit_module, "rank_report", past_the_end)
-    engines = _two_ranks(root, keep_last=1)
-    try:
-        _save_both(engines, C1, 1)
-        for engine in engines:
-            engine.wait_persisted()
-        _save_both(engines, C2, 2)
-        for engine in engines:
-            with pytest.raises(CheckpointError, match=rf"checkpoint {C2}.*rank 1.*lie outside the file"):
-                engine.wait_persisted()
-    finally:
-        _shutdown(engines)
-    assert [name for name, _ in list_committed(str(root))] == [C1]
+    _second_checkpoint_fails_on_both_ranks(tmp_path / "ckpt", lambda: monkeypatch.setattr(
+        commit_module, "rank_report", past_the_end), rf"checkpoint {C2}.*rank 1.*lie outside the file")
 
 
 def test_an_unversioned_checkpoint_is_never_the_newest(tmp_path):
