@@ -26,7 +26,7 @@ import torch
 from . import codec, faults, layout as file_layout
 from .commit import Committer
 from .committed import CommittedCheckpoint
-from .config import ConfigError, EngineConfig, check_writable_dir
+from .config import ConfigError, EngineConfig, check_retention_count, check_writable_dir
 from .context import SaveContext
 from .coordination import CommitChannel, open_stores
 from .copier import make_copier
@@ -35,7 +35,7 @@ from .flush import LevelStager, RankWriter
 from .host_cache import HostCache
 from .job_table import JobTable
 from .jobs import CheckpointError, CheckpointJob, FileJob
-from .manifest import RUN_ID, list_committed, valid_name
+from .manifest import RUN_ID, check_sidecar_volume, list_committed, valid_name
 from .overload import OverloadMixin
 from .ownership import DirectoryOwnership
 from .replica import PeerReplicas, default_replica_dir
@@ -165,6 +165,8 @@ class CheckpointEngine(OverloadMixin):
         skeleton = encoder.encode(state)
         sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton},
                              separators=(",", ":")).encode("utf-8")
+        # A sidecar no loader would read (too large, too many values) is refused now, not at load.
+        check_sidecar_volume(sidecar, len(encoder.tensors), f"checkpoint {checkpoint}, file {name!r}")
         tag = job.tag if job is not None else self.jobs.tag(root, checkpoint)
         plan = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name,
                                                   "rank": str(self.rank), "run_id": tag})
@@ -193,6 +195,7 @@ class CheckpointEngine(OverloadMixin):
         this checkpoint's root with that bound instead of the configured one (a root of
         short-lived checkpoints, such as Megatron-LM's non-persistent ones, keeps only the newest).
         """
+        check_retention_count("keep_last", keep_last)  # before anything is queued: a bad one is refused here
         self.failures.check()
         root = self._writable_root(root)
         job = self._open_job(root, checkpoint)

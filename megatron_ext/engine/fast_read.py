@@ -112,11 +112,14 @@ def open_for_read(path: str, o_direct: bool | str) -> tuple[int, bool]:
         os.close(fd)
 
 
-def open_regular(path: str) -> int:
-    """A read-only fd of the regular file ``path`` (not a link, FIFO or device), else CheckpointError."""
+def open_regular(path: str, missing_ok: bool = False) -> int | None:
+    """A read-only fd of the regular file ``path`` (not a link, FIFO or device), else CheckpointError
+    (None for a missing file if ``missing_ok``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
+        if missing_ok:
+            return None
         raise CheckpointError(f"{path}: missing") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:

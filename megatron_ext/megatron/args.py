@@ -69,8 +69,8 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="Ranks per node for --datastates-peer-replica (default: LOCAL_WORLD_SIZE); a smaller "
                             "value simulates several nodes on one machine.")
     group.add_argument("--datastates-replica-dir", type=str, default=None, metavar="DIR",
-                       help="Host-memory directory for the replicas a node holds "
-                            "(default /dev/shm/megatron_ext-replicas-<hash of --save>).")
+                       help="Host-memory directory for the replicas a node holds, created private (0700) "
+                            "(default /dev/shm/megatron_ext-<uid>/replicas-<hash of --save>).")
     return parser
 
 

@@ -53,11 +53,12 @@ from megatron_ext.engine.commit import MANIFEST
 from megatron_ext.engine.layout import torch_dtype
 from megatron_ext.megatron import optimizer_state, sharding, te_extra_state
 from megatron_ext.megatron.args import MegatronAdapterOptions, engine_config_from_args
-from megatron_ext.megatron.checkpoint_layout import (CHECKPOINT_VERSION, COMMON, META, NON_PERSISTENT_SUBDIR, RELEASE,
+from megatron_ext.megatron.checkpoint_layout import (CHECKPOINT_VERSION, COMMON, NON_PERSISTENT_SUBDIR, RELEASE,
                                                      RERUN_STATE, RNG, TRACKER_FILE, capture_rng_state, checkpoint_dir,
                                                      checkpoint_name, file_of_rank, is_datastates_checkpoint,
                                                      is_megatron_lm_format, rank_extra, rank_file_name, rank_state,
-                                                     read_tracker, restore_rng_state, run_meta, tracker_writer)
+                                                     read_run_meta, read_tracker, restore_rng_state, run_meta,
+                                                     tracker_writer)
 from megatron_ext.megatron.safe_classes import megatron_safe_classes
 from megatron_ext.megatron.shard_assembly import SavedShards
 
@@ -321,7 +322,7 @@ class MegatronCheckpointer:
         zero_name = file_of_rank(ckpt.manifest, 0)
         if zero_name is None:
             raise CheckpointError(f"{ckpt.checkpoint} has no file of rank 0 (its common state and args)")
-        meta = ckpt.reader(zero_name).part(META)
+        meta = read_run_meta(ckpt.reader(zero_name))
         saved_args = meta.get("args")
         layout = _parallel_layout()
         saved_layout = meta["layout"]
