@@ -116,7 +116,7 @@ def test_a_rank_report_that_would_not_load_fails_its_commit(tmp_path, monkeypatc
 
 def test_an_unversioned_checkpoint_is_never_the_newest(tmp_path):
     """``save(s, "final_export")`` before versioned steps: ``latest()`` is the highest version, and
-    retention keeps it (the unversioned one counts as older than every versioned one)."""
+    retention keeps it and the named export (retention counts the versioned series only)."""
     root = tmp_path / "ckpt"
     with CheckpointEngine({"save_dir": str(root), **SMALL, "keep_last": 1}) as engine:
         engine.save(genuine_state(9), "final_export")
@@ -129,7 +129,7 @@ def test_an_unversioned_checkpoint_is_never_the_newest(tmp_path):
             engine.wait_persisted()
             assert engine.latest() == name_of(step)
         assert torch.equal(engine.load(engine.latest())["w"], genuine_state(3)["w"])
-    assert [name for name, _ in list_committed(str(root))] == [name_of(3)]
+    assert [name for name, _ in list_committed(str(root))] == ["final_export", name_of(3)]
 
 
 def test_unversioned_checkpoints_order_by_commit_time_before_versioned_ones(tmp_path):
