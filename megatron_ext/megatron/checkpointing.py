@@ -387,6 +387,7 @@ class MegatronCheckpointer:
             if not skip_load_to_model_and_opt:
                 if optimizer_format == DP_RESHARDABLE:
                     optimizer.load_state_dict(state["optimizer"])
+                    optimizer_state.sync_hybrid(optimizer)  # --optimizer-cpu-offload: its loader does not
                     optimizer_state.restore_adam_steps(optimizer)
                 else:
                     optimizer_state.check_param_groups(optimizer, state["optimizer"])

@@ -82,6 +82,11 @@ SCENARIOS = {
                                      model=_with(TINY_GPT, "--num-layers", "8")),
     "untied_embeddings_pp2": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--pipeline-model-parallel-size",
                                        "2", "--untie-embeddings-and-output-weights"], KILL_RESUME),
+    # megatron-core's hybrid device optimizer: half of the fp32 masters and moments in a CPU
+    # sub-optimizer (one per parameter with the overlap flag), stepped there and copied back.
+    "optimizer_cpu_offload": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--optimizer-cpu-offload",
+                                       "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "0.5",
+                                       "--overlap-cpu-optimizer-d2h-h2d"], KILL_RESUME),
     "moe_expert_parallel": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--num-experts", "4",
                                      "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
                                      "--moe-token-dispatcher-type", "alltoall"], KILL_RESUME),
