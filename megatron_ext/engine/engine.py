@@ -30,6 +30,7 @@ from .config import ConfigError, EngineConfig, check_retention_count, check_writ
 from .context import SaveContext
 from .coordination import CommitChannel, open_stores
 from .copier import make_copier
+from .device import rank_device
 from .failure import FailureHandler
 from .flush import LevelStager, RankWriter
 from .host_cache import HostCache
@@ -97,6 +98,9 @@ class CheckpointEngine(OverloadMixin):
         """State, threads and host cache (after the locks: a failure here releases them)."""
         read_only = self.read_only
         self.use_cuda = torch.cuda.is_available()
+        # The rank's CUDA device, current on this (the training) thread: every engine thread that
+        # touches CUDA binds to it, not to GPU 0 (device.py). None without CUDA.
+        self.device = rank_device()
         self.jobs = JobTable(self.run_id)
         self._files: list[FileJob] = []  # saved files whose snapshot wait_snapshot has not seen done
         self._closed = False
@@ -110,12 +114,13 @@ class CheckpointEngine(OverloadMixin):
         self.telemetry = Telemetry(None if read_only else self.config.telemetry_file(self.rank), self.rank)
         self.failures = FailureHandler(self.rank, self.run_id, self.config.on_failure, self.jobs, self.telemetry)
 
-        self.cache = HostCache(self.config.host_cache_bytes, self.config.chunk_bytes, pin=self.use_cuda)
+        self.cache = HostCache(self.config.host_cache_bytes, self.config.chunk_bytes, pin=self.use_cuda,
+                               device=self.device)
         self.save_context = ctx = SaveContext(
             rank=self.rank, world_size=self.world_size, run_id=self.run_id, fail=self.failures.fail,
             check=self.failures.check, state_lock=self._state_lock, timeout_s=self.config.persist_timeout_s,
             telemetry=self.telemetry, local_dir=self.config.local_dir, o_direct=self.config.o_direct,
-            chunk_bytes=self.cache.chunk_bytes)
+            chunk_bytes=self.cache.chunk_bytes, device=self.device)
         # The save pipeline, built from its end: each stage is handed the next one.
         waiting, notices = open_stores(self.run_id, self.config.persist_timeout_s, 1 if read_only else self.world_size,
                                        self._commit_store, private=read_only)  # read-only: commits nothing
@@ -126,7 +131,7 @@ class CheckpointEngine(OverloadMixin):
         self.failures.committer = self.committer
         self.stager = LevelStager(ctx, self.committer) if ctx.local_dir else None
         self.writer = RankWriter(ctx, self.cache, self.stager if self.stager is not None else self.committer)
-        self.scheduler = SnapshotScheduler(ctx, self.cache, make_copier(self.use_cuda), self.writer,
+        self.scheduler = SnapshotScheduler(ctx, self.cache, make_copier(self.use_cuda, self.device), self.writer,
                                            self._supersede_older, self._settle_skipped)
         self.replicas: PeerReplicas | None = None
         if self.config.peer_replica:  # creates a process group: collective, like the run id above

@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 import xxhash
 
+from .device import bind_thread, cuda_device_of, rank_device
 from .host_cache import CacheError, HostCache
 from .jobs import CheckpointError
 from .layout import ALIGN, round_up, torch_dtype
@@ -513,7 +514,10 @@ def stream_into(path: str, entry: dict, targets: dict[str, torch.Tensor], stagin
     pieces = _plan(metas, order, _spans([tuple(metas[n]["offsets"]) for n in order], size, align=direct),
                    min(READ_PIECE, staging.chunk_bytes))
 
+    device = cuda_device_of(targets.values())
+
     def land(slot: int, piece: _Piece) -> None:  # on the reader: copies of several pieces run in parallel
+        bind_thread(device)  # a pool thread: the targets' GPU, never GPU 0 by default (device.py)
         chunk = staging.view(slot)
         for name, lo, hi in piece.segments:
             begin = metas[name]["offsets"][0]
@@ -691,7 +695,8 @@ def default_staging(threads: int) -> HostCache:
     """Staging slots for readers without an engine's host cache: two per thread, kept for reuse."""
     with _pools_lock:
         if threads not in _default_staging:
-            _default_staging[threads] = HostCache(2 * threads * READ_PIECE, READ_PIECE, pin=torch.cuda.is_available())
+            _default_staging[threads] = HostCache(2 * threads * READ_PIECE, READ_PIECE, pin=torch.cuda.is_available(),
+                                                  device=rank_device())
         return _default_staging[threads]
 
 
