@@ -551,7 +551,8 @@ def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
             continue
         for index, (model_param, _) in enumerate(_param_slices(opt)):
             loaded = {k: _joined(v) for k, v in param_state[index].items()}
-            slices, scales = _stored_tensors(opt, model_param)
+            slices, scales = _hybrid_load_targets(opt, model_param) if hdo is not None else \
+                _stored_tensors(opt, model_param)
             targets = {**slices, **{name + SCALE_SUFFIX: scale for name, scale in scales.items()}}
             with torch.no_grad():  # in fp32 the main params are the model's own (leaf) params
                 for name, tensor in targets.items():
@@ -561,6 +562,22 @@ def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
         if not stepped:  # saved before the first step: so is this optimizer now (its next step starts the moments)
             opt.optimizer.state.clear()
     restore_adam_steps(optimizer)
+
+
+def _hybrid_load_targets(opt: Any, model_param: Any) -> tuple[dict[str, torch.Tensor], dict]:
+    """Where a load writes a ``HybridDeviceOptimizer``'s state: ``HDO.state``, as megatron-core's loaders do.
+
+    ``load_state_dict`` has just rebuilt ``HDO.state`` (copies of the state the sub-optimizers had
+    before); ``_sync_hybrid`` then hands it to the sub-optimizers and copies its masters into the
+    tensors they step. Writing the sub-optimizers' old tensors instead would be undone by that sync.
+    """
+    hdo = _hybrid(opt)
+    group_index, group_order = opt.model_param_group_index_map[model_param]
+    param = opt.optimizer.param_groups[group_index]["params"][group_order]
+    state = hdo.state.get(param, {})
+    targets = {"fp32_param": state.get("master_param", hdo.param_to_inner_param[param])}
+    targets.update({k: v for k, v in state.items() if k not in ("step", "master_param") and isinstance(v, torch.Tensor)})
+    return targets, {}
 
 
 def _seed_hybrid_state(hdo: Any) -> None:
