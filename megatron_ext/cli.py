@@ -308,6 +308,10 @@ def _verify(sub) -> None:
         if name is None:
             root, name = _one_checkpoint(args.dir)
         checked, problems = verify_root(root, name, deep=not args.quick)
+        from megatron_ext.megatron.shard_assembly import shard_problems
+
+        intact = [c for c in checked if all(p.checkpoint != c for p in problems)]
+        problems += [p for c in intact for p in shard_problems(root, c)]  # what export and convert would refuse
         for problem in problems:
             print(f"BAD  {problem}")
         if not checked:

@@ -71,15 +71,6 @@ def _new_checkpoint_dir(out: str, iteration: int) -> str:
 
 
 # ------------------------------------------------------------------------------ to torch_dist
-def _saved_pieces(committed: Any) -> Iterator[tuple[str, str, dict]]:
-    """(file, shard id, metadata) of every shard in the checkpoint."""
-    for name in sorted(committed.manifest["files"]):
-        skeleton = committed.reader(name).skeleton()
-        if isinstance(skeleton, dict) and skeleton.get("shards"):
-            for sid, meta in committed.reader(name).part("shards", "meta").items():
-                yield name, sid, meta
-
-
 def _sharded_tensor(key: str, data: torch.Tensor, meta: dict) -> Any:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -98,6 +89,8 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
     committed = open_iteration(root, iteration)
     meta = saved_meta(committed)
     common = committed.reader(ckpt_layout.file_of_rank(committed.manifest, 0)).part(ckpt_layout.COMMON)
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{committed.checkpoint}: rank 0's common state is not a dict")
     stored = [form for form in saved_forms(common.get("optimizer")) if not is_plain(form)]
     if stored:  # megatron-core's torch_dist optimizer formats hold unscaled fp32 state
         raise CheckpointError(f"{ckpt_layout.checkpoint_dir(root, iteration)}: its optimizer state is in the stored "
@@ -105,13 +98,14 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
                               "torch_dist optimizer formats do not hold; convert does not support it (the model "
                               "weights export with `megatron-ext export`)")
     layout = meta["layout"]
-    target = _new_checkpoint_dir(out, iteration)
     shards = SavedShards(committed)
+    shards.check()  # every shard's metadata and tensor, every key covered: before anything is written
+    target = _new_checkpoint_dir(out, iteration)
 
     tensors: list[Any] = []
     objects: list[Any] = []
     boxes: dict[tuple, dict] = {}  # model-space optimizer state: one whole box per parameter shard
-    for name, sid, piece in _saved_pieces(committed):
+    for name, sid, piece in shards.shard_meta():
         reader = committed.reader(name)
         if "local_shape" not in piece:
             objects.append(ShardedObject(piece["key"], reader.part("shards", "objects", sid),
@@ -135,7 +129,7 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
         sharding_type = optimizer["param_state_sharding_type"] = FULLY_RESHARDABLE
     rng_objects = []
     for name, entry in sorted(committed.manifest["files"].items()):
-        rank_layout = (entry.get("extra") or {}).get("layout")
+        rank_layout = ckpt_layout.rank_layout_of(entry, name)
         skeleton = committed.reader(name).skeleton()
         if rank_layout is None or not (isinstance(skeleton, dict) and ckpt_layout.RNG in skeleton):
             continue
