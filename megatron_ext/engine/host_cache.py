@@ -107,21 +107,25 @@ class HostCache:
         ``on_wait`` runs once, under the cache's lock, when no slot is free and the wait begins;
         ``check`` runs at every wake-up and may raise to give up.
         """
-        deadline = time.monotonic() + timeout
         with self._cond:
-            if not self._free and on_wait is not None:
-                on_wait()
-            while not self._free:
-                if self._error is not None:
-                    raise CacheError(f"host cache allocation failed: {self._error}") from self._error
-                check()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CacheError(
-                        f"no host cache slot was freed within {timeout:.0f}s: the flush is stuck or too slow"
-                    )
-                self._cond.wait(min(left, 0.5))
+            self._wait_free(timeout, check, on_wait)
             return self._free.pop()
+
+    def _wait_free(self, timeout: float, check: Callable[[], None], on_wait: Callable[[], None] | None) -> None:
+        """Under the lock: return once a slot is free (``acquire``'s wait)."""
+        deadline = time.monotonic() + timeout
+        if not self._free and on_wait is not None:
+            on_wait()
+        while not self._free:
+            if self._error is not None:
+                raise CacheError(f"host cache allocation failed: {self._error}") from self._error
+            check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CacheError(
+                    f"no host cache slot was freed within {timeout:.0f}s: the flush is stuck or too slow"
+                )
+            self._cond.wait(min(left, 0.5))
 
     def acquire_run(self, most: int, timeout: float, check: Callable[[], None] = lambda: None,
                     on_wait: Callable[[], None] | None = None) -> tuple[int, int]:
@@ -131,20 +135,8 @@ class HostCache:
         free slots (the lowest such run on a tie), so a copy, a checksum and a write can each cover
         many chunks in one call that releases the GIL (fewer round trips with the training thread).
         """
-        deadline = time.monotonic() + timeout
         with self._cond:
-            if not self._free and on_wait is not None:
-                on_wait()
-            while not self._free:
-                if self._error is not None:
-                    raise CacheError(f"host cache allocation failed: {self._error}") from self._error
-                check()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CacheError(
-                        f"no host cache slot was freed within {timeout:.0f}s: the flush is stuck or too slow"
-                    )
-                self._cond.wait(min(left, 0.5))
+            self._wait_free(timeout, check, on_wait)
             free = sorted(self._free)
             best_first, best_count = free[0], 1
             first, count = free[0], 1
