@@ -352,9 +352,13 @@ def _child_main() -> int:
     p.add_argument("--stage-off", default=None, choices=STAGES)
     a = p.parse_args()
     out = child(a.child, a.rounds_n, a.size_gb, a.iters, a.dir, a.stage_off)
-    print(json.dumps(out))
+    print(json.dumps(out), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main())
+    code = _child_main()
+    sys.stderr.flush()
+    # Every save has completed (``close``); skip the interpreter's teardown, where DCP's executor and
+    # gloo threads still alive can abort the process ("terminate called without an active exception").
+    os._exit(code)
