@@ -5,8 +5,9 @@ then tensors) into chunks of the cache's slot size, waits for free slots (backpr
 and hands the filled slots to the flusher at once, so writing starts with the first run rather
 than after the whole snapshot. It takes neighbouring free slots in runs (``run_slots``: half
 the cache, at most 1 GiB) and copies all of a run's tensor parts in one call, so the GIL is
-taken back once per run rather than once per tensor and chunk. When a file's last chunk is copied its tensors are released and
-``snapshot_done`` is set; ``wait_snapshot`` waits on those events.
+taken back once per run rather than once per tensor and chunk. When a file's last chunk is
+copied its tensors are released and ``snapshot_done`` is set; ``wait_snapshot`` waits on those
+events.
 
 Under ``overload_policy="supersede"`` a copy that finds the cache full first lets the engine drop
 older checkpoints whose flush has not started, and a copy whose checkpoint was skipped meanwhile

@@ -81,9 +81,11 @@ def test_a_file_is_copied_and_written_in_few_calls(make_engine, fault, monkeypat
     expected = clone_state(state)
     calls = []
     real = copier.CpuCopier.copy_many
-    monkeypatch.setattr(copier.CpuCopier, "copy_many", lambda self, parts: (calls.append(len(parts)), real(self, parts)))
+    monkeypatch.setattr(copier.CpuCopier, "copy_many",
+                        lambda self, parts: (calls.append(len(parts)), real(self, parts)))
     writes = []
-    fault(lambda level, path, offset, nbytes: writes.append((offset, nbytes)) if path.endswith(".safetensors") else None)
+    fault(lambda level, path, offset, nbytes:
+          writes.append((offset, nbytes)) if path.endswith(".safetensors") else None)
     engine = make_engine(host_cache_size=0.001, chunk_size_mb=CHUNK / 2**20)  # 256 slots: one run of 128 is enough
     engine.save(state, "A", version=1)
     engine.commit("A")
