@@ -75,8 +75,8 @@ def test_run_slots_is_half_the_cache_and_at_least_one():
 
 
 def test_a_file_is_copied_and_written_in_few_calls(make_engine, fault, monkeypatch):
-    # 12 tensors of 16 KiB (4 chunks each) through a cache that holds the whole file: two runs, so
-    # two batched copies and two writes, not one per chunk (48) or per tensor (12).
+    # 12 tensors of 16 KiB (4 chunks each) through a cache that holds the whole file: one run (two at
+    # most), so one batched copy and one write per run, not one per chunk (49) or per tensor (12).
     state = {f"t{i}": torch.randn(4096, generator=torch.Generator().manual_seed(i)) for i in range(12)}
     expected = clone_state(state)
     calls = []
