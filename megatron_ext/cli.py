@@ -81,6 +81,24 @@ def _bench_python_loop(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _bench_param_sync(sub) -> None:
+    p = sub.add_parser("param-sync", help="Megatron-LM's loop with --overlap-param-gather: the save with its forced "
+                                          "parameter all-gather (patches 0001-0003) vs the copies waiting for the "
+                                          "next forward's all-gathers (0004)")
+    p.add_argument("--iters", type=_number(int, 5), default=14,
+                   help="iterations per run, every one saved (default 14)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=2, help="rounds, order reversed every other (default 2)")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    def run(args) -> int:
+        from megatron_ext.bench import param_sync_bench
+
+        return param_sync_bench.main(args)
+
+    p.set_defaults(func=run)
+
+
 def _bench_restore(sub) -> None:
     p = sub.add_parser("restore", help="engine restore vs torch.load, DCP load and an O_DIRECT read (cold)")
     p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
@@ -414,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True)
     _bench_engine(benches)
     _bench_python_loop(benches)
+    _bench_param_sync(benches)
     _bench_restore(benches)
     _bench_train(benches)
     _bench_deepspeed(benches)

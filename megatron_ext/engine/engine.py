@@ -29,6 +29,7 @@ from .committed import CommittedCheckpoint
 from .config import ConfigError, EngineConfig, check_retention_count, check_writable_dir
 from .context import SaveContext
 from .coordination import CommitChannel, open_stores
+from .copy_gate import CopyGate
 from .copier import make_copier
 from .device import rank_device
 from .failure import FailureHandler
@@ -145,12 +146,13 @@ class CheckpointEngine(OverloadMixin):
 
     # ------------------------------------------------------------------ saving
     def save(self, state: Any, checkpoint: str, name: str | None = None, *, root: str | None = None,
-             version: int | None = None, extra: dict | None = None) -> FileJob:
+             version: int | None = None, extra: dict | None = None, gate: CopyGate | None = None) -> FileJob:
         """Record ``state`` for checkpoint ``checkpoint``; returns at once, copies run in the background.
 
         The tensors must not be modified until ``wait_snapshot`` returns. Non-tensor values are
         encoded now, so later changes to them do not reach the checkpoint. ``extra`` (JSON-able)
         is copied into this file's manifest entry, for adapters that index what each file holds.
+        ``gate``: the copies wait until it opens (tensors a collective is still filling in).
         """
         started = time.monotonic()
         self.failures.check()
@@ -179,10 +181,12 @@ class CheckpointEngine(OverloadMixin):
             job = self._new_job(root, checkpoint, version, tag)  # overload.py: its policy under a full cache
             self.committer.track(self.jobs.add(job))
         base = f"{checkpoint}/{name}.{tag}"
+        if gate is not None:
+            gate.bind(lambda: self.scheduler.copier.mark([t for _, t in encoder.tensors]))
         fjob = FileJob(job=job, name=name, layout=plan, sidecar=sidecar,
                        cuda_mark=self.scheduler.copier.mark([t for _, t in encoder.tensors]),
                        tensor_rel=base + ".safetensors", sidecar_rel=base + ".state.json",
-                       extra=json.loads(json.dumps(extra)) if extra is not None else None)
+                       extra=json.loads(json.dumps(extra)) if extra is not None else None, gate=gate)
         job.files.append(fjob)
         self._files.append(fjob)
         faults.saved()
@@ -248,6 +252,7 @@ class CheckpointEngine(OverloadMixin):
         started = time.monotonic()
         timeout = self.config.snapshot_timeout_s if timeout is None else timeout
         pending = [f for f in self._files if not f.snapshot_done.is_set()]
+        _open_gates(pending)
         faults.waiting()
         self._await_snapshots(pending, started + timeout)
         self.failures.check()
@@ -263,6 +268,7 @@ class CheckpointEngine(OverloadMixin):
                        timeout: float | None = None) -> None:
         """Block until saved files are durable on every level (peer replicas included) and commits are done."""
         deadline = time.monotonic() + (self.config.persist_timeout_s if timeout is None else timeout)
+        _open_gates(self._files)
         faults.waiting()  # a test's copy gate: waiting for durability waits for the copies too
         if checkpoint is not None:
             key = (self._root(root), checkpoint)
@@ -332,6 +338,10 @@ class CheckpointEngine(OverloadMixin):
         if self._closed:
             return
         self._closed = True
+        if not normal_end:  # no collective may run here: held copies fail, their checkpoints never commit
+            for fjob in self._files:
+                if fjob.gate is not None:
+                    fjob.gate.cancel()
         faults.waiting()
         timeout = self.config.persist_timeout_s if timeout is None else timeout
         clean = False
@@ -403,6 +413,13 @@ class CheckpointEngine(OverloadMixin):
     def raise_if_failed(self) -> None:
         """Raise, on the caller's thread, the first failure of a background thread (cheap)."""
         self.failures.check()
+
+
+def _open_gates(files: list[FileJob]) -> None:
+    """On the training thread, before waiting for copies: settle every gate still shut, in save order."""
+    for fjob in files:
+        if fjob.gate is not None and not fjob.snapshot_done.is_set():
+            fjob.gate.settle_and_open()
 
 
 def _check_names(checkpoint: str, name: str) -> None:

@@ -42,6 +42,7 @@ class FileJob:
     tensor_rel: str  # paths relative to the level's root directory
     sidecar_rel: str
     extra: dict | None = None  # caller's JSON-able index, copied into the report and manifest
+    gate: Any = None  # a CopyGate (copy_gate.py): copies start once it opens; None: at once
     submitted_at: float = dataclasses.field(default_factory=time.monotonic)
     snapshot_at: float | None = None
     durable_at: dict[str, float] = dataclasses.field(default_factory=dict)

@@ -66,6 +66,8 @@ class SnapshotScheduler(QueueWorker):
         try:
             if fjob.job.abandoned:
                 raise _Abandoned()
+            if fjob.gate is not None:  # values still being filled in by the caller (copy_gate.py)
+                fjob.gate.wait(time.monotonic() + self.ctx.timeout_s, self.ctx.check)
             faults.before_copy()
             self._copy_file(fjob)
         except _Abandoned:
@@ -114,7 +116,8 @@ class SnapshotScheduler(QueueWorker):
         """The file's chunks in runs of neighbouring slots: one batched copy and one writer item per run."""
         layout = fjob.layout
         chunk = self.cache.chunk_bytes
-        self.copier.begin(fjob.cuda_mark)
+        gate = fjob.gate
+        self.copier.begin(gate.mark if gate is not None and gate.mark is not None else fjob.cuda_mark)
         sources = []
         for s in layout.spans:
             src = self.copier.prepare(s.tensor)

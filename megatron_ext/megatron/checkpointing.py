@@ -52,7 +52,7 @@ from megatron_ext.engine.collectives import all_reduce_int
 from megatron_ext.engine.commit import MANIFEST
 from megatron_ext.engine.manifest import read_manifest
 from megatron_ext.engine.layout import torch_dtype
-from megatron_ext.megatron import optimizer_state, sharding, te_extra_state
+from megatron_ext.megatron import optimizer_state, param_gather, sharding, te_extra_state
 from megatron_ext.megatron.args import MegatronAdapterOptions, engine_config_from_args
 from megatron_ext.megatron.checkpoint_layout import (CHECKPOINT_VERSION, COMMON, NON_PERSISTENT_SUBDIR, RELEASE,
                                                      RERUN_STATE, RNG, TRACKER_FILE, capture_rng_state, checkpoint_dir,
@@ -163,8 +163,12 @@ class MegatronCheckpointer:
 
         args = self.get_args()
         native = self.megatron_lm()
+        chunks = model if isinstance(model, list) else [model]
         if native is not None and getattr(args, "ckpt_convert_format", None) is not None:
-            # --ckpt-convert-format: Megatron-LM writes the loaded state in the format asked for.
+            # --ckpt-convert-format: Megatron-LM writes the loaded state in the format asked for,
+            # from complete parameters (patch 0004 left the all-gathers to us).
+            if param_gather.deferred_param_gather(args):
+                param_gather.sync_missing(chunks)
             with _megatron_lm_formats(args):
                 return native.save_checkpoint(
                     iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
@@ -174,6 +178,7 @@ class MegatronCheckpointer:
                     tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group)
         started = time.monotonic()
         root = save_root(args, non_persistent_ckpt)
+        gate = param_gather.gather_gate(args, chunks)  # copies wait for --overlap-param-gather's all-gathers
         model = _unwrap(model)
         if native is not None:  # Energon data loaders keep their own state (a no-op for Megatron's own)
             native.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None))
@@ -200,7 +205,8 @@ class MegatronCheckpointer:
                                  f"its first save, iteration {iteration}")
         install_lazy_wait(optimizer, engine, wait_after_step=bool(getattr(args, "qk_clip", False)))
         name = checkpoint_name(RELEASE if release else iteration)
-        engine.save(state, name, rank_file_name(rank), root=root, version=iteration, extra=rank_extra(objects, layout))
+        engine.save(state, name, rank_file_name(rank), root=root, version=iteration, extra=rank_extra(objects, layout),
+                    gate=gate)
         engine.commit(name, root=root, on_committed=tracker_writer(root, RELEASE if release else iteration, rank),
                       keep_last=1 if non_persistent_ckpt else None)
         log.info("[datastates] iteration %d: %scheckpoint recorded in %.4fs (%d tensors, %d objects owned here)",

@@ -1,7 +1,8 @@
 """SIGKILL and resume in Megatron-LM's own loop, a Llama-style model at TP2 x PP2 x DP2: ours against torch_dist.
 
 The model is gated (SwiGLU), with RMSNorm, rotary embeddings, grouped-query attention and untied
-embeddings, as the models users train; the default process group is ``nccl`` (the harness's
+embeddings, as the models users train, with the distributed optimizer's communication overlapped;
+the default process group is ``nccl`` (the harness's
 emulation refuses host tensors as NCCL does). Every rank SIGKILLs itself right after iteration 3's
 save call; with ``--use-datastates`` that
 checkpoint's copies and flushes are still in flight, so the restart loads the newest committed
@@ -18,8 +19,11 @@ from megatron_ext.testing.megatron_lm import LLAMA_STYLE
 ITERS = 6
 KILL_AT = 3
 LAYOUT = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
-COMMON = ["--bf16", "--use-distributed-optimizer", "--save-interval", "1", "--train-iters", str(ITERS), *LAYOUT,
-          *LLAMA_STYLE]
+# As users run the distributed optimizer: gradient reduce and parameter all-gather overlapped (ours
+# skips Megatron-LM's forced all-gather before each save, patch 0004).
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+COMMON = ["--bf16", "--use-distributed-optimizer", *OVERLAP, "--save-interval", "1", "--train-iters", str(ITERS),
+          *LAYOUT, *LLAMA_STYLE]
 
 
 def test_llama_style_sigkill_resume_tp2_pp2_dp2_matches_megatron_torch_dist(checkout, tmp_path):

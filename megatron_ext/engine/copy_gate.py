@@ -1,0 +1,73 @@
+"""Copies that wait until the caller says the saved tensors hold their final values.
+
+Some frameworks return from the step with part of a tensor still to be filled by a collective
+that the next forward pass waits for (Megatron-LM's ``--overlap-param-gather``: each data-parallel
+rank updates its own shard of the parameters; the others arrive by an all-gather). Forcing that
+collective before the save blocks the training thread; instead the save is recorded at once and
+its copies start when the gate opens, which the framework does where it knows the values are in
+place. On a CUDA device the copies are ordered after the work queued on the current stream at
+``open()``, so an all-gather that stream waits for comes first.
+
+A wait on the training thread that finds a gate still shut (the lazy wait before the optimizer
+step, the end of training) calls ``settle`` there first: the framework's way to make the values
+final right away (a blocking all-gather). ``cancel`` fails the copy instead, for an abnormal end
+where no collective may run.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from .jobs import CheckpointError
+
+
+class CopyGate:
+    """One save's copies, held until ``open``; single use."""
+
+    def __init__(self, settle: Callable[[], None], what: str = "the saved tensors"):
+        self.settle = settle  # run on the training thread by a wait that finds the gate shut
+        self.what = what  # for messages: what the gate waits for
+        self.mark: Any = None  # the copier's stream mark taken at open(), or None (CPU)
+        self.cancelled = False
+        self._opened = threading.Event()
+        self._take_mark: Callable[[], Any] = lambda: None
+        self._bound = False
+
+    def bind(self, take_mark: Callable[[], Any]) -> None:
+        """The engine's save: how to mark the current stream when the gate opens."""
+        if self._bound:
+            raise CheckpointError("a CopyGate holds the copies of one save only")
+        self._take_mark, self._bound = take_mark, True
+
+    @property
+    def is_open(self) -> bool:
+        return self._opened.is_set()
+
+    def open(self) -> None:
+        """The tensors hold their final values (in stream order, on a device): copy them."""
+        if not self._opened.is_set():
+            self.mark = self._take_mark()
+            self._opened.set()
+
+    def settle_and_open(self) -> None:
+        """A wait reached the gate before the framework opened it: make the values final now."""
+        if not self._opened.is_set():
+            self.settle()
+            self.open()
+
+    def cancel(self) -> None:
+        """Never copy: the snapshot of this save fails (an abnormal end, where no collective may run)."""
+        if not self._opened.is_set():
+            self.cancelled = True
+            self._opened.set()
+
+    def wait(self, deadline_s: float, check: Callable[[], None], poll_s: float = 0.05) -> None:
+        """Snapshot thread: block until opened; ``check`` raises on a background failure."""
+        while not self._opened.wait(min(poll_s, max(0.0, deadline_s - time.monotonic()))):
+            check()
+            if time.monotonic() >= deadline_s:
+                raise CheckpointError(f"copies waited too long for {self.what} (the gate was never opened)")
+        if self.cancelled:
+            raise CheckpointError(f"copies cancelled before {self.what} were final (abnormal end)")

@@ -1,0 +1,91 @@
+"""A save given a ``CopyGate``: nothing is copied before it opens, so values written into the saved
+tensors between the save and ``open()`` (a collective filling in a shard) reach the checkpoint;
+a wait that finds it shut settles it first; an abnormal end fails the copy instead of writing
+unfinished values. Deterministic: the gate itself orders every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_ext.engine import CheckpointError, CopyGate
+
+from helpers.states import assert_same, clone_state
+
+
+def test_values_filled_in_before_open_reach_the_checkpoint(make_engine):
+    engine = make_engine()
+    state = {"w": torch.zeros(4096), "b": torch.arange(100, dtype=torch.float32)}
+    gate = CopyGate(settle=lambda: pytest.fail("the gate was opened, no wait should settle it"))
+    fjob = engine.save(state, "c1", gate=gate)
+    engine.commit("c1")
+    assert not fjob.snapshot_done.wait(0.3)  # held: not one chunk copied while the gate is shut
+    state["w"][2048:] = 5.0  # the "all-gather" lands after the save returned
+    gate.open()
+    expected = clone_state(state)
+    engine.wait_snapshot()
+    state["w"].fill_(-1)  # the next optimizer step
+    engine.wait_persisted()
+    assert_same(engine.load("c1"), expected)
+
+
+def test_a_wait_before_open_settles_the_gate_on_the_calling_thread(make_engine):
+    engine = make_engine()
+    state = {"w": torch.zeros(1000)}
+    settled = []
+
+    def settle():
+        state["w"].fill_(3.0)  # the blocking all-gather, run by the wait
+        settled.append(True)
+
+    engine.save(state, "c1", gate=CopyGate(settle))
+    engine.commit("c1")
+    engine.wait_snapshot()
+    assert settled == [True]
+    state["w"].zero_()
+    engine.wait_persisted()
+    assert torch.equal(engine.load("c1")["w"], torch.full((1000,), 3.0))
+
+
+def test_wait_persisted_settles_too(make_engine):
+    engine = make_engine()
+    state = {"w": torch.zeros(10)}
+    engine.save(state, "c1", gate=CopyGate(lambda: state["w"].fill_(2.0)))
+    engine.commit("c1")
+    engine.wait_persisted()
+    assert torch.equal(engine.load("c1")["w"], torch.full((10,), 2.0))
+
+
+def test_abnormal_end_fails_the_held_copy_and_commits_nothing(make_engine):
+    engine = make_engine()
+    gate = CopyGate(lambda: pytest.fail("no collective may run at an abnormal end"))
+    engine.save({"w": torch.zeros(10)}, "c1", gate=gate)
+    engine.commit("c1")
+    with pytest.raises(CheckpointError, match="cancelled"):
+        engine.shutdown(timeout=10, normal_end=False)
+    assert engine.latest() is None
+
+
+def test_a_gate_never_opened_is_an_error_not_a_hang(make_engine):
+    engine = make_engine(persist_timeout_s=1)
+    engine.save({"w": torch.zeros(10)}, "c1", gate=CopyGate(lambda: None, what="the test's values"))
+    with pytest.raises(CheckpointError, match="the test's values"):
+        _wait_for_failure(engine)
+
+
+def test_a_gate_serves_one_save():
+    gate = CopyGate(lambda: None)
+    gate.bind(lambda: None)
+    with pytest.raises(CheckpointError, match="one save"):
+        gate.bind(lambda: None)
+
+
+def _wait_for_failure(engine) -> None:
+    """The snapshot thread's timeout reaches the training thread at its next call."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        engine.raise_if_failed()
+        time.sleep(0.05)
+    pytest.fail("the held copy never timed out")
