@@ -57,6 +57,12 @@ def split(path: str) -> tuple[str, str | None]:
     return path, None
 
 
+def describe_kind(kind: str) -> str:
+    """"a Megatron-LM checkpoint", "a DeepSpeed checkpoint", "an engine API checkpoint"."""
+    return {MEGATRON: "a Megatron-LM checkpoint", DEEPSPEED: "a DeepSpeed checkpoint"}.get(
+        kind, "an engine API checkpoint")
+
+
 def kind_of(manifest: dict) -> str:
     """``megatron``, ``deepspeed`` or ``engine``, from the manifest's file names and extras alone."""
     files = manifest.get("files") or {}

@@ -145,7 +145,8 @@ def _datastates_source(source: Any, iteration: int | None, checkpoint: str | Non
     if located.kind != locate.MEGATRON:
         hint = ("`megatron-ext export` gives its consolidated weights" if located.kind == locate.DEEPSPEED else
                 "only checkpoints saved by the Megatron adapter (--use-datastates) have a torch_dist form")
-        raise CheckpointError(f"{located.path} is a {located.kind} checkpoint, not a Megatron one (iter_*); {hint}")
+        raise CheckpointError(f"{located.path} is {locate.describe_kind(located.kind)}, not one the Megatron adapter "
+                              f"saved (iter_*); {hint}")
     return located
 
 
