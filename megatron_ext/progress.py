@@ -35,6 +35,7 @@ class Progress:
 
     def __init__(self, what: str, total_bytes: int | None = None, total_files: int | None = None, *,
                  quiet: bool = False, stream: TextIO | None = None, interval: float | None = None):
+        self._bar = None
         self.what, self.total_bytes, self.total_files = what, total_bytes, total_files
         self.stream = stream or sys.stderr
         self.quiet = quiet
@@ -42,7 +43,6 @@ class Progress:
         self.files = 0
         self.started = time.monotonic()
         self._first_byte: float | None = None  # the rate counts from the first byte (after set-up phases)
-        self._bar = None
         self._closed = False
         if interval is None:
             try:
@@ -54,11 +54,25 @@ class Progress:
         if quiet:
             return
         if _is_tty(self.stream):
-            from tqdm import tqdm
-
+            try:
+                from tqdm import tqdm
+            except ImportError:  # an install without it (a bare GPU node): the plain lines
+                return
             self._bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc=what,
                              file=self.stream, dynamic_ncols=True, leave=True)
             self._postfix()
+
+    @property
+    def total_bytes(self) -> int | None:
+        return self._total_bytes
+
+    @total_bytes.setter
+    def total_bytes(self, value: int | None) -> None:
+        """Known only once the work is planned (export, convert): the bar follows."""
+        self._total_bytes = value
+        if self._bar is not None:
+            self._bar.total = value
+            self._bar.refresh()
 
     def __enter__(self) -> "Progress":
         return self

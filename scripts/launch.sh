@@ -439,6 +439,12 @@ fi
 
 # ------------------------------------------------------------------ run
 [[ -n "${SLURM_JOB_ID:-}" ]] || die "not inside a Slurm job (use --dry-run to see the commands)"
+# An unpatched or wrong checkout would fail on every rank ("unrecognized arguments: --use-datastates").
+if [[ "$TRAINER" == megatron ]] && git -C "$MEGATRON_LM_DIR" rev-parse --git-dir >/dev/null 2>&1; then
+    state="$( ( source "$ROOT/scripts/megatron_pin.sh"; check_pin "$MEGATRON_LM_DIR"; patch_state "$MEGATRON_LM_DIR" ) 2>&1 )" \
+        || die "MEGATRON_LM_DIR: ${state##*error: }"
+    [[ "${state##*$'\n'}" == applied ]] || die "MEGATRON_LM_DIR=$MEGATRON_LM_DIR is not patched (${state##*$'\n'}): run scripts/apply_patches.sh $MEGATRON_LM_DIR"
+fi
 mkdir -p "$CKPT_DIR" || die "cannot create the checkpoint directory $CKPT_DIR"
 [[ -w "$CKPT_DIR" ]] || die "checkpoint directory $CKPT_DIR is not writable"
 TRACKER="$CKPT_DIR/latest_checkpointed_iteration.txt"
