@@ -46,7 +46,7 @@ while [[ $# -gt 0 ]]; do
         --check) CHECK=1; shift ;;
         --nodes) [[ $# -ge 2 ]] || die "--nodes needs a value"; FAKE_NODES="$2"; shift 2 ;;
         --nodes=*) FAKE_NODES="${1#*=}"; shift ;;
-        -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
         *) die "unknown argument '$1' (trainer arguments go after --)" ;;
     esac

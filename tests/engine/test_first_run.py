@@ -80,3 +80,40 @@ def test_readme_flag_table_lists_every_datastates_flag():
     missing = [flag for flag in flags if not re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", table)]
     assert not missing, f"README's flag table lacks {missing}"
     assert len(flags) >= 16
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(monkeypatch):
+    import io
+
+    from megatron_ext.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Terminal()
+    with Progress("export", stream=tty) as progress:
+        progress.total_bytes, progress.total_files = 3_000_000_000, 3  # known once planned
+        progress.update(1_000_000_000, 1)
+        progress.update(2_000_000_000, 2)
+    text = tty.getvalue()
+    assert "\r" in text and "3/3 files" in text and "3.00G/3.00G" in text  # tqdm's bar, files beside it
+    assert text.rstrip().splitlines()[-1].startswith("export: done: 3/3 files, 3.00/3.00 GB, ")
+
+    log = io.StringIO()  # a job log: a line per interval, with rate and ETA, and the last one
+    progress = Progress("verify", 4_000_000, 4, stream=log, interval=0)
+    progress.update(1_000_000, 1)
+    progress.close()
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue()
+    assert lines[0].startswith("verify: 1/4 files, 1.0/4.0 MB, ") and "B/s, ETA " in lines[0]
+    assert lines[-1].startswith("verify: done: 1/4 files") and "ETA" not in lines[-1]
+    quiet = io.StringIO()
+    with Progress("verify", 1, 1, stream=quiet, quiet=True, interval=0) as progress:
+        progress.update(1, 1)
+    assert quiet.getvalue() == ""
+    failed = io.StringIO()  # a failure within the interval leaves the error line alone on stderr
+    with pytest.raises(RuntimeError):
+        with Progress("convert", 10, 1, stream=failed) as progress:
+            raise RuntimeError("bad checkpoint")
+    assert failed.getvalue() == ""
