@@ -267,6 +267,7 @@ def _verify(sub) -> None:
     def run(args) -> int:
         from megatron_ext import locate
         from megatron_ext.engine.verify import checkpoint_bytes, checkpoints_under, verify_root
+        from megatron_ext.megatron.shard_assembly import shard_problems
         from megatron_ext.progress import Progress
 
         root, name = locate.resolve_many(args.dir, args.iteration, args.checkpoint)
@@ -274,6 +275,8 @@ def _verify(sub) -> None:
         sizes = [checkpoint_bytes(root, n) for n in names]
         with Progress("verify", sum(b for b, _ in sizes), sum(f for _, f in sizes), quiet=args.quiet) as progress:
             checked, problems = verify_root(root, name, deep=not args.quick, progress=progress.update)
+        intact = [c for c in checked if all(p.checkpoint != c for p in problems)]
+        problems += [p for c in intact for p in shard_problems(root, c)]  # what export and convert would refuse
         ok = bool(checked) and not problems
         if args.json:
             _print_json({"root": root, "checked": checked, "ok": ok, "problems": [

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from .jobs import CheckpointError
+from .layout import shape_elements
 
 TAG = "$"  # dicts whose only key starts with TAG are tagged values
 
@@ -360,10 +361,11 @@ class _Decoder:
                 raise _Bad(f"unknown torch dtype {val!r}")
             return _TORCH_DTYPES[val]
         if tag == "size":
-            return torch.Size(_shape(val))
+            return torch.Size(_shape(val, 1))
         if tag == "nd":
             dtype_str, shape, data = _list(val, 3)
-            dtype, shape, raw = _np_dtype(dtype_str), _shape(shape), _unb64(data)
+            dtype = _np_dtype(dtype_str)
+            shape, raw = _shape(shape, dtype.itemsize), _unb64(data)
             if len(raw) != math.prod(shape) * dtype.itemsize:
                 raise _Bad(f"{len(raw)} bytes for shape {shape} of {dtype.str}")
             return np.frombuffer(raw, dtype=dtype).reshape(shape).copy() if self.build else _Placeholder()
@@ -458,9 +460,12 @@ def _list(val: Any, length: int | None = None) -> list:
     return val
 
 
-def _shape(val: Any) -> list[int]:
-    if type(val) is not list or not all(type(n) is int and n >= 0 for n in val):
-        raise _Bad(f"{val!r} is not a shape (a list of whole numbers >= 0)")
+def _shape(val: Any, itemsize: int) -> list[int]:
+    """A shape of whole numbers >= 0 that torch and numpy can index (``layout.shape_elements``)."""
+    try:
+        shape_elements(val, itemsize)
+    except ValueError as exc:
+        raise _Bad(f"{str(val)[:80]} is not a shape: {exc}") from None
     return val
 
 

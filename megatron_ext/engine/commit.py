@@ -6,8 +6,12 @@
    also goes to the local directory, recording that the local copy is complete. Then it posts its
    status, ``durable`` with what its report lists, to the commit store (coordination.py).
 2. Rank 0 waits for every rank's status, joins the shares of the manifest they carry (each rank
-   encoded its own: rank 0 decodes none), and writes ``<ckpt>/manifest.json`` atomically. The manifest is the commit marker: a directory without
-   one is not a checkpoint and is never loaded. Then it publishes its decision.
+   encoded its own), validates the result exactly as a loader will read it back
+   (``manifest.check_assembled``; each rank checked its own report the same way before posting),
+   and writes ``<ckpt>/manifest.json`` atomically. The manifest is the commit marker: a directory without
+   one is not a checkpoint and is never loaded. A manifest that fails validation is never
+   written: the checkpoint fails on every rank, naming the rank whose share broke the rule, and
+   nothing is deleted. Then it publishes its decision.
 3. The other ranks wait for the decision. Callbacks (a framework's "latest" tracker) run only
    once the manifest is durable; on ranks other than 0 the file list is read from disk only if a callback asks for it.
 
@@ -34,8 +38,9 @@ from .context import SaveContext
 from .coordination import COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, checkpoint_key
 from .files import atomic_write
 from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, FileJob, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
-from .manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, REPORTS, assemble_manifest, encode_json,  # noqa: F401
-                       list_committed, manifest_part, MANIFEST_SHARES, read_manifest, report_name, summary_of)  # (re-exported)
+from .manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, REPORTS, assemble_manifest, check_assembled,  # noqa: F401
+                       check_report, encode_json, list_committed, manifest_part, MANIFEST_SHARES, read_manifest,
+                       report_name, summary_of)  # (re-exported)
 from .messages import Discard
 
 #: Ranks other than 0 wait this much longer than rank 0 for the decision, so that when a rank is
@@ -249,7 +254,12 @@ class Committer:
                 self._decide(job, key)
             job.committed.set()
             return
-        status, shares = self._write_reports(job)
+        try:
+            status, shares = self._write_reports(job)
+        except BaseException as exc:
+            if post:  # the others learn it now, not when rank 0's wait runs out
+                self.channel.post(key, {"state": FAILED, "error": f"{type(exc).__name__}: {exc}"})
+            raise
         self._emit_levels(job)
         if post:
             self.channel.post_durable(key, status, shares)
@@ -281,6 +291,7 @@ class Committer:
     def _write_reports(self, job: CheckpointJob) -> tuple[list, dict[str, bytes]]:
         """This rank's report, durable on the shared level (and the local one); returns its durable status."""
         report = rank_report(job, self.rank, self.world_size)
+        check_report(report, self.rank)  # what a loader will ask of it, before it counts
         data = encode_json(report)
         reports_dir = os.path.join(job.root, job.checkpoint, REPORTS)
         os.makedirs(reports_dir, exist_ok=True)
@@ -362,7 +373,9 @@ class Committer:
         attempt_of = self.run_id if job.tag != self.run_id else None  # a second save of this id in this run
         header, data = assemble_manifest(job.checkpoint, job.tag, job.version, self.world_size,
                                          collected.durable, collected.shares, attempt_of)
-        atomic_write(os.path.join(ckpt_dir, MANIFEST), data)
+        path = os.path.join(ckpt_dir, MANIFEST)
+        check_assembled(job.checkpoint, data, collected.durable, collected.shares, path)  # before it counts
+        atomic_write(path, data)
         if self.may_remove(job.root):
             _remove_other_runs(ckpt_dir, job.tag)
         return header

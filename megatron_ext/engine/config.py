@@ -11,8 +11,10 @@ import dataclasses
 import enum
 import math
 import os
-import tempfile
 from typing import Any, Mapping
+
+from .files import private_dir, probe_write
+from .jobs import CheckpointError
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -95,7 +97,8 @@ class EngineConfig:
     #: Ranks per node for the peer mapping; None: torchrun's LOCAL_WORLD_SIZE. Smaller values
     #: simulate several nodes on one machine.
     ranks_per_node: int | None = None
-    #: Host-memory directory for the replicas this node holds; None: ``/dev/shm/megatron_ext-replicas-<hash of save_dir>``.
+    #: Host-memory directory for the replicas this node holds, created private (0700, checked before
+    #: every use); None: ``/dev/shm/megatron_ext-<uid>/replicas-<hash of save_dir>``.
     replica_dir: str | None = None
     #: Ignored, accepted for DeepSpeed compatibility.
     parser_threads: int | None = None
@@ -179,9 +182,7 @@ class EngineConfig:
         if age is not None and (type(age) is not int or age < 0):
             raise ConfigError(f"max_durable_age must be a whole number >= 0 (versions), got {age!r}")
         for name in ("keep_last", "keep_every"):
-            value = getattr(self, name)
-            if value is not None and (type(value) is not int or value < 1):
-                raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
+            check_retention_count(name, getattr(self, name))
         if type(self.restore_threads) is not int or not 1 <= self.restore_threads <= 64:
             raise ConfigError(f"restore_threads must be a whole number in [1, 64], got {self.restore_threads!r}")
         if self.peer_replica and self.overload_policy == "supersede":
@@ -218,16 +219,26 @@ class EngineConfig:
                     raise ConfigError(f"{inner} lies inside {outer} ({a} vs {b}); keep the levels apart")
 
     def validate(self, rank: int = 0) -> None:
-        """Create the configured directories and prove each writable (telemetry's too), else ConfigError."""
-        for name in ("save_dir", "local_dir") + (("replica_dir",) if self.peer_replica else ()):
+        """Create the configured directories and prove each writable by a real write (telemetry's
+        too: root's ``os.access`` says yes even under ``/proc``), else ConfigError. A configured
+        ``replica_dir`` is created private (``files.private_dir``)."""
+        for name in ("save_dir", "local_dir"):
             path = getattr(self, name)
             if path is not None:
                 check_writable_dir(path, name)
+        if self.peer_replica and self.replica_dir is not None:
+            check_writable_dir(self.replica_dir, "replica_dir", private=True)
         telemetry = self.telemetry_file(rank)
         if telemetry is not None:
             _check_creatable_dir(os.path.dirname(os.path.abspath(telemetry)), "telemetry_path directory")
-            if os.path.lexists(telemetry) and (not os.path.isfile(telemetry) or not os.access(telemetry, os.W_OK)):
-                raise ConfigError(f"telemetry_path {telemetry!r} exists and is not a writable file")
+            if os.path.lexists(telemetry):
+                try:  # opened for appending as the engine will; nothing is written
+                    if not os.path.isfile(telemetry):
+                        raise IsADirectoryError(0, "not a regular file")
+                    os.close(os.open(telemetry, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NONBLOCK))
+                except OSError as exc:
+                    raise ConfigError(f"telemetry_path {telemetry!r} exists and is not a writable file: "
+                                      f"{exc.strerror or exc}") from None
 
     def telemetry_file(self, rank: int) -> str | None:
         """This rank's telemetry file: ``telemetry_path`` with {rank}, else under ``save_dir``, else none."""
@@ -244,6 +255,13 @@ class EngineConfig:
             return resolve_class_names(self.safe_classes)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+
+def check_retention_count(name: str, value: Any) -> None:
+    """``keep_last`` / ``keep_every``, wherever accepted: None or a whole number >= 1 (0 would keep
+    everything, -1 act as 1, "2" fail later in the background)."""
+    if value is not None and (type(value) is not int or value < 1):
+        raise ConfigError(f"{name} must be a whole number >= 1, got {value!r}")
 
 
 def _number(value: Any, name: str) -> None:
@@ -272,22 +290,29 @@ def _physical_memory_bytes() -> int | None:
 
 
 def _check_creatable_dir(path: str, what: str) -> None:
-    """``path`` is a writable directory, or could be created as one (nothing is created here)."""
-    if os.path.lexists(path):
-        if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError(f"{what} {path!r} is not a writable directory")
-        return
-    parent = os.path.dirname(path)
-    if parent == path:
-        raise ConfigError(f"{what} {path!r} cannot be created")
-    _check_creatable_dir(parent, what)
-
-
-def check_writable_dir(path: str, what: str = "directory") -> None:
-    """Create ``path`` if needed and prove a file can be written there, else ConfigError."""
+    """``path`` is a directory that takes files, or could be created in one, proven by a real write
+    in it or in its nearest existing ancestor (``files.probe_write``); nothing is left behind."""
+    existing = path
+    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".datastates-probe-"):
-            pass
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(0, f"{existing} is not a directory")
+        probe_write(existing)
+    except OSError as exc:
+        raise ConfigError(f"{what} {path!r} is not a writable directory ({exc.strerror or exc})") from None
+
+
+def check_writable_dir(path: str, what: str = "directory", private: bool = False) -> None:
+    """Create ``path`` if needed (``private``: 0700, checked as ``files.private_dir`` does) and
+    prove by a real write that a file can be made there, else ConfigError."""
+    try:
+        if private:
+            private_dir(path, what)
+        else:
+            os.makedirs(path, exist_ok=True)
+        probe_write(path)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
     except OSError as exc:
         raise ConfigError(f"{what} {path!r} is not writable: {exc.strerror or exc}") from exc

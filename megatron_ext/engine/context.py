@@ -33,6 +33,8 @@ class SaveContext:
     local_dir: str | None  # node-local level, or None: then the shared level is the first
     o_direct: Any  # config's o_direct: True, False or "auto"
     chunk_bytes: int
+    #: The rank's CUDA device (``device.rank_device``), which threads touching CUDA bind to; None without CUDA.
+    device: int | None = None
 
     @property
     def first_level(self) -> str:

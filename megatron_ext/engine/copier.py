@@ -3,10 +3,10 @@
 One scheduler (``snapshot.py``) drives both primitives through the same four calls, so the CUDA
 specific part stays in ``CudaCopier`` alone:
 
-* ``mark()`` on the training thread at ``save`` time: CUDA records an event on the compute stream,
-  so the copies are ordered after every kernel that produced the tensors.
-* ``begin(mark)`` on the copy thread before a save's first copy: CUDA makes the copy stream wait
-  for that event.
+* ``mark()`` on the training thread at ``save`` time: CUDA records an event on the compute stream
+  of the tensors' device, so the copies are ordered after every kernel that produced the tensors.
+* ``begin(mark)`` on the copy thread before a save's first copy: CUDA binds the thread to that
+  device (``device.py``; else the rank's) and makes that device's copy stream wait for the event.
 * ``copy(tensor, lo, hi, dst)``: bytes [lo, hi) of the tensor's row-major layout into ``dst``.
 * ``chunk_ready()``: a callable the writer runs before reading the slot (CUDA: the event of the
   copies issued so far; CPU: nothing, copies are synchronous).
@@ -17,9 +17,12 @@ the save's last copy is known complete.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
+
+from .device import bind_thread, cuda_device_of, thread_device
 
 
 def _noop() -> None:
@@ -85,25 +88,42 @@ class CpuCopier:
         return None
 
 
-class CudaCopier(CpuCopier):
-    """Device-to-host copies on a private stream, ordered after the compute stream by an event.
+@dataclasses.dataclass(frozen=True)
+class CudaMark:
+    """A save's CUDA tensors: the device they are on and an event after the kernels that produced them."""
 
-    Not executed by the CPU test suite (no GPU here); kept to these few lines on purpose.
+    event: Any
+    device: int
+
+
+class CudaCopier(CpuCopier):
+    """Device-to-host copies on a private stream per device, ordered after the compute stream by an event.
+
+    ``device`` is the rank's (``device.rank_device``), for saves without CUDA tensors. Not
+    executed by the CPU test suite (no GPU here); kept to these few lines on purpose.
     """
 
-    def __init__(self, device: torch.device | None = None):
-        self.stream = torch.cuda.Stream(device=device)
+    def __init__(self, device: int | None = None):
+        self.device = device
+        self.streams: dict[int | None, Any] = {}  # made on the copy thread, once bound to their device
+        self.stream: Any = None  # the current save's
 
     def mark(self, tensors: list[torch.Tensor]) -> Any:
-        if not any(t.is_cuda for t in tensors):
+        device = cuda_device_of(tensors)
+        if device is None:
             return None
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
-        return event
+        event.record(torch.cuda.current_stream(device))
+        return CudaMark(event, device)
 
     def begin(self, mark: Any) -> None:
+        device = thread_device(mark.device if mark is not None else None, self.device)
+        bind_thread(device)
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device=device)
+        self.stream = self.streams[device]
         if mark is not None:
-            self.stream.wait_event(mark)
+            self.stream.wait_event(mark.event)
 
     def prepare(self, tensor: torch.Tensor) -> torch.Tensor:
         # A contiguous temporary made on the copy stream; the scheduler keeps it until finish().
@@ -122,8 +142,9 @@ class CudaCopier(CpuCopier):
         return event.synchronize
 
     def finish(self) -> None:
-        self.stream.synchronize()
+        if self.stream is not None:  # None: nothing was copied yet (a save abandoned before its first copy)
+            self.stream.synchronize()
 
 
-def make_copier(use_cuda: bool) -> CpuCopier:
-    return CudaCopier() if use_cuda else CpuCopier()
+def make_copier(use_cuda: bool, device: int | None = None) -> CpuCopier:
+    return CudaCopier(device) if use_cuda else CpuCopier()

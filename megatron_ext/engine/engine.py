@@ -26,16 +26,17 @@ import torch
 from . import codec, faults, layout as file_layout
 from .commit import Committer
 from .committed import CommittedCheckpoint
-from .config import ConfigError, EngineConfig, check_writable_dir
+from .config import ConfigError, EngineConfig, check_retention_count, check_writable_dir
 from .context import SaveContext
 from .coordination import CommitChannel, open_stores
 from .copier import make_copier
+from .device import rank_device
 from .failure import FailureHandler
 from .flush import LevelStager, RankWriter
 from .host_cache import HostCache
 from .job_table import JobTable
 from .jobs import CheckpointError, CheckpointJob, FileJob
-from .manifest import RUN_ID, list_committed, valid_name
+from .manifest import RUN_ID, check_sidecar_volume, list_committed, valid_name
 from .overload import OverloadMixin
 from .ownership import DirectoryOwnership
 from .replica import PeerReplicas, default_replica_dir
@@ -97,6 +98,9 @@ class CheckpointEngine(OverloadMixin):
         """State, threads and host cache (after the locks: a failure here releases them)."""
         read_only = self.read_only
         self.use_cuda = torch.cuda.is_available()
+        # The rank's CUDA device, current on this (the training) thread: every engine thread that
+        # touches CUDA binds to it, not to GPU 0 (device.py). None without CUDA.
+        self.device = rank_device()
         self.jobs = JobTable(self.run_id)
         self._files: list[FileJob] = []  # saved files whose snapshot wait_snapshot has not seen done
         self._closed = False
@@ -110,12 +114,13 @@ class CheckpointEngine(OverloadMixin):
         self.telemetry = Telemetry(None if read_only else self.config.telemetry_file(self.rank), self.rank)
         self.failures = FailureHandler(self.rank, self.run_id, self.config.on_failure, self.jobs, self.telemetry)
 
-        self.cache = HostCache(self.config.host_cache_bytes, self.config.chunk_bytes, pin=self.use_cuda)
+        self.cache = HostCache(self.config.host_cache_bytes, self.config.chunk_bytes, pin=self.use_cuda,
+                               device=self.device)
         self.save_context = ctx = SaveContext(
             rank=self.rank, world_size=self.world_size, run_id=self.run_id, fail=self.failures.fail,
             check=self.failures.check, state_lock=self._state_lock, timeout_s=self.config.persist_timeout_s,
             telemetry=self.telemetry, local_dir=self.config.local_dir, o_direct=self.config.o_direct,
-            chunk_bytes=self.cache.chunk_bytes)
+            chunk_bytes=self.cache.chunk_bytes, device=self.device)
         # The save pipeline, built from its end: each stage is handed the next one.
         waiting, notices = open_stores(self.run_id, self.config.persist_timeout_s, 1 if read_only else self.world_size,
                                        self._commit_store, private=read_only)  # read-only: commits nothing
@@ -126,7 +131,7 @@ class CheckpointEngine(OverloadMixin):
         self.failures.committer = self.committer
         self.stager = LevelStager(ctx, self.committer) if ctx.local_dir else None
         self.writer = RankWriter(ctx, self.cache, self.stager if self.stager is not None else self.committer)
-        self.scheduler = SnapshotScheduler(ctx, self.cache, make_copier(self.use_cuda), self.writer,
+        self.scheduler = SnapshotScheduler(ctx, self.cache, make_copier(self.use_cuda, self.device), self.writer,
                                            self._supersede_older, self._settle_skipped)
         self.replicas: PeerReplicas | None = None
         if self.config.peer_replica:  # creates a process group: collective, like the run id above
@@ -165,6 +170,8 @@ class CheckpointEngine(OverloadMixin):
         skeleton = encoder.encode(state)
         sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton},
                              separators=(",", ":")).encode("utf-8")
+        # A sidecar no loader would read (too large, too many values) is refused now, not at load.
+        check_sidecar_volume(sidecar, len(encoder.tensors), f"checkpoint {checkpoint}, file {name!r}")
         tag = job.tag if job is not None else self.jobs.tag(root, checkpoint)
         plan = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name,
                                                   "rank": str(self.rank), "run_id": tag})
@@ -195,6 +202,7 @@ class CheckpointEngine(OverloadMixin):
         this checkpoint's root with that bound instead of the configured one (a root of
         short-lived checkpoints, such as Megatron-LM's non-persistent ones, keeps only the newest).
         """
+        check_retention_count("keep_last", keep_last)  # before anything is queued: a bad one is refused here
         self.failures.check()
         root = self._writable_root(root)
         job = self._open_job(root, checkpoint)

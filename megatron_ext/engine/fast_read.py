@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 import xxhash
 
+from .device import bind_thread, cuda_device_of, rank_device
 from .host_cache import CacheError, HostCache
 from .jobs import CheckpointError
 from .layout import ALIGN, round_up, torch_dtype
@@ -112,11 +113,14 @@ def open_for_read(path: str, o_direct: bool | str) -> tuple[int, bool]:
         os.close(fd)
 
 
-def open_regular(path: str) -> int:
-    """A read-only fd of the regular file ``path`` (not a link, FIFO or device), else CheckpointError."""
+def open_regular(path: str, missing_ok: bool = False) -> int | None:
+    """A read-only fd of the regular file ``path`` (not a link, FIFO or device), else CheckpointError
+    (None for a missing file if ``missing_ok``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
+        if missing_ok:
+            return None
         raise CheckpointError(f"{path}: missing") from None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
@@ -511,7 +515,10 @@ def stream_into(path: str, entry: dict, targets: dict[str, torch.Tensor], stagin
     pieces = _plan(metas, order, _spans([tuple(metas[n]["offsets"]) for n in order], size, align=direct),
                    min(READ_PIECE, staging.chunk_bytes))
 
+    device = cuda_device_of(targets.values())
+
     def land(slot: int, piece: _Piece) -> None:  # on the reader: copies of several pieces run in parallel
+        bind_thread(device)  # a pool thread: the targets' GPU, never GPU 0 by default (device.py)
         chunk = staging.view(slot)
         for name, lo, hi in piece.segments:
             begin = metas[name]["offsets"][0]
@@ -689,7 +696,8 @@ def default_staging(threads: int) -> HostCache:
     """Staging slots for readers without an engine's host cache: two per thread, kept for reuse."""
     with _pools_lock:
         if threads not in _default_staging:
-            _default_staging[threads] = HostCache(2 * threads * READ_PIECE, READ_PIECE, pin=torch.cuda.is_available())
+            _default_staging[threads] = HostCache(2 * threads * READ_PIECE, READ_PIECE, pin=torch.cuda.is_available(),
+                                                  device=rank_device())
         return _default_staging[threads]
 
 

@@ -13,9 +13,12 @@ import errno
 import json
 import mmap
 import os
+import stat
+import tempfile
 import threading
 from typing import Any
 
+from .jobs import CheckpointError
 from .layout import ALIGN
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -123,3 +126,65 @@ def write_durable(path: str, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def private_dir(path: str, what: str, root: str | None = None, create: bool = True) -> str | None:
+    """``path`` as a directory only this user can enter: created 0700 where missing (unless not
+    ``create``: then None), checked where present; returns its absolute path.
+
+    For the peer replicas in host memory, whose default lies under ``/dev/shm``, where any user
+    may create a name first or put a symbolic link in its place. From ``root`` (``path`` itself
+    by default) down, every directory must be this user's, not open to others, not a symbolic
+    link; above it, not a symbolic link, owned by root or this user, and writable by others only
+    if sticky (``/dev/shm``, ``/tmp``), so no one else can move our directories. Callers check
+    again before every open below it. ``CheckpointError`` names the directory and the reason.
+    """
+    path = os.path.abspath(path)
+    root = os.path.abspath(root) if root is not None else path
+    current = os.sep
+    for name in path.split(os.sep)[1:]:
+        current = os.path.join(current, name)
+        inside = current == root or current.startswith(root + os.sep)
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            if not create:
+                return None
+            try:
+                os.mkdir(current, 0o700)
+            except FileExistsError:
+                pass  # another rank of this node made it first: checked below like any other
+            except OSError as exc:
+                raise CheckpointError(f"{what} {path}: cannot create {current}: {exc.strerror or exc}") from None
+            st = os.lstat(current)
+        problem = _unsafe_dir(st, inside)
+        if problem:
+            raise CheckpointError(f"{what} {path}: {current} {problem}")
+    return path
+
+
+def _unsafe_dir(st: os.stat_result, inside: bool) -> str | None:
+    me = os.geteuid()
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if inside:
+        if st.st_uid != me:
+            return f"is owned by user {st.st_uid}, not by this user ({me})"
+        if st.st_mode & 0o077:
+            return f"is open to other users (mode {stat.S_IMODE(st.st_mode):o}; it must be 700)"
+        return None
+    if st.st_uid not in (0, me):
+        return f"is owned by user {st.st_uid}, neither root nor this user ({me})"
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        return f"is writable by other users and not sticky (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def probe_write(directory: str) -> None:
+    """Prove ``directory`` takes files by writing one (``OSError`` if not): ``os.access`` says yes
+    to root everywhere, ``/proc`` included, where no file can be made."""
+    with tempfile.NamedTemporaryFile(dir=directory, prefix=".datastates-probe-") as f:
+        f.write(b"\0")
+        f.flush()

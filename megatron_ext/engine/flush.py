@@ -24,6 +24,7 @@ import xxhash
 
 from . import faults
 from .context import SaveContext
+from .device import bind_thread
 from .files import ChunkFile, fsync_dir, supports_o_direct, write_durable
 from .host_cache import HostCache
 from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_SHARED
@@ -62,6 +63,8 @@ class RankWriter:
         self._files: dict[int, ChunkFile] = {}
         self._failed = threading.Event()  # a fatal failure: stop writing anything
         self._failed_jobs: set[int] = set()  # files abandoned after a failure the engine survives
+        # The checksum thread waits on each chunk's CUDA event (``chunk.ready``): both threads bind
+        # to the rank's device first (device.py).
         self._threads = [
             threading.Thread(target=self._loop, args=(self._hash_queue, self._checksum, self._write_queue),
                              name=f"datastates-checksum-{self.level}", daemon=True),
@@ -94,6 +97,7 @@ class RankWriter:
             thread.join(timeout)
 
     def _loop(self, source: "queue.Queue", step: Callable[[Chunk], None], forward: "queue.Queue | None") -> None:
+        bind_thread(self.ctx.device)
         while True:
             chunk = source.get()
             if chunk is None:

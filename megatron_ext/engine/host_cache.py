@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .device import bind_thread
 from .layout import ALIGN
 
 _PAGE = 4096
@@ -43,13 +44,15 @@ class CacheError(RuntimeError):
 
 
 class HostCache:
-    def __init__(self, nbytes: int, chunk_bytes: int, pin: bool):
+    def __init__(self, nbytes: int, chunk_bytes: int, pin: bool, device: int | None = None):
+        """``device``: the CUDA device the allocating thread binds to before pinning (``device.py``)."""
         if chunk_bytes % ALIGN or chunk_bytes <= 0:
             raise ValueError("chunk size must be a positive multiple of 4096")
         self.chunk_bytes = chunk_bytes
         self.num_slots = max(1, nbytes // chunk_bytes)
         self.nbytes = self.num_slots * chunk_bytes
         self.pinned = pin
+        self.device = device
         self._cond = threading.Condition()
         self._free: list[int] = []
         self._error: BaseException | None = None
@@ -63,6 +66,7 @@ class HostCache:
     def _allocate(self) -> None:
         _lowest_cpu_priority()
         try:
+            bind_thread(self.device)  # pinning makes a CUDA context current: the rank's, not GPU 0's
             raw = torch.empty(self.nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
             # O_DIRECT needs page-aligned memory: start the usable part on a 4 KiB boundary.
             skip = (-raw.data_ptr()) % ALIGN

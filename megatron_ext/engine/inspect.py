@@ -12,7 +12,7 @@ from typing import Callable
 
 from .commit import MANIFEST, REPORTS, read_manifest
 from .jobs import CheckpointError
-from .manifest import TensorIndex
+from .manifest import TensorIndex, commit_order
 
 
 def _dir_bytes(path: str) -> int:
@@ -115,7 +115,7 @@ def format_rows(rows: list[dict]) -> str:
                          f"{r.get('error_reports', 0)} error, {r.get('skip_reports', 0)} skip report(s)")
     committed = [r for r in rows if r["committed"]]
     lines.append(f"{len(committed)} committed, {len(rows) - len(committed)} not; newest committed: "
-                 f"{max(committed, key=lambda r: (r['version'] or 0, r['committed_at'] or 0))['checkpoint'] if committed else 'none'}")
+                 f"{max(committed, key=commit_order)['checkpoint'] if committed else 'none'}")
     return "\n".join(lines)
 
 

@@ -45,6 +45,11 @@ _TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 TORCH_DTYPES: dict[str, torch.dtype] = dict(_TORCH_DTYPES)
 #: The safetensors library's own limit on the JSON header.
 MAX_HEADER_BYTES = 100_000_000
+#: The largest int64: every size, offset, dimension and element count a reader takes from a
+#: checkpoint must fit one (torch and numpy index with int64; Python's ints do not overflow).
+INT64_MAX = (1 << 63) - 1
+#: At most this many dimensions (numpy's limit; torch's is higher).
+MAX_DIMS = 64
 
 
 def st_dtype(dtype: torch.dtype) -> str:
@@ -59,6 +64,26 @@ def torch_dtype(name: str) -> torch.dtype:
         return _TORCH_DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown safetensors dtype {name!r}") from None
+
+
+def shape_elements(shape: Any, itemsize: int = 1) -> int:
+    """The element count of ``shape`` (a list of whole numbers >= 0), ``ValueError`` unless it fits.
+
+    Every dimension, and the bytes of the shape with its zero dimensions taken as 1, must fit an
+    int64: torch computes strides and numpy sizes that way, so a zero-element tensor with a
+    dimension of 2**63 would pass a byte count of 0 and then fail in torch (``TypeError``). At
+    most ``MAX_DIMS`` dimensions.
+    """
+    if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape):
+        raise ValueError(f"shape {shape!r} is not a list of whole numbers >= 0")
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"shape of {len(shape)} dimensions (at most {MAX_DIMS})")
+    extent = max(itemsize, 1)
+    for n in shape:
+        extent *= max(n, 1)
+        if extent > INT64_MAX:
+            raise ValueError(f"shape {shape} does not fit an int64 (at {itemsize} bytes an element)")
+    return math.prod(shape)
 
 
 def round_up(n: int, align: int = ALIGN) -> int:
@@ -157,12 +182,14 @@ def read_header(fd: int, file_size: int) -> SafetensorsHeader:
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
         if dtype not in TORCH_DTYPES:
             raise ValueError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
-            raise ValueError(f"tensor {name!r}: shape {shape!r} is not a list of whole numbers >= 0")
+        try:
+            elements = shape_elements(shape, TORCH_DTYPES[dtype].itemsize)
+        except ValueError as exc:
+            raise ValueError(f"tensor {name!r}: {exc}") from None
         if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int and o >= 0 for o in offsets):
             raise ValueError(f"tensor {name!r}: data_offsets {offsets!r} are not [begin, end]")
         begin, end = offsets
-        if end < begin or end - begin != math.prod(shape) * TORCH_DTYPES[dtype].itemsize:
+        if end < begin or end - begin != elements * TORCH_DTYPES[dtype].itemsize:
             raise ValueError(f"tensor {name!r}: {end - begin} bytes at {offsets} do not hold shape {shape} of {dtype}")
         tensors[name] = (dtype, shape, data_start + begin, data_start + end)
     for key, value in metadata.items():

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import time
 import weakref
 
@@ -126,6 +127,11 @@ def acquire(directory: str, run_id: str, what: str, same_run_ok: bool = False) -
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise CheckpointError(f"cannot open the lock file {path}: {exc.strerror or exc}") from None
+    problem = _foreign(os.fstat(fd))
+    if problem:  # nothing written: the file it links to, or another user's, stays as it is
+        os.close(fd)
+        raise CheckpointError(f"{path}: {problem}; refusing to use it as this job's lock (remove it if no job "
+                              "runs here)")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -179,6 +185,19 @@ def _held_elsewhere(fd: int, path: str, directory: str, run_id: str, what: str, 
         "directory at a time: give this job another directory, or stop that one (its lock is released when it ends)")
 
 
+def _foreign(st: os.stat_result) -> str | None:
+    """Why an opened lock file is not ours to write, or None: the holder truncates and rewrites it,
+    so a second hard link (to a file elsewhere) or another owner would have us overwrite a file
+    that is not the lock (a symbolic link is refused by ``O_NOFOLLOW`` already)."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_nlink != 1:
+        return f"has {st.st_nlink} links (a hard link to a file elsewhere?)"
+    if st.st_uid != os.geteuid():
+        return f"owned by user {st.st_uid}, not by this user ({os.geteuid()})"
+    return None
+
+
 def _read(fd: int) -> dict:
     try:
         raw = os.pread(fd, 1 << 20, 0)
@@ -191,11 +210,11 @@ def _read(fd: int) -> dict:
 def runs_of(directory: str) -> list[str]:
     """Run ids that have held ``directory``'s lock, read from the lock file (empty if none)."""
     try:
-        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(os.path.join(directory, LOCK_FILE), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return []
     try:
-        runs = _read(fd).get("runs", [])
+        runs = [] if _foreign(os.fstat(fd)) else _read(fd).get("runs", [])
     finally:
         os.close(fd)
     return [r for r in runs if isinstance(r, str)] if isinstance(runs, list) else []

@@ -27,8 +27,10 @@ from typing import Any
 
 import xxhash
 
+from .fast_read import open_regular
 from .jobs import CheckpointError
-from .layout import FORMAT_VERSION, TORCH_DTYPES, SafetensorsHeader, parse_json as strict_json  # noqa: F401 (re-exported)
+from .layout import (FORMAT_VERSION, INT64_MAX, TORCH_DTYPES, SafetensorsHeader, parse_json as strict_json,  # noqa: F401
+                     shape_elements)  # (FORMAT_VERSION, SafetensorsHeader re-exported)
 
 MANIFEST = "manifest.json"
 FORMAT_NAME = "megatron_ext.datastates"
@@ -37,13 +39,26 @@ REPORTS = ".reports"
 #: Run ids: 12 lowercase hex digits (rank 0 draws them); they appear in every file name.
 RUN_ID = re.compile(r"[0-9a-f]{12}")
 _HASH = re.compile(r"[0-9a-f]{16}")
-_MAX_MANIFEST_BYTES = 1 << 30
+#: Bounds on the JSON documents of a checkpoint, checked against the manifest's claims and each
+#: file's real size before a byte is read (a claim of 2**63 bytes must not reach ``read``).
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_REPORT_BYTES = 1 << 30
+MAX_SIDECAR_BYTES = 1 << 30
+#: A sidecar may hold at most this many JSON values, plus ``SIDECAR_VALUES_PER_TENSOR`` for each
+#: tensor of its file: parsing costs ~100 bytes of memory per value, so a 190 MB list of 10**8
+#: zeros would cost gigabytes. The writer refuses what the reader would (``check_sidecar_volume``).
+SIDECAR_VALUES = 1 << 22
+SIDECAR_VALUES_PER_TENSOR = 64
 
 log = logging.getLogger("megatron_ext.engine")
 
 
 class _Invalid(Exception):
-    pass
+    """A rule broken; ``file`` / ``rank``: the file entry or rank report it is in, when it is in one."""
+
+    def __init__(self, message: str, file: str | None = None, rank: int | None = None):
+        super().__init__(message)
+        self.file, self.rank = file, rank
 
 
 def valid_name(name: Any) -> bool:
@@ -64,7 +79,7 @@ def read_manifest(checkpoint_dir: str) -> dict | None:
     naming the file and the first problem.
     """
     path = os.path.join(checkpoint_dir, MANIFEST)
-    raw = _read_capped(path, _MAX_MANIFEST_BYTES, missing_ok=True)
+    raw = read_bounded(path, MAX_MANIFEST_BYTES, missing_ok=True)
     if raw is None:
         return None
     doc = parse_json(raw, path)
@@ -76,25 +91,26 @@ def report_name(rank: int, run_id: str, error: bool = False) -> str:
     return f"rank-{rank:05d}.{run_id}{'.error' if error else ''}.json"
 
 
-def _read_capped(path: str, cap: int, missing_ok: bool = False) -> bytes | None:
-    """A regular file's bytes (never through a symlink, at most ``cap``); None if missing and ``missing_ok``."""
+def read_bounded(path: str, limit: int, exact: int | None = None, missing_ok: bool = False) -> bytes | None:
+    """A regular file's bytes (never through a symlink), its real size held to ``exact`` (a
+    manifest's claim) or at most ``limit`` before anything is read; None if missing and ``missing_ok``."""
+    fd = open_regular(path, missing_ok=missing_ok)
+    if fd is None:
+        return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if missing_ok:
-            return None
-        raise CheckpointError(f"{path}: missing") from None
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot be opened: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            if not _is_regular(os.fstat(f.fileno())):
-                raise CheckpointError(f"{path}: not a regular file")
-            raw = f.read(cap + 1)
+        size = os.fstat(fd).st_size
+        if exact is not None and size != exact:
+            raise CheckpointError(f"{path}: has {size} bytes, the manifest says {exact}")
+        if size > limit:
+            raise CheckpointError(f"{path}: larger than {limit} bytes")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(size + 1)  # one more: a file that grew since fstat is caught too
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot be read: {exc.strerror or exc}") from None
-    if len(raw) > cap:
-        raise CheckpointError(f"{path}: larger than {cap} bytes")
+    finally:
+        os.close(fd)
+    if len(raw) != size:
+        raise CheckpointError(f"{path}: changed while it was being read ({len(raw)} bytes, not {size})")
     return raw
 
 
@@ -134,10 +150,10 @@ def _validate(doc: Any, checkpoint: str) -> None:
     if doc.get("checkpoint") != checkpoint:
         raise _Invalid(f"belongs to checkpoint {doc.get('checkpoint')!r}, not to its directory {checkpoint!r} "
                        "(a copied or moved checkpoint keeps its original name)")
-    if doc.get("version") is not None and not _is_int(doc.get("version")):
-        raise _Invalid(f"version {doc.get('version')!r} is not a whole number")
+    if doc.get("version") is not None and not (_is_int(doc.get("version")) and abs(doc["version"]) <= INT64_MAX):
+        raise _Invalid(f"version {doc.get('version')!r} is not a whole number (an int64)")
     world = doc.get("world_size")
-    if not _is_int(world) or world < 1:
+    if not _is_int(world) or not 1 <= world <= INT64_MAX:
         raise _Invalid(f"world_size {world!r} is not a whole number >= 1")
     committed_at = doc.get("committed_at")
     if not _is_number(committed_at):
@@ -154,24 +170,28 @@ def _validate(doc: Any, checkpoint: str) -> None:
         try:
             _validate_file(name, entry, checkpoint, world, paths, inline=version == 1)
         except _Invalid as exc:
-            raise _Invalid(f"file {name!r}: {exc}") from None
+            raise _Invalid(f"file {name!r}: {exc}", file=name) from None
 
 
 def _validate_reports(reports: Any, checkpoint: str, run_id: str, world: int) -> None:
     """Format 2: one report per rank, named for that rank and this run, with its size and checksum."""
     if type(reports) is not dict:
         raise _Invalid("reports is not an object")
-    if set(reports) != {str(r) for r in range(world)}:
-        raise _Invalid(f"reports must list exactly ranks 0..{world - 1}")
+    # Counted before any set of ranks is built: a world_size of 2**62 must not be enumerated.
+    if len(reports) != world or set(reports) != {str(r) for r in range(world)}:
+        missing = next((r for r in range(min(world, len(reports) + 1)) if str(r) not in reports), None)
+        raise _Invalid(f"reports must list exactly ranks 0..{world - 1}", rank=missing)
     for rank in range(world):
         entry = reports[str(rank)]
         want = f"{checkpoint}/{REPORTS}/{report_name(rank, run_id)}"
         if type(entry) is not dict or entry.get("file") != want:
-            raise _Invalid(f"report of rank {rank} is not an object naming {want!r}")
-        if not _is_int(entry.get("size")) or entry["size"] < 2:
-            raise _Invalid(f"report of rank {rank}: size {entry.get('size')!r} is not a report size")
+            raise _Invalid(f"report of rank {rank} is not an object naming {want!r}", rank=rank)
+        if not _is_int(entry.get("size")) or not 2 <= entry["size"] <= MAX_REPORT_BYTES:
+            raise _Invalid(f"report of rank {rank}: size {entry.get('size')!r} is not a report size "
+                           f"(2 to {MAX_REPORT_BYTES} bytes)", rank=rank)
         if type(entry.get("xxh3_64")) is not str or not _HASH.fullmatch(entry["xxh3_64"]):
-            raise _Invalid(f"report of rank {rank}: xxh3_64 {entry.get('xxh3_64')!r} is not an xxh3-64 checksum")
+            raise _Invalid(f"report of rank {rank}: xxh3_64 {entry.get('xxh3_64')!r} is not an xxh3-64 checksum",
+                           rank=rank)
 
 
 def _validate_file(name: str, entry: Any, checkpoint: str, world: int, paths: set[str], inline: bool = True) -> None:
@@ -191,10 +211,10 @@ def _validate_file(name: str, entry: Any, checkpoint: str, world: int, paths: se
             raise _Invalid(f"{key} {rel!r} is listed twice")
         paths.add(rel)
     size, state_size = entry.get("size"), entry.get("state_size")
-    if not _is_int(size) or size < 8:
+    if not _is_int(size) or not 8 <= size <= INT64_MAX:
         raise _Invalid(f"size {size!r} is not a safetensors file size")
-    if not _is_int(state_size) or state_size < 0:
-        raise _Invalid(f"state_size {state_size!r} is not a size")
+    if not _is_int(state_size) or not 0 <= state_size <= MAX_SIDECAR_BYTES:
+        raise _Invalid(f"state_size {state_size!r} is not a size (at most {MAX_SIDECAR_BYTES} bytes)")
     for key in ("xxh3_64", "state_xxh3_64"):
         if type(entry.get(key)) is not str or not _HASH.fullmatch(entry[key]):
             raise _Invalid(f"{key} {entry.get(key)!r} is not an xxh3-64 checksum")
@@ -217,14 +237,16 @@ def _validate_tensors(tensors: Any, size: int) -> None:
         dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("offsets")
         if dtype not in TORCH_DTYPES:
             raise _Invalid(f"tensor {tensor!r}: unknown dtype {dtype!r}")
-        if type(shape) is not list or not all(_is_int(n) and n >= 0 for n in shape):
-            raise _Invalid(f"tensor {tensor!r}: shape {shape!r} is not a list of whole numbers >= 0")
+        try:
+            elements = shape_elements(shape, TORCH_DTYPES[dtype].itemsize)
+        except ValueError as exc:
+            raise _Invalid(f"tensor {tensor!r}: {exc}") from None
         if type(offsets) is not list or len(offsets) != 2 or not all(_is_int(n) for n in offsets):
             raise _Invalid(f"tensor {tensor!r}: offsets {offsets!r} are not [begin, end]")
         begin, end = offsets
         if not 8 <= begin <= end <= size:
             raise _Invalid(f"tensor {tensor!r}: offsets {offsets} lie outside the file's {size} bytes")
-        if end - begin != math.prod(shape) * TORCH_DTYPES[dtype].itemsize:
+        if end - begin != elements * TORCH_DTYPES[dtype].itemsize:
             raise _Invalid(f"tensor {tensor!r}: {end - begin} bytes do not hold shape {shape} of {dtype}")
         if type(meta.get("xxh3_64")) is not str or not _HASH.fullmatch(meta["xxh3_64"]):
             raise _Invalid(f"tensor {tensor!r}: xxh3_64 {meta.get('xxh3_64')!r} is not a checksum")
@@ -330,6 +352,63 @@ def build_manifest(checkpoint: str, run_id: str, version: int | None, world_size
     return parse_json(data, f"{checkpoint}/{MANIFEST}")
 
 
+def check_assembled(checkpoint: str, data: bytes, heads: list[list], shares: dict[str, bytes],
+                    where: str) -> dict:
+    """Rank 0, before the manifest counts: ``data`` (what ``assemble_manifest`` joined) validated
+    exactly as ``read_manifest`` will read it back, and every file entry held to the rank that
+    announced it in its head. Returns the parsed manifest.
+
+    The shares were encoded by the ranks and joined without being read; one that a bug, a bit
+    flip in the store or a stranger on a reused port damaged would otherwise commit a checkpoint
+    no loader accepts, and retention would then delete the last good one. A failure is a
+    ``CheckpointError`` naming the rank whose share broke the rule.
+    """
+    owner = {name: head[0] for head in heads for name in head[3:]}
+    try:
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise _Invalid(f"{len(data)} bytes, more than a manifest may have ({MAX_MANIFEST_BYTES})")
+        try:
+            doc = strict_json(data)
+        except ValueError as exc:
+            raise _Invalid(str(exc), rank=_unparsable_share(shares, owner)) from None
+        _validate(doc, checkpoint)
+        for name, entry in doc["files"].items():
+            if owner.get(name) != entry["rank"]:
+                raise _Invalid(f"file {name!r} is listed as rank {entry['rank']}'s, but "
+                               + (f"rank {owner[name]} saved it" if name in owner else "no rank saved it"), file=name)
+        if len(doc["files"]) != len(owner):
+            lacking = next(name for name in owner if name not in doc["files"])
+            raise _Invalid(f"file {lacking!r}, which rank {owner[lacking]} saved, is not listed", file=lacking)
+    except _Invalid as exc:
+        rank = exc.rank if exc.rank is not None else owner.get(exc.file)
+        part = f"rank {rank}'s share of it" if rank is not None else "a share no rank can be named for"
+        raise CheckpointError(f"checkpoint {checkpoint}: the manifest fails validation in {part}: {exc}; "
+                              f"the checkpoint is not committed ({where} not written)") from None
+    return doc
+
+
+def _unparsable_share(shares: dict[str, bytes], owner: dict[str, int]) -> int | None:
+    """The rank whose entry in the joined shares is not JSON (only when the manifest was not)."""
+    decoder = json.JSONDecoder()
+    for part, raw in shares.items():
+        text, pos, last = raw.decode("utf-8", "replace"), 0, None
+        while pos < len(text):
+            who = None
+            try:
+                if text[pos] != ",":
+                    raise ValueError("no comma")
+                key, pos = decoder.raw_decode(text, pos + 1)
+                if type(key) is str:
+                    who = owner.get(key) if part == "files" else (int(key) if key.isdigit() else None)
+                if text[pos:pos + 1] != ":":
+                    raise ValueError("no colon")
+                _, pos = decoder.raw_decode(text, pos + 1)
+            except ValueError:
+                return who if who is not None else last  # else: the damage follows the last good entry
+            last = who
+    return None
+
+
 class TensorIndex:
     """The per-tensor index of one committed checkpoint's files, each rank report read and checked once.
 
@@ -376,9 +455,7 @@ class TensorIndex:
         m = self.manifest
         listed = m["reports"][str(rank)]
         path = self.report_path(rank)
-        raw = _read_capped(path, listed["size"])
-        if len(raw) != listed["size"]:
-            raise CheckpointError(f"{path}: has {len(raw)} bytes, the manifest says {listed['size']}")
+        raw = read_bounded(path, MAX_REPORT_BYTES, exact=listed["size"])
         if xxhash.xxh3_64_hexdigest(raw) != listed["xxh3_64"]:
             raise CheckpointError(f"{path}: checksum mismatch (xxh3-64): the bytes changed")
         report = parse_json(raw, path)
@@ -420,6 +497,28 @@ def _validate_report(report: Any, manifest: dict, rank: int) -> dict[str, dict]:
     return found
 
 
+def check_report(report: dict, rank: int) -> None:
+    """A rank, before it says its files are durable: its report (the tensor index rank 0 never
+    reads) must pass the rules ``TensorIndex`` applies at load, against the entries its own share
+    of the manifest repeats; a report no loader would accept fails its commit instead."""
+    checkpoint = report.get("checkpoint")
+    try:
+        if type(report.get("files")) is not list:
+            raise _Invalid("files is not a list")
+        listed, paths = {}, set()
+        for entry in report["files"]:
+            name = entry.get("name") if type(entry) is dict else None
+            listed[name] = dict({k: v for k, v in entry.items() if k != "tensors"}, rank=rank) if name else entry
+            try:
+                _validate_file(name, listed[name], checkpoint, report.get("world_size"), paths, inline=False)
+            except _Invalid as exc:
+                raise _Invalid(f"file {name!r}: {exc}") from None
+        _validate_report(report, {"run_id": report.get("run_id"), "checkpoint": checkpoint, "files": listed,
+                                  "world_size": report.get("world_size"), "version": report.get("version")}, rank)
+    except (_Invalid, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {checkpoint}: rank {rank}'s report would not load: {exc}") from None
+
+
 def file_tensors(checkpoint_dir: str, manifest: dict, name: str) -> dict:
     """File ``name``'s tensor index from a validated manifest of either format.
 
@@ -447,6 +546,46 @@ def check_tensor_file(entry: dict, header: SafetensorsHeader, run_id: str, where
                                   f"{meta['dtype']}{meta['shape']} at {meta['offsets']} in the manifest")
 
 
+SIDECAR_FORMAT = "megatron_ext.state"
+
+
+def read_sidecar(path: str, entry: dict, verify: bool = True) -> Any:
+    """A sidecar's ``state`` skeleton, for ``load`` and ``verify`` alike: its real size held to the
+    manifest's before it is read, its checksum (if ``verify``), then its volume before it is parsed.
+    ``entry`` is the file's entry with its ``tensors`` (``TensorIndex.entry``)."""
+    raw = read_bounded(path, MAX_SIDECAR_BYTES, exact=entry["state_size"])
+    if verify and xxhash.xxh3_64_hexdigest(raw) != entry["state_xxh3_64"]:
+        raise CheckpointError(f"{path}: checksum mismatch (xxh3-64): the bytes changed")
+    check_sidecar_volume(raw, len(entry["tensors"]), path)
+    return parse_sidecar(raw, path)
+
+
+def parse_sidecar(raw: bytes, where: str) -> Any:
+    """The ``state`` of a sidecar document ``{"format": "megatron_ext.state", "state": ...}``."""
+    doc = parse_json(raw, where)
+    if type(doc) is not dict or doc.get("format") != SIDECAR_FORMAT or set(doc) != {"format", "state"}:
+        raise CheckpointError(f"{where}: not a {SIDECAR_FORMAT} document")
+    return doc["state"]
+
+
+def check_sidecar_volume(raw: bytes, tensors: int, where: str) -> None:
+    """Refuse, before parsing, a sidecar over ``MAX_SIDECAR_BYTES`` or with more JSON values than ``SIDECAR_VALUES`` plus
+    ``SIDECAR_VALUES_PER_TENSOR`` per tensor of its file (the writer checks the same at ``save``).
+
+    Every value but the document itself follows a comma or opens its array or object, so counting
+    those bytes (at C speed) bounds the values from above without parsing anything.
+    """
+    if len(raw) > MAX_SIDECAR_BYTES:
+        raise CheckpointError(f"{where}: {len(raw)} bytes, more than a sidecar may have ({MAX_SIDECAR_BYTES}; "
+                              "large data belongs in tensors)")
+    limit = SIDECAR_VALUES + SIDECAR_VALUES_PER_TENSOR * tensors
+    if len(raw) >= limit:  # no need to count: a value takes a byte, so fewer bytes hold fewer values
+        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{") + 1
+        if values > limit:
+            raise CheckpointError(f"{where}: up to {values} JSON values, more than the {limit} a sidecar of "
+                                  f"{tensors} tensors may hold (large data belongs in tensors)")
+
+
 def run_of(manifest: dict) -> str:
     """The run that committed ``manifest``: its ``run_id``, or for a checkpoint that run saved again, ``attempt_of``.
 
@@ -471,7 +610,7 @@ def remember_committed(cache: dict, checkpoint_dir: str, manifest: dict) -> None
 
 
 def list_committed(root: str, cache: dict | None = None) -> list[tuple[str, dict]]:
-    """Committed checkpoints under ``root``, oldest first (by version, then commit time).
+    """Committed checkpoints under ``root``, oldest first (``commit_order``).
 
     A directory whose manifest is unreadable, another tool's, or invalid is skipped with a
     warning: one bad directory never hides the others or blocks later commits. ``cache`` (a dict
@@ -506,8 +645,16 @@ def list_committed(root: str, cache: dict | None = None) -> list[tuple[str, dict
             cache[path] = (key, manifest)
         if manifest is not None:
             found.append((name, manifest))
-    found.sort(key=lambda item: (item[1]["version"] is None, item[1]["version"] or 0, item[1]["committed_at"]))
+    found.sort(key=lambda item: commit_order(item[1]))
     return found
+
+
+def commit_order(manifest: dict) -> tuple:
+    """Sort key, oldest first: by version, then commit time; an unversioned checkpoint (version
+    null, e.g. a one-off ``save(state, "final_export")``) is older than every versioned one, so
+    ``latest()`` and retention's "newest" are always the highest version when there is one."""
+    version = manifest["version"]
+    return (version is not None, version if version is not None else 0, manifest["committed_at"])
 
 
 def _is_int(value: Any) -> bool:
@@ -516,9 +663,3 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return type(value) in (int, float) and math.isfinite(value)
-
-
-def _is_regular(st: os.stat_result) -> bool:
-    import stat
-
-    return stat.S_ISREG(st.st_mode)

@@ -39,7 +39,7 @@ import xxhash
 from .commit import read_manifest
 from .manifest import valid_name
 from .config import ConfigError, check_writable_dir
-from .files import atomic_write_json
+from .files import atomic_write_json, private_dir
 from .jobs import CheckpointError, CheckpointJob
 from .telemetry import Telemetry
 from .worker import QueueWorker
@@ -78,9 +78,11 @@ def source_of(rank: int, world_size: int, ranks_per_node: int) -> int:
 
 
 def default_replica_dir(save_dir: str | None) -> str:
-    """Host memory named after the job's checkpoint directory, so a restarted job finds it again."""
+    """Host memory named after the job's checkpoint directory, so a restarted job finds it again,
+    under a directory of this user's (``/dev/shm/megatron_ext-<uid>``, created 0700): a name
+    anyone may take first in ``/dev/shm`` is never used as it is."""
     key = hashlib.sha1(os.path.abspath(save_dir or ".").encode()).hexdigest()[:12]
-    return os.path.join("/dev/shm", f"megatron_ext-replicas-{key}")
+    return os.path.join(os.path.realpath("/dev/shm"), f"megatron_ext-{os.geteuid()}", f"replicas-{key}")
 
 
 # ---------------------------------------------------------------------------- transport
@@ -198,7 +200,7 @@ class _Source:
 
 
 class _Sink:
-    """Writes the files of an incoming bundle under ``dest``, checksumming on the way."""
+    """Writes the files of an incoming bundle under ``dest`` (a private directory), checksumming on the way."""
 
     def __init__(self, dest: str, files: list[dict]):
         for f in files:  # names come from a peer: only <checkpoint>/<basename>, as a validated manifest has them
@@ -210,14 +212,19 @@ class _Sink:
         self._sizes = [0] * len(files)
         self._index, self._file = -1, None
         for f in files:
-            path = os.path.join(dest, f["rel"])
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            open(path, "wb").close()  # empty files exist too
+            self._open(f["rel"]).close()  # empty files exist too
+
+    def _open(self, rel: str):
+        """A file of the bundle, for writing: its directory checked private, the file never through a link."""
+        path = os.path.join(self.dest, rel)
+        private_dir(os.path.dirname(path), "replica_dir", root=self.dest)
+        return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                         "wb")
 
     def write(self, index: int, data: memoryview) -> None:
         if index != self._index:
             self.close()
-            self._file, self._index = open(os.path.join(self.dest, self.files[index]["rel"]), "wb"), index
+            self._file, self._index = self._open(self.files[index]["rel"]), index
         self._file.write(data)
         self._hashes[index].update(data)
         self._sizes[index] += len(data)
@@ -247,30 +254,41 @@ def mismatch(expected: list[dict], received: dict[str, tuple[int, str]]) -> str 
 
 # ---------------------------------------------------------------------------- holder's store
 class ReplicaStore:
-    """The replicas this rank holds for its source rank: ``<node_dir>/of-rank-RRRRR/<checkpoint>/``."""
+    """The replicas this rank holds for its source rank: ``<node_dir>/of-rank-RRRRR/<checkpoint>/``.
+
+    Every directory from ``node_dir`` down is checked private (``files.private_dir``) before each
+    use, so a symbolic link or another user's directory put there later is refused, not followed.
+    """
 
     def __init__(self, node_dir: str, source: int):
+        self.node_dir = node_dir
         self.base = os.path.join(node_dir, f"of-rank-{source:05d}")
         self.incoming = os.path.join(self.base, ".incoming")
 
+    def _private(self, path: str, create: bool = True) -> str | None:
+        return private_dir(path, "replica_dir", root=self.node_dir, create=create)
+
     def begin(self) -> str:
+        self._private(self.base)
         shutil.rmtree(self.incoming, ignore_errors=True)
-        os.makedirs(self.incoming, exist_ok=True)
-        return self.incoming
+        return self._private(self.incoming)
 
     def keep(self, meta: dict) -> None:
         """Make a fully received and verified replica the held one for its checkpoint."""
         ckpt = meta["checkpoint"]
-        staged = os.path.join(self.incoming, ckpt)
-        os.makedirs(staged, exist_ok=True)
+        staged = self._private(os.path.join(self.incoming, ckpt))
         atomic_write_json(os.path.join(staged, REPLICA_META), dict(meta, received_at=time.time()))
-        final = os.path.join(self.base, ckpt)
+        final = os.path.join(self._private(self.base), ckpt)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(staged, final)
 
     def held(self, checkpoint: str) -> dict | None:
+        directory = self._private(os.path.join(self.base, checkpoint), create=False)
+        if directory is None:
+            return None
         try:
-            with open(os.path.join(self.base, checkpoint, REPLICA_META), encoding="utf-8") as f:
+            fd = os.open(os.path.join(directory, REPLICA_META), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, encoding="utf-8") as f:
                 return json.load(f)
         except (OSError, ValueError):
             return None
@@ -282,7 +300,10 @@ class ReplicaStore:
 
         if manifest is None:
             return refuse(f"the holder finds no committed {checkpoint}")
-        held = self.held(checkpoint)
+        try:
+            held = self.held(checkpoint)
+        except CheckpointError as exc:  # not private any more: the source reads from storage instead
+            return refuse(str(exc))
         if held is None:
             return refuse(f"no replica of {checkpoint} is held")
         if held.get("run_id") != manifest["run_id"]:
@@ -291,12 +312,14 @@ class ReplicaStore:
         files = _expected_files(manifest, source)
         for f in files:
             path = os.path.join(self.base, f["rel"])
-            if not os.path.exists(path) or os.path.getsize(path) != f["size"]:
+            if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) != f["size"]:
                 return refuse(f"the replica of {f['rel']} is missing or has the wrong size")
         return Bundle({"checkpoint": checkpoint, "run_id": manifest["run_id"], "files": files}, self.base)
 
     def prune(self, root: str) -> None:
         """Keep the newest committed replica and any newer ones; delete the rest."""
+        if self._private(self.base, create=False) is None:
+            return
         held = []
         for name in os.listdir(self.base):
             meta = self.held(name) if not name.startswith(".") else None
@@ -441,7 +464,7 @@ class PeerReplicas:
         self.source = source_of(rank, world_size, self.ranks_per_node)
         self.timeout_s = timeout_s
         self.node_dir = os.path.join(replica_dir, f"node-{rank // self.ranks_per_node:05d}")
-        check_writable_dir(self.node_dir, "replica_dir")
+        check_writable_dir(self.node_dir, "replica_dir", private=True)  # host memory only this user reads
         self.restored = os.path.join(self.node_dir, f"restored-rank-{rank:05d}")
         self._restored_key: tuple[str, str] | None = None  # (checkpoint, run id) last asked for
         self._restored_files: dict[str, str] = {}
@@ -481,6 +504,7 @@ class PeerReplicas:
         outgoing = self.store.offer(checkpoint, manifest, self.source) if send_to is not None else None
         if need:
             shutil.rmtree(self.restored, ignore_errors=True)
+            private_dir(self.restored, "replica_dir", root=self.node_dir)
         started = time.monotonic()
         meta, received = self.link.exchange(send_to, outgoing, self.holder if need else None,
                                             self.restored if need else None)

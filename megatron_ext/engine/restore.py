@@ -13,45 +13,13 @@ import stat
 from typing import Any, Iterable, Mapping
 
 import torch
-import xxhash
 
 from . import codec
 from .commit import REPORTS, report_name
 from .fast_read import MIN_STAGING_CHUNK, Staging, default_staging, open_regular, read_into, read_tensors, to_device
 from .jobs import CheckpointError
-from .layout import parse_json, read_header
-from .manifest import check_tensor_file
-
-SIDECAR_FORMAT = "megatron_ext.state"
-_MAX_SIDECAR_BYTES = 1 << 30
-
-
-def read_state_file(path: str, entry: dict | None, verify: bool = True) -> Any:
-    """A sidecar's ``state`` skeleton: the file's size and checksum checked against ``entry``."""
-    fd = open_regular(path)
-    try:
-        with os.fdopen(fd, "rb") as f:
-            limit = entry["state_size"] if entry is not None else _MAX_SIDECAR_BYTES
-            raw = f.read(limit + 1)
-    except OSError as exc:
-        raise CheckpointError(f"reading {path} failed: {exc.strerror or exc}") from None
-    if entry is not None and len(raw) != entry["state_size"]:
-        raise CheckpointError(f"{path} has {len(raw)}{'+' if len(raw) > limit else ''} bytes, the manifest says "
-                              f"{entry['state_size']}")
-    if verify and entry is not None and xxhash.xxh3_64_hexdigest(raw) != entry["state_xxh3_64"]:
-        raise CheckpointError(f"{path} fails its checksum")
-    return parse_sidecar(raw, path)
-
-
-def parse_sidecar(raw: bytes, where: str) -> Any:
-    """The ``state`` of a sidecar document ``{"format": "megatron_ext.state", "state": ...}``."""
-    try:
-        doc = parse_json(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"{where}: {exc}") from None
-    if type(doc) is not dict or doc.get("format") != SIDECAR_FORMAT or set(doc) != {"format", "state"}:
-        raise CheckpointError(f"{where}: not a {SIDECAR_FORMAT} document")
-    return doc["state"]
+from .layout import read_header
+from .manifest import check_tensor_file, read_sidecar
 
 
 def local_copy_complete(local_root: str, checkpoint: str, manifest: dict, rank: int) -> bool:
@@ -96,7 +64,7 @@ class FileReader:
 
     def skeleton(self) -> Any:
         if self._skeleton is None:
-            self._skeleton = read_state_file(self.state_path, self.entry, self.verify)
+            self._skeleton = read_sidecar(self.state_path, self.entry, self.verify)
         return self._skeleton
 
     def tensors(self, names: Iterable[str], whole_file: bool = False, pin: bool = False) -> dict[str, torch.Tensor]:

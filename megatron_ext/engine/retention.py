@@ -33,9 +33,16 @@ log = logging.getLogger("megatron_ext.engine")
 
 def to_delete(committed: list[tuple[str, int | None]], keep_last: int | None, keep_every: int | None,
               protected: set[str]) -> list[str]:
-    """Names to delete from ``committed`` (oldest first, as ``list_committed`` returns them)."""
+    """Names to delete from ``committed`` (oldest first, as ``list_committed`` returns them).
+
+    The policy counts one series: the versioned checkpoints when there are any, and then an
+    unversioned one beside them (a named export, ``final``) is never deleted; a job that saves
+    no versions (DeepSpeed's tags) is counted by commit time.
+    """
     if keep_last is None:
         return []
+    if any(isinstance(version, int) for _, version in committed):
+        committed = [(name, version) for name, version in committed if isinstance(version, int)]
     names = [name for name, _ in committed]
     keep = set(names[-keep_last:]) | set(names[-1:]) | protected
     if keep_every:

@@ -21,6 +21,7 @@ from . import faults
 from .config import OverloadPolicy
 from .context import SaveContext
 from .copier import CpuCopier
+from .device import bind_thread
 from .host_cache import HostCache
 from .jobs import CheckpointJob, FileJob
 from .messages import Chunk
@@ -53,7 +54,7 @@ class SnapshotScheduler(QueueWorker):
         self.starved: FileJob | None = None
         self.progress = threading.Event()
         self._dead = False
-        self.start("datastates-snapshot")
+        self.start("datastates-snapshot", lambda: bind_thread(ctx.device))  # device.py
 
     def handle(self, fjob: FileJob) -> None:
         if self._dead:  # after a failure nothing more is copied; waiters wake up and see the error

@@ -23,8 +23,7 @@ from . import codec
 from .fast_read import open_regular
 from .jobs import CheckpointError
 from .layout import read_header
-from .manifest import MANIFEST, TensorIndex, check_tensor_file, read_manifest, valid_name
-from .restore import parse_sidecar
+from .manifest import MANIFEST, TensorIndex, check_tensor_file, read_manifest, read_sidecar, valid_name
 
 _BLOCK = 16 << 20
 
@@ -141,17 +140,21 @@ def _read(fd: int, path: str, offset: int, length: int) -> bytes:
 
 def _check_state_file(root: str, entry: dict, run_id: str, deep: bool, progress=None) -> None:
     path = os.path.join(root, entry["state_file"])
-    fd = open_regular(path)
-    with os.fdopen(fd, "rb") as f:
-        raw = f.read(entry["state_size"] + 1)
-    if len(raw) != entry["state_size"]:
-        raise CheckpointError(f"{path}: has {len(raw)}{'+' if len(raw) > entry['state_size'] else ''} bytes, "
-                              f"the manifest says {entry['state_size']}")
+    state = read_sidecar(path, entry, verify=deep)
     if progress is not None:
-        progress(len(raw), 0)
-    if deep and xxhash.xxh3_64_hexdigest(raw) != entry["state_xxh3_64"]:
-        raise CheckpointError(f"{path}: checksum mismatch (xxh3-64): the bytes changed")
-    codec.check(parse_sidecar(raw, path), entry["tensors"], where=path)
+        progress(entry["state_size"], 0)
+    codec.check(state, entry["tensors"], where=path)
+
+
+def problem_of(root: str, checkpoint: str, exc: CheckpointError) -> Problem:
+    """A ``CheckpointError`` that names a file under ``root`` first, as a ``Problem`` of that file
+    (for checks above the engine's, such as an adapter's)."""
+    text = str(exc)
+    head, sep, rest = text.partition(": ")
+    base = os.path.abspath(root) + os.sep
+    if sep and head.startswith(base):
+        return Problem(checkpoint, head[len(base):], rest)
+    return Problem(checkpoint, f"{checkpoint}/", text)
 
 
 def checkpoints_under(root: str) -> list[str]:

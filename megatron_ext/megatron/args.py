@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.engine.config import ConfigError, EngineConfig
+from megatron_ext.megatron.host_cache_size import AUTO
 
 
 def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -22,9 +23,11 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "memory overlap with the next forward/backward, each rank streams its own "
                             "shards to storage, and the tracker file is written once all ranks are durable. "
                             "Meant for --save-interval 1.")
-    group.add_argument("--datastates-host-cache-size", type=float, default=None, metavar="GB",
-                       help="Host (pinned) cache per rank in GB, allocated once at start-up; snapshots wait "
-                            "for flushes when it is full. Default: 1.")
+    group.add_argument("--datastates-host-cache-size", type=host_cache_size, default=None, metavar="GB|auto",
+                       help="Host (pinned) cache per rank in GB, allocated once; snapshots wait for flushes when "
+                            "it is full. 'auto' (the default): this rank's checkpoint bytes (known at its first "
+                            "save, or from the checkpoint a load reads) plus one chunk, at most half of the "
+                            "node's available memory divided by its ranks (LOCAL_WORLD_SIZE); logged once.")
     group.add_argument("--datastates-local-dir", type=str, default=None, metavar="DIR",
                        help="Optional node-local directory (e.g. NVMe scratch): ranks flush there first and a "
                             "background stage copies to --save. Restarts read it when every rank finds its files.")
@@ -69,9 +72,19 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                        help="Ranks per node for --datastates-peer-replica (default: LOCAL_WORLD_SIZE); a smaller "
                             "value simulates several nodes on one machine.")
     group.add_argument("--datastates-replica-dir", type=str, default=None, metavar="DIR",
-                       help="Host-memory directory for the replicas a node holds "
-                            "(default /dev/shm/megatron_ext-replicas-<hash of --save>).")
+                       help="Host-memory directory for the replicas a node holds, created private (0700) "
+                            "(default /dev/shm/megatron_ext-<uid>/replicas-<hash of --save>).")
     return parser
+
+
+def host_cache_size(text: str) -> float | str:
+    """``--datastates-host-cache-size``: a number of GB, or ``auto``."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a size in GB or 'auto', not {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -115,10 +128,13 @@ _OPTIONAL_FLAGS = (("datastates_chunk_size_mb", "chunk_size_mb"), ("datastates_t
 def engine_config_from_args(args: Any) -> dict:
     """The engine configuration the flags describe.
 
-    Megatron-LM's ``--save-retain-interval R`` (when a checkpoint is committed, the previous one
-    is deleted unless its iteration is a multiple of R) is retention "newest 1 plus every R-th".
+    ``host_cache_size`` is ``"auto"`` unless a size was given: the adapter replaces it with a
+    number when it creates the engine (``host_cache_size.auto_host_cache``). Megatron-LM's
+    ``--save-retain-interval R`` (when a checkpoint is committed, the previous one is deleted
+    unless its iteration is a multiple of R) is retention "newest 1 plus every R-th".
     """
-    cfg = {"host_cache_size": getattr(args, "datastates_host_cache_size", None) or 1.0,
+    size = getattr(args, "datastates_host_cache_size", None)
+    cfg = {"host_cache_size": AUTO if size is None else size,
            "save_dir": args.save, "local_dir": getattr(args, "datastates_local_dir", None)}
     if getattr(args, "save_retain_interval", None):
         cfg.update(keep_last=1, keep_every=args.save_retain_interval)
@@ -163,7 +179,10 @@ def validate_datastates_args(args: Any) -> None:
                         "layout)")
     if problems:
         raise ValueError("invalid datastates configuration: " + "; ".join(problems))
+    cfg = engine_config_from_args(args)
+    if cfg["host_cache_size"] == AUTO:  # sized when the engine is created; any valid size checks the rest
+        cfg["host_cache_size"] = EngineConfig.host_cache_size
     try:
-        EngineConfig.from_dict(engine_config_from_args(args))
+        EngineConfig.from_dict(cfg)
     except ConfigError as exc:
         raise ValueError(f"invalid datastates configuration: {exc}") from exc

@@ -139,9 +139,43 @@ def rank_state(shards: dict, rng: dict | None = None, rerun_state: dict | None =
     return state
 
 
+def read_run_meta(reader: Any) -> dict:
+    """Rank 0's ``meta`` part (``run_meta``) from its file's reader, checked before any use: a dict
+    with a whole-number ``iteration`` and a ``layout`` of whole-number ``tp``, ``pp``, ``dp``."""
+    meta = reader.part(META)
+    layout = meta.get("layout") if isinstance(meta, dict) else None
+    if not isinstance(layout, dict) or not all(type(layout.get(k)) is int and layout[k] >= 1 for k in ("tp", "pp", "dp")):
+        raise CheckpointError(f"{reader.state_path}: its meta records no parallel layout (whole-number tp, pp, dp)")
+    if type(meta.get("iteration")) is not int:
+        raise CheckpointError(f"{reader.state_path}: its meta's iteration {meta.get('iteration')!r} is not a whole number")
+    return meta
+
+
 def rank_extra(objects: Any, layout: dict) -> dict:
     """The manifest's ``extra`` of a rank's file: the object shard ids it holds, its parallel layout."""
     return {"objects": sorted(objects), "layout": layout}
+
+
+def rank_layout_of(entry: dict, name: str) -> dict | None:
+    """A file's parallel layout from its manifest ``extra`` (``rank_extra``), None if it records
+    none; the ranks in it are whole numbers, else ``CheckpointError`` (``extra`` is not validated
+    with the manifest: it is the adapter's)."""
+    extra = entry.get("extra")
+    layout = extra.get("layout") if isinstance(extra, dict) else None
+    if layout is None:
+        return None
+    if not isinstance(layout, dict) or not all(type(layout.get(k)) is int and layout[k] >= 0
+                                               for k in ("tp_rank", "pp_rank", "dp_rank")):
+        raise CheckpointError(f"file {name!r}: its manifest entry's layout {str(layout)[:120]} lacks whole-number "
+                              "tp_rank, pp_rank and dp_rank")
+    return layout
+
+
+def is_megatron_checkpoint(manifest: dict) -> bool:
+    """Whether every file of a committed checkpoint was written by this adapter (``rank_extra``)."""
+    files = manifest["files"].values()
+    return bool(files) and all(isinstance(e.get("extra"), dict) and {"objects", "layout"} <= set(e["extra"])
+                               for e in files)
 
 
 def storable_args(args: Any) -> argparse.Namespace:

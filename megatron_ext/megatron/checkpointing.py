@@ -50,14 +50,17 @@ import torch
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
 from megatron_ext.engine.collectives import all_reduce_int
 from megatron_ext.engine.commit import MANIFEST
+from megatron_ext.engine.manifest import read_manifest
 from megatron_ext.engine.layout import torch_dtype
 from megatron_ext.megatron import optimizer_state, sharding, te_extra_state
 from megatron_ext.megatron.args import MegatronAdapterOptions, engine_config_from_args
-from megatron_ext.megatron.checkpoint_layout import (CHECKPOINT_VERSION, COMMON, META, NON_PERSISTENT_SUBDIR, RELEASE,
+from megatron_ext.megatron.checkpoint_layout import (CHECKPOINT_VERSION, COMMON, NON_PERSISTENT_SUBDIR, RELEASE,
                                                      RERUN_STATE, RNG, TRACKER_FILE, capture_rng_state, checkpoint_dir,
                                                      checkpoint_name, file_of_rank, is_datastates_checkpoint,
                                                      is_megatron_lm_format, rank_extra, rank_file_name, rank_state,
-                                                     read_tracker, restore_rng_state, run_meta, tracker_writer)
+                                                     read_run_meta, read_tracker, restore_rng_state, run_meta,
+                                                     tracker_writer)
+from megatron_ext.megatron.host_cache_size import AUTO, auto_host_cache, checkpoint_rank_bytes, tensor_bytes
 from megatron_ext.megatron.safe_classes import megatron_safe_classes
 from megatron_ext.megatron.shard_assembly import SavedShards
 
@@ -91,6 +94,8 @@ class MegatronCheckpointer:
         self.engine: CheckpointEngine | None = None
         self.plan: sharding.OwnershipPlan | None = None
         self._engine_key: tuple | None = None
+        # This rank's bytes in the checkpoint last loaded, and whence: an ``auto`` host cache's size.
+        self._loaded_bytes: tuple[int | None, str] = (None, "")
 
     # ------------------------------------------------------------------------ configuration
     def get_args(self) -> Any:
@@ -110,12 +115,24 @@ class MegatronCheckpointer:
 
         return native
 
-    def get_engine(self, args: Any | None = None) -> CheckpointEngine:
-        """The process's engine, created on first use (its host cache then allocates in the background)."""
+    def get_engine(self, args: Any | None = None, rank_bytes: int | None = None,
+                   bytes_source: str = "") -> CheckpointEngine:
+        """The process's engine, created on first use (its host cache then allocates in the background).
+
+        With ``--datastates-host-cache-size auto`` (the default) its creation needs ``rank_bytes``,
+        this rank's checkpoint bytes (``bytes_source`` says whence, for the log line).
+        """
         args = args or self.get_args()
         cfg = _engine_config(args)
         key = tuple(sorted((k, str(v)) for k, v in cfg.items()))
         if self.engine is None:
+            if cfg["host_cache_size"] == AUTO:
+                if rank_bytes is None:
+                    raise CheckpointError("--datastates-host-cache-size auto sizes the host cache from this rank's "
+                                          "checkpoint bytes, which are not known yet; pass a size in GB")
+                sizing = auto_host_cache(rank_bytes, cfg, bytes_source)
+                cfg["host_cache_size"] = sizing.gb
+                log.info("%s", sizing.log_line())
             self.engine = CheckpointEngine(cfg)
             self._engine_key = key
         elif key != self._engine_key:
@@ -162,8 +179,6 @@ class MegatronCheckpointer:
         started = time.monotonic()
         root = save_root(args, non_persistent_ckpt)
         model = _unwrap(model)
-        engine = self.get_engine(args)
-        install_lazy_wait(optimizer, engine, wait_after_step=bool(getattr(args, "qk_clip", False)))
         if native is not None:  # Energon data loaders keep their own state (a no-op for Megatron's own)
             native.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None))
         with_optimizer = not getattr(args, "no_save_optim", False)
@@ -185,6 +200,9 @@ class MegatronCheckpointer:
             run = run_meta(iteration, num_floating_point_operations_so_far, scheduler, args, layout)
         state = rank_state({"tensors": tensors, "objects": objects, "meta": meta}, rng, rerun,
                            common if rank == 0 else None, run)
+        engine = self.get_engine(args, tensor_bytes(state) if self.engine is None else None,
+                                 f"its first save, iteration {iteration}")
+        install_lazy_wait(optimizer, engine, wait_after_step=bool(getattr(args, "qk_clip", False)))
         name = checkpoint_name(RELEASE if release else iteration)
         engine.save(state, name, rank_file_name(rank), root=root, version=iteration, extra=rank_extra(objects, layout))
         engine.commit(name, root=root, on_committed=tracker_writer(root, RELEASE if release else iteration, rank),
@@ -267,8 +285,8 @@ class MegatronCheckpointer:
             if not outcome:
                 log.warning("[datastates] loaded %s from %s (%s level) in %.2fs: iteration %d",
                             checkpoint_name(candidate), root, levels, time.monotonic() - started, result[0])
-                if getattr(args, "save", None):
-                    self.get_engine(args)  # now, so its cache is touched while the first iterations compute
+                if getattr(args, "save", None):  # now, so its cache is ready before the first save's copies
+                    self.get_engine(args, *self._loaded_bytes)
                 return tuple(result)
             reason = str(error) if error is not None else "it fails on another rank"
             if outcome == 2:  # no older checkpoint of the same run fits this model better
@@ -283,7 +301,7 @@ class MegatronCheckpointer:
             raise CheckpointError(f"{checkpoint_name(candidate)} in {root} cannot be loaded: {reason}{hint}") from error
         raise AssertionError("unreachable")
 
-    def _load_engine(self, args: Any, load_dir: str) -> tuple[CheckpointEngine, bool]:
+    def _load_engine(self, args: Any, load_dir: str, iteration: int | str) -> tuple[CheckpointEngine, bool]:
         """The engine that reads, and whether it is a reader of its own (shut down after the load).
 
         A read-only engine with the run's settings (node-local level, read threads, ``O_DIRECT``)
@@ -291,9 +309,14 @@ class MegatronCheckpointer:
         cache, which it touches in the background, would otherwise take the cores and memory
         bandwidth the reads need (on 2 CPU ranks, 1.45 s against 1.09 s per load). The run's
         engine reads itself when it exists already, or with peer replicas, whose recovery is a
-        collective of the run's engine.
+        collective of the run's engine (its ``auto`` host cache sized from the manifest it loads).
         """
-        if self.engine is not None or (getattr(args, "save", None) and getattr(args, "datastates_peer_replica", False)):
+        if self.engine is None and getattr(args, "save", None) and getattr(args, "datastates_peer_replica", False):
+            manifest = read_manifest(checkpoint_dir(load_dir, iteration))
+            if manifest is not None:
+                self._loaded_bytes = _rank_bytes(manifest, checkpoint_name(iteration))
+            return self.get_engine(args, *self._loaded_bytes), False
+        if self.engine is not None:
             return self.get_engine(args), False
         cfg = _engine_config(args)
         cfg.update(save_dir=load_dir, host_cache_size=READER_CACHE_GB)
@@ -308,7 +331,7 @@ class MegatronCheckpointer:
         are refreshed from the loaded weights); RNGs unless ``--no-load-rng``, ``--finetune``, a
         release, or another TP/PP layout; the rerun state machine only on the same world and layout.
         """
-        engine, reader_only = self._load_engine(args, load_dir)
+        engine, reader_only = self._load_engine(args, load_dir, iteration)
         try:
             return self._load_from(engine, load_dir, iteration, ddp_model, optimizer, opt_param_scheduler, args,
                                    strict, skip_load_to_model_and_opt)
@@ -326,13 +349,14 @@ class MegatronCheckpointer:
         native = self.megatron_lm()
         model = _unwrap(ddp_model)
         ckpt = engine.open_checkpoint(checkpoint_name(iteration), root=load_dir)
+        self._loaded_bytes = _rank_bytes(ckpt.manifest, ckpt.checkpoint)
         engine.agree_load_level(ckpt)  # every rank node-local, or every rank shared
         tensor_index, object_index = _index(ckpt.manifest, ckpt.index)
         rank = torch.distributed.get_rank()
         zero_name = file_of_rank(ckpt.manifest, 0)
         if zero_name is None:
             raise CheckpointError(f"{ckpt.checkpoint} has no file of rank 0 (its common state and args)")
-        meta = ckpt.reader(zero_name).part(META)
+        meta = read_run_meta(ckpt.reader(zero_name))
         saved_args = meta.get("args")
         layout = _parallel_layout()
         saved_layout = meta["layout"]
@@ -423,6 +447,9 @@ class MegatronCheckpointer:
                 if optimizer_format in NATIVE_FORMATS:
                     with optimizer_state.steps_set_aside(optimizer):
                         optimizer.load_state_dict(state["optimizer"])
+                    # --optimizer-cpu-offload: megatron-core's dp_reshardable and dp_zero_gather_scatter
+                    # readers set HDO.state without handing it to the sub-optimizers.
+                    optimizer_state.sync_hybrid(optimizer)
                     optimizer_state.restore_adam_steps(optimizer)
                 else:
                     optimizer_state.check_param_groups(optimizer, state["optimizer"])
@@ -463,9 +490,13 @@ def set_args(args: Any) -> None:
     _CHECKPOINTER.args = args
 
 
-def get_engine(args: Any | None = None) -> CheckpointEngine:
-    """The process's engine, created on first use (its host cache then allocates in the background)."""
-    return _CHECKPOINTER.get_engine(args)
+def get_engine(args: Any | None = None, rank_bytes: int | None = None, bytes_source: str = "") -> CheckpointEngine:
+    """The process's engine, created on first use (its host cache then allocates in the background).
+
+    Creating it with an ``auto`` host cache (the default) needs ``rank_bytes``, this rank's
+    checkpoint bytes; ``save_checkpoint`` and ``load_checkpoint`` create it themselves.
+    """
+    return _CHECKPOINTER.get_engine(args, rank_bytes, bytes_source)
 
 
 def current_engine() -> CheckpointEngine | None:
@@ -902,6 +933,15 @@ def _index(manifest: dict, tensor_index: Any) -> tuple[dict[str, tuple[str, str]
                                       f"and {name!r}")
             objects[sid] = name
     return tensors, objects
+
+
+def _rank_bytes(manifest: dict, checkpoint: str) -> tuple[int, str]:
+    """This rank's bytes in a committed checkpoint (``checkpoint_rank_bytes``), and whence, for ``get_engine``."""
+    world = torch.distributed.get_world_size()
+    same = manifest.get("world_size") == world
+    return (checkpoint_rank_bytes(manifest, torch.distributed.get_rank(), world),
+            f"its file in the loaded {checkpoint}" if same else
+            f"estimated from the loaded {checkpoint}, saved by {manifest.get('world_size')} ranks")
 
 
 def _reshard_source(ckpt: Any, saved: dict, current: dict) -> SavedShards | None:

@@ -120,15 +120,6 @@ def _new_checkpoint_dir(out: str, iteration: int) -> str:
 
 
 # ------------------------------------------------------------------------------ to torch_dist
-def _saved_pieces(committed: Any) -> Iterator[tuple[str, str, dict]]:
-    """(file, shard id, metadata) of every shard in the checkpoint."""
-    for name in sorted(committed.manifest["files"]):
-        skeleton = committed.reader(name).skeleton()
-        if isinstance(skeleton, dict) and skeleton.get("shards"):
-            for sid, meta in committed.reader(name).part("shards", "meta").items():
-                yield name, sid, meta
-
-
 def _sharded_tensor(key: str, data: torch.Tensor, meta: dict) -> Any:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -171,6 +162,8 @@ def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = N
     iteration = meta["iteration"]
     root = located.root
     common = committed.reader(ckpt_layout.file_of_rank(committed.manifest, 0)).part(ckpt_layout.COMMON)
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{committed.checkpoint}: rank 0's common state is not a dict")
     stored = [form for form in saved_forms(common.get("optimizer")) if not is_plain(form)]
     if stored:  # megatron-core's torch_dist optimizer formats hold unscaled fp32 state
         raise CheckpointError(f"{located.path}: its optimizer state is in the stored "
@@ -178,17 +171,18 @@ def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = N
                               "torch_dist optimizer formats do not hold; convert does not support it (the model "
                               "weights export with `megatron-ext export`)")
     layout = meta["layout"]
-    target = _new_checkpoint_dir(out, iteration)
-    shards = SavedShards(committed)
     optimizer = common.get("optimizer")
     sharding_type = sharding_type_of(optimizer)
     model_space = sharding_type == MODEL_SPACE
+    shards = SavedShards(committed)
+    shards.check()  # every shard's metadata and tensor, every key covered: before anything is written
+    target = _new_checkpoint_dir(out, iteration)
 
     def renamed(key: str) -> str:
         # fully_reshardable names the fp32 main copy "param" where the model-space format says "fp32_param".
         return PARAM + key[len(FP32_PARAM):] if model_space and key.startswith(FP32_PARAM) else key
 
-    pieces = list(_saved_pieces(committed))
+    pieces = shards.shard_meta()
     if progress is not None:
         progress.total_bytes = sum(_piece_bytes(piece) for _, _, piece in pieces)
         progress.total_files = len(committed.manifest["files"])
@@ -231,7 +225,7 @@ def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = N
         sharding_type = FULLY_RESHARDABLE
     rng_objects = []
     for name, entry in sorted(committed.manifest["files"].items()):
-        rank_layout = (entry.get("extra") or {}).get("layout")
+        rank_layout = ckpt_layout.rank_layout_of(entry, name)
         skeleton = committed.reader(name).skeleton()
         if rank_layout is None or not (isinstance(skeleton, dict) and ckpt_layout.RNG in skeleton):
             continue

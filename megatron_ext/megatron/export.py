@@ -29,7 +29,7 @@ from megatron_ext.engine import CheckpointError
 from megatron_ext.engine.commit import read_manifest
 from megatron_ext.engine.engine import CommittedCheckpoint
 from megatron_ext.megatron import hf_gpt2
-from megatron_ext.megatron.checkpoint_layout import META, checkpoint_dir, file_of_rank
+from megatron_ext.megatron.checkpoint_layout import checkpoint_dir, file_of_rank, read_run_meta
 from megatron_ext.megatron.safe_classes import megatron_classes
 from megatron_ext.megatron.shard_assembly import SavedShards
 
@@ -75,7 +75,7 @@ def saved_meta(committed: CommittedCheckpoint) -> dict:
     zero = file_of_rank(committed.manifest, 0)
     if zero is None:
         raise CheckpointError(f"{committed.checkpoint} has no file of rank 0")
-    return committed.reader(zero).part(META)
+    return read_run_meta(committed.reader(zero))
 
 
 def model_keys(shards: SavedShards) -> list[str]:

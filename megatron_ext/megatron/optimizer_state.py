@@ -62,6 +62,20 @@ Loading, on the torch-Adam path (no Transformer Engine or Apex, as on CPUs):
 Loading a precision-aware form writes every stored tensor and scale back as it was saved
 (``load_model_space_state_dict``), after megatron-core's ``load_state_dict`` has restored the
 param groups (which re-creates FusedAdam's state tensors).
+
+With ``--optimizer-cpu-offload`` the distributed optimizer's inner optimizer is megatron-core's
+``HybridDeviceOptimizer`` (HDO): its parameters are the bf16 shards of the model's parameters,
+and the fp32 masters and moments live in its sub-optimizers (a CPU one for the offloaded
+fraction, a device one for the rest), which step them in place and copy the masters back over
+the model's shards after every step. ``HDO.state`` is rebuilt from the sub-optimizers after each
+step and is only a view of them: a load that sets it (megatron-core's
+``_set_main_param_and_optimizer_states``) leaves the sub-optimizers' masters stale until
+``_sync_hdo_state_to_sub_optimizers`` copies them, which megatron-core's own loaders call and so
+does every load here (``_sync_hybrid``). The save reads the sub-optimizers' own tensors (the
+masters they step and their moments), so it never depends on that view being current. All of
+it is mutated inside ``HDO.step``, i.e. inside ``step_with_ready_grads``, where the lazy wait sits.
+The HDO's param groups carry its sub-optimizer classes; the sidecar stores their names, and a
+load puts the run's own classes back.
 """
 
 from __future__ import annotations
@@ -103,6 +117,38 @@ def _distributed(optimizer: Any) -> Iterator[Any]:
 
 def _is_distributed(opt: Any) -> bool:
     return hasattr(opt, "gbuf_ranges") and hasattr(opt, "_get_main_param_and_optimizer_states")
+
+
+def _hybrid(opt: Any) -> Any:
+    """The ``HybridDeviceOptimizer`` a distributed optimizer steps with (``--optimizer-cpu-offload``), else None."""
+    try:
+        from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+    except ImportError:  # a megatron-core without CPU offloading
+        return None
+    inner = getattr(opt, "optimizer", None)
+    return inner if isinstance(inner, HybridDeviceOptimizer) else None
+
+
+def _sub_states(hdo: Any) -> dict:
+    """Each HDO master (the tensor a sub-optimizer steps) -> that sub-optimizer's state of it."""
+    return {master: state for sub in hdo.sub_optimizers for master, state in sub.state.items()}
+
+
+def _sync_hybrid(opt: Any) -> None:
+    """After ``HDO.state`` was set by a load: the sub-optimizers take it, masters copied (megatron-core's loaders do)."""
+    hdo = _hybrid(opt)
+    if hdo is not None and hdo.state:
+        hdo._sync_hdo_state_to_sub_optimizers()
+
+
+def sync_hybrid(optimizer: Any) -> None:
+    """``_sync_hybrid`` for each distributed optimizer: after a load by megatron-core's own ``load_state_dict``.
+
+    Its ``dp_reshardable`` and ``dp_zero_gather_scatter`` readers set ``HDO.state`` without passing
+    it on to the sub-optimizers (its ``fully_reshardable`` one does; a second sync is harmless).
+    """
+    for opt in _distributed(optimizer):
+        _sync_hybrid(opt)
 
 
 def model_space_state_dict(optimizer: Any, model_sharded: dict, is_loading: bool = False) -> Any:
@@ -183,6 +229,9 @@ def _param_slices(opt: Any) -> Iterator[tuple[Any, slice]]:
 
 def _has_stepped(opt: Any) -> bool:
     """Whether the inner optimizer has state yet (not before its first step: fp16's skipped first steps)."""
+    hdo = _hybrid(opt)
+    if hdo is not None:
+        return any(len(s) for s in _sub_states(hdo).values())
     return any(len(s) for s in opt.optimizer.state.values())
 
 
@@ -193,7 +242,7 @@ def _holds_main_params(opt: Any) -> bool:
 
 def _is_hybrid(opt: Any) -> bool:
     """megatron-core's ``HybridDeviceOptimizer`` (``--optimizer-cpu-offload``): its own fp32 tensors on the host."""
-    return type(opt.optimizer).__name__ == "HybridDeviceOptimizer"
+    return _hybrid(opt) is not None
 
 
 def stored_form(opt: Any) -> dict:
@@ -263,38 +312,45 @@ def _stored(opt: Any, param: Any, key: str, tensor: Any) -> tuple[dict[str, torc
     raise CheckpointError(f"the optimizer keeps {key} as {tensor.dtype}, a stored form megatron_ext does not save")
 
 
-def _stored_tensors(opt: Any, model_param: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _stored_tensors(opt: Any, model_param: Any, sub_states: dict | None = None
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The optimizer's own stored tensors of this rank's slice of ``model_param`` (no copy), and their scales.
 
     Plain optimizers: megatron-core's fp32 main param and the inner optimizer's moments. With
     ``--use-precision-aware-optimizer`` the inner FusedAdam's state as it stores it (``_stored``);
-    before its first step it holds nothing (the main params are the model's own until then).
+    before its first step it holds nothing (the main params are the model's own until then). With
+    a ``HybridDeviceOptimizer`` the master its sub-optimizer steps and that sub-optimizer's moments
+    (``sub_states``: ``_sub_states``, computed here when not given).
     """
     group_index, group_order = opt.model_param_group_index_map[model_param]
     param = opt.optimizer.param_groups[group_index]["params"][group_order]
     slices: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
-    if _holds_main_params(opt):
+    hdo = _hybrid(opt)
+    if hdo is not None:
+        master = hdo.param_to_inner_param[param]
+        slices["fp32_param"] = master
+        state = (_sub_states(hdo) if sub_states is None else sub_states).get(master, {})
+    elif _holds_main_params(opt):
         if not _has_stepped(opt):
             return slices, scales
-        state = (opt._get_main_param_and_optimizer_states(model_param) if _is_hybrid(opt)  # its own tensors
-                 else opt.optimizer.state[param])
+        state = opt.optimizer.state[param]
     else:
         slices["fp32_param"] = param
         if not _has_stepped(opt):  # only the main param exists (reading the state would create empty entries)
             return slices, scales
         state = opt.optimizer.state[param]
     for key, tensor in state.items():
-        if key != "step":  # kept in param_groups (one count for all params)
+        if key not in ("step", "master_param") or (key == "master_param" and hdo is None):  # step: in param_groups
             more, more_scales = _stored(opt, param, key, tensor)
             slices.update(more)
             scales.update(more_scales)
     return slices, scales
 
 
-def _param_tensors(opt: Any, model_param: Any) -> dict[str, torch.Tensor]:
+def _param_tensors(opt: Any, model_param: Any, sub_states: dict | None = None) -> dict[str, torch.Tensor]:
     """The optimizer's own stored tensors of this rank's slice of ``model_param``, by shard name (no copy)."""
-    return _stored_tensors(opt, model_param)[0]
+    return _stored_tensors(opt, model_param, sub_states)[0]
 
 
 @contextlib.contextmanager
@@ -316,6 +372,30 @@ def _state_dict_without_copies(opt: Any) -> Iterator[None]:
         del inner.state_dict
 
 
+def with_class_names(state: dict) -> dict:
+    """``state`` with the classes its param groups hold (the HDO's sub-optimizer classes) as their names."""
+    optim = state.get("optimizer")
+    if not isinstance(optim, dict) or "param_groups" not in optim:
+        return state
+    groups = [{k: f"{v.__module__}.{v.__qualname__}" if isinstance(v, type) else v for k, v in group.items()}
+              for group in optim["param_groups"]]
+    return {**state, "optimizer": {**optim, "param_groups": groups}}
+
+
+def with_live_classes(opt: Any, state: dict) -> dict:
+    """Inverse of ``with_class_names``: the run's own classes (its optimizer's defaults) in the loaded groups.
+
+    The names in the checkpoint are never resolved; a class-valued setting is the run's own.
+    """
+    classes = {k: v for k, v in getattr(getattr(opt, "optimizer", None), "defaults", {}).items()
+               if isinstance(v, type)}
+    optim = state.get("optimizer")
+    if not classes or not isinstance(optim, dict) or "param_groups" not in optim:
+        return state
+    groups = [{**group, **{k: classes[k] for k in classes if k in group}} for group in optim["param_groups"]]
+    return {**state, "optimizer": {**optim, "param_groups": groups}}
+
+
 def _common_state(opt: Any) -> dict:
     """Param groups and grad scaler: the same on every rank.
 
@@ -324,13 +404,13 @@ def _common_state(opt: Any) -> dict:
     """
     if _has_stepped(opt):
         with _state_dict_without_copies(opt):
-            return opt.state_dict()
+            return with_class_names(opt.state_dict())
     groups = [{**{k: v for k, v in group.items() if k != "params"}, "step": 0}
               for group in opt.optimizer.state_dict()["param_groups"]]
     state: dict = {"optimizer": {"param_groups": groups}}
     if opt.grad_scaler:
         state["grad_scaler"] = opt.grad_scaler.state_dict()
-    return state
+    return with_class_names(state)
 
 
 def _model_space(opt: Any, by_param: dict) -> dict:
@@ -338,12 +418,14 @@ def _model_space(opt: Any, by_param: dict) -> dict:
     _refuse_fp8(form)
     state = _common_state(opt)
     param_state = {}
+    hdo = _hybrid(opt)
+    sub_states = _sub_states(hdo) if hdo is not None else None
     for model_param, flat in _param_slices(opt):
         boxes = by_param.get(model_param)
         if boxes is None or any(len(sharding.replica_tuple(box.shard.replica_id)) != 3 for box in boxes):
             raise ValueError(f"parameter of shape {tuple(model_param.shape)} has no (PP, TP, DP) ShardedTensor "
                              "in the model's sharded state dict")
-        slices, scales = _stored_tensors(opt, model_param)
+        slices, scales = _stored_tensors(opt, model_param, sub_states)
         entry: dict[str, Any] = {name: _slice_leaves(opt, boxes, name, tensor, flat) for name, tensor in slices.items()}
         first = boxes[0].shard
         replica_id = (*sharding.replica_tuple(first.replica_id)[:2], opt.distributed_optimizer_instance_id)
@@ -467,21 +549,75 @@ def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
         return
     for opt, opt_state in zip(optimizers, _saved_states(optimizers, state)):
         param_state = opt_state.get("param_state", {})
+        stepped = not opt_state.get(BEFORE_FIRST_STEP)
+        hdo = _hybrid(opt)
+        if hdo is not None and not hdo.state:
+            _seed_hybrid_state(hdo)
         # Param groups and grad scaler; with TE's FusedAdam this also re-creates its state tensors,
         # so the stored values are written below, into the tensors it keeps from now on.
-        opt.load_state_dict({k: v for k, v in opt_state.items() if k not in _OWN_KEYS})
-        stepped = not opt_state.get(BEFORE_FIRST_STEP)
+        opt.load_state_dict(with_live_classes(opt, {k: v for k, v in opt_state.items() if k not in _OWN_KEYS}))
+        if not stepped and hdo is not None:
+            _load_hybrid_before_first_step(opt, param_state)
+            continue
         for index, (model_param, _) in enumerate(_param_slices(opt)):
             loaded = {k: _joined(v) for k, v in param_state[index].items()}
-            slices, scales = _stored_tensors(opt, model_param)
+            slices, scales = _hybrid_load_targets(opt, model_param) if hdo is not None else \
+                _stored_tensors(opt, model_param)
             targets = {**slices, **{name + SCALE_SUFFIX: scale for name, scale in scales.items()}}
             with torch.no_grad():  # in fp32 the main params are the model's own (leaf) params
                 for name, tensor in targets.items():
                     if name in loaded and loaded[name] is not tensor:
                         tensor.copy_(loaded[name])
+        _sync_hybrid(opt)
         if not stepped:  # saved before the first step: so is this optimizer now (its next step starts the moments)
             opt.optimizer.state.clear()
     restore_adam_steps(optimizer)
+
+
+def _hybrid_load_targets(opt: Any, model_param: Any) -> tuple[dict[str, torch.Tensor], dict]:
+    """Where a load writes a ``HybridDeviceOptimizer``'s state: ``HDO.state``, as megatron-core's loaders do.
+
+    ``load_state_dict`` has just rebuilt ``HDO.state`` (copies of the state the sub-optimizers had
+    before); ``_sync_hybrid`` then hands it to the sub-optimizers and copies its masters into the
+    tensors they step. Writing the sub-optimizers' old tensors instead would be undone by that sync.
+    """
+    hdo = _hybrid(opt)
+    group_index, group_order = opt.model_param_group_index_map[model_param]
+    param = opt.optimizer.param_groups[group_index]["params"][group_order]
+    state = hdo.state.get(param, {})
+    targets = {"fp32_param": state.get("master_param", hdo.param_to_inner_param[param])}
+    targets.update({k: v for k, v in state.items() if k not in ("step", "master_param") and isinstance(v, torch.Tensor)})
+    return targets, {}
+
+
+def _seed_hybrid_state(hdo: Any) -> None:
+    """``HDO.state`` of masters only, for a load into an HDO that has not stepped (nor been allocated).
+
+    megatron-core's ``load_state_dict`` would otherwise first step it with random gradients
+    (``dummy_step``), whose copy-back hooks write the stepped masters over the model's shards,
+    loaded by then. Only a checkpoint saved before the first step is loaded this way (any other
+    load allocates the state before the weights are read, ``allocate_state``).
+    """
+    for group in hdo.param_groups:
+        for param in group["params"]:
+            hdo.state[param] = {"master_param": hdo.param_to_inner_param[param]}
+
+
+def _load_hybrid_before_first_step(opt: Any, param_state: dict) -> None:
+    """A ``HybridDeviceOptimizer`` saved before its first step: masters loaded, no state anywhere.
+
+    As one that has not stepped: its sub-optimizers and ``HDO.state`` are empty, and the masters
+    they will step hold the saved fp32 values.
+    """
+    from collections import defaultdict
+
+    hdo = _hybrid(opt)
+    for sub in hdo.sub_optimizers:
+        sub.state = defaultdict(dict)
+    hdo.state = defaultdict(dict)
+    with torch.no_grad():
+        for index, (model_param, _) in enumerate(_param_slices(opt)):
+            _param_tensors(opt, model_param)["fp32_param"].copy_(param_state[index]["fp32_param"])
 
 
 def ensure_state(optimizer: Any) -> None:
@@ -565,7 +701,9 @@ def restore_adam_steps(optimizer: Any) -> None:
             for param in group["params"]:
                 state = inner.state.get(param)
                 if state and "step" in state:
-                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+                    # On the device the optimizer keeps it (a fused or capturable Adam's is its param's).
+                    device = state["step"].device if isinstance(state["step"], torch.Tensor) else None
+                    state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32, device=device)
 
 
 def check_param_groups(optimizer: Any, saved: Any) -> None:
@@ -606,7 +744,8 @@ def load_fully_reshardable_state_dict(optimizer: Any, state: Any) -> None:
             opt.load_state_dict(opt_state)
             continue
         param_state = opt_state["param_state"]
-        opt.load_state_dict({k: v for k, v in opt_state.items() if k not in ("param_state", "param_state_sharding_type")})
+        opt.load_state_dict(with_live_classes(opt, {k: v for k, v in opt_state.items()
+                                                if k not in ("param_state", "param_state_sharding_type")}))
         scaled = getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
         local = dict(_param_slices(opt))
         index = 0
@@ -623,4 +762,5 @@ def load_fully_reshardable_state_dict(optimizer: Any, state: Any) -> None:
                                 if name != "step":
                                     tensor.copy_(sliced[name])
                 index += 1
+        _sync_hybrid(opt)
     restore_adam_steps(optimizer)

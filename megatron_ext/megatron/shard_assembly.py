@@ -25,18 +25,35 @@ Public API (stable; used by resharded loads and by the consolidated export)::
 
 Every method raises ``CheckpointError`` for an unknown key, a box outside the global shape, or a
 box the saved shards do not cover completely.
+
+The shard metadata is as untrusted as the rest of the checkpoint: every entry is validated when
+the index is built (a name for ``key``, whole numbers that fit an int64 for shapes and offsets,
+the box inside the global shape, a known dtype, a flat range inside its box), each saved tensor is
+held to its metadata (dtype, element count) before it is used, and a box is planned (its pieces
+checked, disjoint, covering it) before any memory is allocated for it: a global shape of
+10**12 elements with one small shard is an error, not an allocation. ``check()`` does all of it
+for every key without reading data (``verify``, ``convert``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Sequence
 
 import torch
 
 from megatron_ext.engine import CheckpointError
 from megatron_ext.engine.engine import CommittedCheckpoint
+from megatron_ext.engine.layout import INT64_MAX, TORCH_DTYPES, shape_elements
+from megatron_ext.engine.manifest import read_manifest
+from megatron_ext.engine.verify import Problem, problem_of
+from megatron_ext.megatron.checkpoint_layout import is_megatron_checkpoint
+
+#: The dtypes shard metadata may name (``str(dtype)`` without ``torch.``): a fixed table, no
+#: attribute of ``torch`` is looked up by a name from the checkpoint.
+SHARD_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in TORCH_DTYPES.values()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +65,12 @@ class _Piece:
     offset: tuple[int, ...]
     shape: tuple[int, ...]  # box shape in the global rank (prepended axes have size 1)
     flat: tuple[int, int] | None  # slice of the flattened box this piece holds; None = the whole box
+    where: str = ""  # the sidecar holding its metadata, for messages
+    sid: str = ""
+
+    @property
+    def elements(self) -> int:
+        return self.flat[1] - self.flat[0] if self.flat is not None else math.prod(self.shape)
 
 
 @dataclasses.dataclass
@@ -56,13 +79,61 @@ class _Key:
     dtype: torch.dtype
     dense: list[_Piece] = dataclasses.field(default_factory=list)
     flat: dict[tuple, list[_Piece]] = dataclasses.field(default_factory=dict)  # (offset, shape) -> pieces
+    sources: set[str] = dataclasses.field(default_factory=set)  # sidecars describing its shards
 
 
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointError(f"unknown dtype {name!r} in the shard metadata")
-    return dtype
+def _whole_numbers(value, what: str, where: str) -> tuple[int, ...]:
+    if type(value) not in (list, tuple) or not all(type(n) is int and 0 <= n <= INT64_MAX for n in value):
+        raise CheckpointError(f"{where}: {what} {str(value)[:80]} is not a list of whole numbers >= 0 that fit "
+                              "an int64")
+    return tuple(value)
+
+
+def check_shard_meta(meta, tensor: bool, where: str) -> dict:
+    """One shard's metadata (``sharding.shard_meta``) with every number bounded; ``where`` names the
+    sidecar and the shard. ``tensor``: a ShardedTensor's (else a ShardedObject's: key and placement)."""
+    if type(meta) is not dict or "key" not in meta:
+        raise CheckpointError(f"{where}: has no key (its metadata is {str(meta)[:80]})")
+    if type(meta["key"]) is not str or not meta["key"]:
+        raise CheckpointError(f"{where}: key {meta['key']!r} is not a name")
+    global_shape = _whole_numbers(meta.get("global_shape"), "global_shape", where)
+    offset = _whole_numbers(meta.get("global_offset"), "global_offset", where)
+    if len(offset) != len(global_shape):
+        raise CheckpointError(f"{where}: global_offset {list(offset)} does not match global_shape {list(global_shape)}")
+    if not tensor:
+        return {"key": meta["key"], "global_shape": list(global_shape), "global_offset": list(offset)}
+    dtype = meta.get("dtype")
+    if type(dtype) is not str or dtype not in SHARD_DTYPES:
+        raise CheckpointError(f"{where}: dtype {str(dtype)[:40]!r} is not one of {sorted(SHARD_DTYPES)}")
+    itemsize = SHARD_DTYPES[dtype].itemsize
+    local = _whole_numbers(meta.get("local_shape"), "local_shape", where)
+    prepend = meta.get("prepend_axis_num", 0)
+    if type(prepend) is not int or not 0 <= prepend <= len(global_shape):
+        raise CheckpointError(f"{where}: prepend_axis_num {prepend!r} is not in [0, {len(global_shape)}]")
+    box = (1,) * prepend + local
+    try:
+        shape_elements(list(global_shape), itemsize)
+        elements = shape_elements(list(box), itemsize)
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    if len(box) != len(global_shape) or any(o + n > g for o, n, g in zip(offset, box, global_shape)):
+        raise CheckpointError(f"{where}: its box at {list(offset)} of shape {list(box)} is outside the global shape "
+                              f"{list(global_shape)}")
+    flat = meta.get("flattened_range")
+    if flat is not None:
+        flat = _whole_numbers(flat, "flattened_range", where)
+        if len(flat) != 2 or not flat[0] <= flat[1] <= elements:
+            raise CheckpointError(f"{where}: flattened_range {list(flat)} is not a slice of its box's {elements} "
+                                  "elements")
+    fragments = meta.get("axis_fragmentations")
+    if fragments is not None:
+        fragments = _whole_numbers(fragments, "axis_fragmentations", where)
+        if 0 in fragments or len(fragments) > len(global_shape):
+            raise CheckpointError(f"{where}: axis_fragmentations {list(fragments)} do not fit global_shape "
+                                  f"{list(global_shape)}")
+    return dict(meta, global_shape=list(global_shape), global_offset=list(offset), local_shape=list(local),
+                prepend_axis_num=prepend, flattened_range=list(flat) if flat is not None else None,
+                axis_fragmentations=list(fragments) if fragments is not None else None)
 
 
 def _intersect(off_a: Sequence[int], shape_a: Sequence[int], off_b: Sequence[int],
@@ -77,6 +148,36 @@ def _intersect(off_a: Sequence[int], shape_a: Sequence[int], off_b: Sequence[int
 
 def _slices(offset: Sequence[int], shape: Sequence[int], origin: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(o - b, o - b + s) for o, s, b in zip(offset, shape, origin))
+
+
+def _rows(box_offset: Sequence[int], box_shape: Sequence[int], hit: tuple) -> tuple[int, int, int, int]:
+    """(axis, first row, rows, elements per row) of a flattened box that ``hit`` (offset, shape) needs."""
+    axis = _row_axis(box_shape)
+    return axis, hit[0][axis] - box_offset[axis], hit[1][axis], math.prod(box_shape[axis + 1:])
+
+
+def _covering(key: str, entry: "_Key", pieces: list[_Piece], start: int, stop: int) -> list[tuple[_Piece, int, int]]:
+    """``(piece, lo, hi)``: which flat piece of one saved box supplies its elements ``lo:hi``, in
+    order, together exactly ``start:stop``; a gap is an error."""
+    cursor, found = start, []
+    for piece in sorted(pieces, key=lambda p: p.flat):
+        begin, end = piece.flat
+        if end <= cursor or begin >= stop:
+            continue
+        if begin > cursor:
+            break
+        found.append((piece, cursor, min(end, stop)))
+        cursor = min(end, stop)
+    if cursor < stop:
+        raise CheckpointError(f"{_sources(entry)}: {key}: the saved slices of the box at {pieces[0].offset} do not "
+                              f"cover flat elements {cursor}:{stop}")
+    return found
+
+
+def _sources(entry: "_Key") -> str:
+    """The sidecars that describe a key's shards, for messages."""
+    names = sorted(entry.sources)
+    return ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
 
 
 def _row_axis(box: Sequence[int]) -> int:
@@ -95,35 +196,55 @@ class SavedShards:
     def __init__(self, committed: CommittedCheckpoint):
         self.committed = committed
         self._keys: dict[str, _Key] = {}
+        self._meta: list[tuple[str, str, dict]] = []  # (file, shard id, validated metadata), tensors and objects
+        self._checked: set[_Piece] = set()  # pieces whose saved tensor matches their metadata
         for file_name in sorted(committed.manifest["files"]):
-            skeleton = committed.reader(file_name).skeleton()
+            reader = committed.reader(file_name)
+            skeleton = reader.skeleton()
             shards = skeleton.get("shards") if isinstance(skeleton, dict) else None
             if not shards:
                 continue
-            meta = committed.reader(file_name).part("shards", "meta")
-            for sid, tensor_ref in shards.get("tensors", {}).items():
-                if sid not in meta:
-                    raise CheckpointError(f"{file_name}: shard {sid} has no metadata")
-                self._add(file_name, tensor_ref["$t"], sid, meta[sid])
+            tensors = shards.get("tensors", {}) if type(shards) is dict else None
+            meta = reader.part("shards", "meta")
+            if type(tensors) is not dict or type(meta) is not dict:
+                raise CheckpointError(f"{reader.state_path}: shards/tensors and shards/meta must be objects")
+            validated = {sid: check_shard_meta(entry, sid in tensors, f"{reader.state_path}: shard {sid!r}")
+                         for sid, entry in meta.items()}
+            self._meta += [(file_name, sid, m) for sid, m in validated.items()]
+            for sid, tensor_ref in tensors.items():
+                if sid not in validated:
+                    raise CheckpointError(f"{reader.state_path}: shard {sid!r} has no metadata")
+                if type(tensor_ref) is not dict or type(tensor_ref.get("$t")) is not str:
+                    raise CheckpointError(f"{reader.state_path}: shard {sid!r} is not a tensor reference")
+                self._add(file_name, tensor_ref["$t"], sid, validated[sid], reader.state_path)
 
-    def _add(self, file_name: str, tensor_name: str, sid: str, meta: dict) -> None:
+    def _add(self, file_name: str, tensor_name: str, sid: str, meta: dict, where: str) -> None:
         key = meta["key"]
         global_shape = tuple(meta["global_shape"])
-        dtype = _dtype(meta["dtype"])
+        dtype = SHARD_DTYPES[meta["dtype"]]
         entry = self._keys.setdefault(key, _Key(global_shape, dtype))
         if entry.global_shape != global_shape or entry.dtype != dtype:
-            raise CheckpointError(f"shard {sid}: global shape {global_shape} / {dtype} disagrees with other "
+            raise CheckpointError(f"{where}: shard {sid!r}: global shape {global_shape} / {dtype} disagrees with other "
                                   f"shards of {key} ({entry.global_shape} / {entry.dtype})")
-        shape = (1,) * meta.get("prepend_axis_num", 0) + tuple(meta["local_shape"])
+        shape = (1,) * meta["prepend_axis_num"] + tuple(meta["local_shape"])
         offset = tuple(meta["global_offset"])
-        if len(shape) != len(global_shape) or len(offset) != len(global_shape):
-            raise CheckpointError(f"shard {sid}: box {offset} + {shape} does not fit rank {len(global_shape)}")
-        flat = tuple(meta["flattened_range"]) if meta.get("flattened_range") is not None else None
-        piece = _Piece(file_name, tensor_name, offset, shape, flat)
+        flat = tuple(meta["flattened_range"]) if meta["flattened_range"] is not None else None
+        piece = _Piece(file_name, tensor_name, offset, shape, flat, where, sid)
+        entry.sources.add(where)
         if flat is None:
             entry.dense.append(piece)
         else:
             entry.flat.setdefault((offset, shape), []).append(piece)
+
+    def shard_meta(self) -> list[tuple[str, str, dict]]:
+        """(file, shard id, metadata) of every saved shard, tensors and objects, each validated."""
+        return list(self._meta)
+
+    def check(self) -> None:
+        """Without reading data: every key's global shape is exactly covered by its saved shards, each
+        saved tensor matching its metadata (what ``read_global`` would find, for ``verify``)."""
+        for key, entry in self._keys.items():
+            self._plan_box(key, entry, (0,) * len(entry.global_shape), entry.global_shape)
 
     # ------------------------------------------------------------------ description
     def keys(self) -> list[str]:
@@ -153,38 +274,76 @@ class SavedShards:
                 o < 0 or s < 0 or o + s > g for o, s, g in zip(offset, shape, entry.global_shape)):
             raise CheckpointError(f"{key}: box at {offset} of shape {shape} is outside the global shape "
                                   f"{entry.global_shape}")
+        plan = self._plan_box(key, entry, offset, shape)  # checked and covered before anything is allocated
         out = torch.empty(shape, dtype=entry.dtype)
-        if out.numel() == 0:
-            return out
-        covered = 0
+        for piece, pieces, hit in plan:
+            if piece is not None:
+                source = self._tensor(piece, math.prod(piece.shape)).view(piece.shape)
+                out[_slices(*hit, offset)] = source[_slices(*hit, piece.offset)]
+                continue
+            box_offset, box_shape = pieces[0].offset, pieces[0].shape
+            if not box_shape:  # a 0-dim tensor saved as a one-element flat piece
+                out[()] = self._flat_span(key, pieces, 0, 1)[0]
+                continue
+            axis, first, count, row = _rows(box_offset, box_shape, hit)
+            span = self._flat_span(key, pieces, first * row, (first + count) * row)
+            rows_shape = box_shape[:axis] + (count,) + box_shape[axis + 1:]
+            rows_origin = tuple(o + (first if i == axis else 0) for i, o in enumerate(box_offset))
+            out[_slices(*hit, offset)] = span.view(rows_shape)[_slices(*hit, rows_origin)]
+        return out
+
+    def _plan_box(self, key: str, entry: _Key, offset: tuple[int, ...], shape: tuple[int, ...]) -> list[tuple]:
+        """The saved pieces of ``key`` a box needs: ``(piece, None, hit)`` for a dense one, ``(None,
+        pieces, hit)`` for a flattened box; each saved tensor held to its metadata, the hits disjoint
+        and covering the box. Nothing is read or allocated here."""
+        plan: list[tuple] = []
         for piece in entry.dense:
             hit = _intersect(offset, shape, piece.offset, piece.shape)
-            if hit is None:
-                continue
-            source = self._tensor(piece, math.prod(piece.shape)).view(piece.shape)
-            out[_slices(*hit, offset)] = source[_slices(*hit, piece.offset)]
-            covered += math.prod(hit[1])
+            if hit is not None:
+                self._check_piece(key, entry, piece)
+                plan.append((piece, None, hit))
         for (box_offset, box_shape), pieces in entry.flat.items():
             hit = _intersect(offset, shape, box_offset, box_shape)
             if hit is None:
                 continue
-            if not box_shape:  # a 0-dim tensor saved as a one-element flat piece
-                out[()] = self._flat_span(key, pieces, 0, 1)[0]
-                covered += 1
-                continue
-            axis = _row_axis(box_shape)
-            first, count = hit[0][axis] - box_offset[axis], hit[1][axis]
-            row = math.prod(box_shape[axis + 1:])
-            span = self._flat_span(key, pieces, first * row, (first + count) * row)
-            rows_shape = box_shape[:axis] + (count,) + box_shape[axis + 1:]
-            rows_origin = tuple(o + (first if i == axis else 0) for i, o in enumerate(box_offset))
-            source = span.view(rows_shape)
-            out[_slices(*hit, offset)] = source[_slices(*hit, rows_origin)]
-            covered += math.prod(hit[1])
-        if covered != out.numel():
-            raise CheckpointError(f"{key}: the saved shards cover {covered} of the {out.numel()} elements of the "
-                                  f"box at {offset} of shape {shape}")
-        return out
+            if box_shape:
+                _, first, count, row = _rows(box_offset, box_shape, hit)
+                self._check_span(key, entry, pieces, first * row, (first + count) * row)
+            else:
+                self._check_span(key, entry, pieces, 0, 1)
+            plan.append((None, pieces, hit))
+        for i, (_, _, a) in enumerate(plan):
+            for _, _, b in plan[i + 1:]:
+                if _intersect(*a, *b) is not None:
+                    raise CheckpointError(f"{_sources(entry)}: {key}: saved shards overlap at {a[0]} and {b[0]}")
+        covered, wanted = sum(math.prod(hit[1]) for _, _, hit in plan), math.prod(shape)
+        if covered != wanted:
+            raise CheckpointError(f"{_sources(entry)}: {key}: the saved shards cover {covered} of the {wanted} elements "
+                                  f"of the box at {offset} of shape {shape} (global shape {entry.global_shape})")
+        return plan
+
+    def _check_piece(self, key: str, entry: _Key, piece: _Piece) -> None:
+        """The saved tensor is what the metadata says: its dtype and element count (from the tensor index)."""
+        if piece in self._checked:
+            return
+        meta = self.committed.entry(piece.file)["tensors"].get(piece.tensor)
+        if meta is None:
+            raise CheckpointError(f"{piece.where}: shard {piece.sid!r} refers to tensor {piece.tensor!r}, which "
+                                  f"{self.committed.manifest['files'][piece.file]['tensor_file']} lacks")
+        saved = TORCH_DTYPES[meta["dtype"]]
+        if saved != entry.dtype:
+            raise CheckpointError(f"{piece.where}: shard {piece.sid!r}: its tensor is saved as "
+                                  f"{str(saved).removeprefix('torch.')}, its metadata says "
+                                  f"{str(entry.dtype).removeprefix('torch.')}")
+        if math.prod(meta["shape"]) != piece.elements:
+            raise CheckpointError(f"{piece.where}: shard {piece.sid!r}: its tensor holds {math.prod(meta['shape'])} "
+                                  f"elements, its metadata describes {piece.elements}")
+        self._checked.add(piece)
+
+    def _check_span(self, key: str, entry: _Key, pieces: list[_Piece], start: int, stop: int) -> None:
+        """The flat pieces of one box cover its elements ``start:stop``, each matching its metadata."""
+        for piece, _, _ in _covering(key, entry, pieces, start, stop):
+            self._check_piece(key, entry, piece)
 
     def read_shard(self, key: str, global_offset: Sequence[int], local_shape: Sequence[int],
                    prepend_axis_num: int = 0, flattened_range: slice | Sequence[int] | None = None) -> torch.Tensor:
@@ -210,21 +369,11 @@ class SavedShards:
 
     def _flat_span(self, key: str, pieces: list[_Piece], start: int, stop: int) -> torch.Tensor:
         """Elements ``start:stop`` of a flattened saved box, joined from the pieces that overlap them."""
-        out = torch.empty(stop - start, dtype=self._keys[key].dtype)
-        cursor = start
-        for piece in sorted(pieces, key=lambda p: p.flat):
-            begin, end = piece.flat
-            if end <= cursor or begin >= stop:
-                continue
-            if begin > cursor:
-                break
-            source = self._tensor(piece, end - begin)
-            take_to = min(end, stop)
-            out[cursor - start:take_to - start] = source[cursor - begin:take_to - begin]
-            cursor = take_to
-        if cursor < stop:
-            raise CheckpointError(f"{key}: the saved slices of the box at {pieces[0].offset} do not cover "
-                                  f"flat elements {cursor}:{stop}")
+        entry = self._keys[key]
+        out = torch.empty(stop - start, dtype=entry.dtype)
+        for piece, lo, hi in _covering(key, entry, pieces, start, stop):
+            begin = piece.flat[0]
+            out[lo - start:hi - start] = self._tensor(piece, piece.elements)[lo - begin:hi - begin]
         return out
 
     def _tensor(self, piece: _Piece, numel: int) -> torch.Tensor:
@@ -235,4 +384,19 @@ class SavedShards:
         return tensor.reshape(-1) if piece.flat is not None else tensor
 
 
-__all__ = ["SavedShards"]
+def shard_problems(root: str, checkpoint: str) -> list[Problem]:
+    """``verify``'s part for a Megatron checkpoint (every file written by this adapter): what
+    ``export``, ``convert`` or a resharded load would refuse in its shard metadata, found without
+    reading tensor data. Run on a checkpoint the engine's checks passed."""
+    manifest = read_manifest(os.path.join(root, checkpoint))
+    if manifest is None or not is_megatron_checkpoint(manifest):
+        return []
+    committed = CommittedCheckpoint(os.path.abspath(root), None, checkpoint, manifest, verify=False)
+    try:
+        SavedShards(committed).check()
+    except CheckpointError as exc:
+        return [problem_of(root, checkpoint, exc)]
+    return []
+
+
+__all__ = ["SavedShards", "check_shard_meta", "shard_problems"]

@@ -8,7 +8,9 @@ it names the CUDA device or calls a CUDA-only API:
 * the mixed-precision optimizer checks ``param.type()`` against ``'torch.cuda.BFloat16Tensor'``
   and friends to decide which parameters get fp32 main copies;
 * the RNG tracker (``tensor_parallel.random``) saves and restores the CUDA generator;
-* the distributed optimizer reduce-scatters gradients, which gloo does not implement.
+* the distributed optimizer reduce-scatters gradients, which gloo does not implement;
+* the hybrid device optimizer (``--optimizer-cpu-offload``) pins its host copies and tells device
+  parameters from host ones with ``is_cuda`` (``as_device_tensors``).
 
 ``enable_cpu_emulation()`` answers each of these for CPU tensors; the device placement part is the
 product's ``megatron_ext.megatron.cpu_device`` (what ``megatron-ext convert`` needs on a CPU node),
@@ -18,6 +20,7 @@ the production path never sees it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -26,10 +29,14 @@ import torch.distributed as dist
 
 from megatron_ext.megatron.cpu_device import CudaToCpuMode, enable_cpu_device
 
-__all__ = ["enable_cpu_emulation", "is_cpu_emulation_enabled"]
+__all__ = ["as_device_tensors", "enable_cpu_emulation", "is_cpu_emulation_enabled"]
 
 _lock = threading.Lock()
 _enabled = False
+_IS_CUDA = torch._C.TensorBase.__dict__["is_cuda"]  # the getter a function mode sees for ``t.is_cuda``
+# The CPU tensors that stand for device tensors now, by id (held, so no other tensor takes an id).
+_device_tensors: dict[int, torch.Tensor] = {}
+_STAYS_ON_DEVICE = (torch.Tensor.detach, torch.Tensor.clone, torch.Tensor.float)  # of a device tensor: one too
 
 # What ``Tensor.type()`` answers for CPU tensors: the names megatron's optimizer compares against.
 _CUDA_TYPE_NAMES = {
@@ -40,14 +47,52 @@ _CUDA_TYPE_NAMES = {
 
 
 class _CudaTrainingMode(CudaToCpuMode):
-    """The CPU device mode, plus ``Tensor.type()`` answering the CUDA names the optimizer expects."""
+    """The CPU device mode, plus ``Tensor.type()`` answering the CUDA names the optimizer expects.
+
+    Pinned host memory needs an accelerator: on a CPU-only process ``pin_memory()`` is the tensor
+    itself and ``pin_memory=True`` allocates plain memory. ``is_cuda`` is true for the tensors
+    ``as_device_tensors`` names while it is active.
+    """
 
     def answer(self, func, args, kwargs):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = _CUDA_TYPE_NAMES.get(args[0].dtype)
             if name is not None:
                 return name
+        if _device_tensors and args and isinstance(args[0], torch.Tensor):
+            if getattr(func, "__self__", None) is _IS_CUDA:
+                return id(args[0]) in _device_tensors or func(*args)
+            if id(args[0]) in _device_tensors:
+                if func is torch.Tensor.cpu:  # a host tensor: not the device's any more
+                    return args[0].detach()
+                if func in _STAYS_ON_DEVICE:
+                    out = func(*args, **kwargs)
+                    _device_tensors[id(out)] = out
+                    return out
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False  # the caller's dict: the call then runs with plain memory
         return NotImplemented
+
+
+@contextlib.contextmanager
+def as_device_tensors(tensors):
+    """Within the block ``t.is_cuda`` is true for these CPU tensors (the emulated device's).
+
+    megatron-core's hybrid device optimizer (``--optimizer-cpu-offload``) decides which parameters
+    live on the device, and which it offloads to host copies, by ``is_cuda``; on CPU ranks the
+    model's parameters stand for the device's. As on a GPU, a ``detach``, ``clone`` or ``float``
+    of a device tensor made in the block is a device tensor too, and ``cpu()`` makes a host one.
+    Not reentrant; every tensor marked in the block is unmarked at its end.
+    """
+    with _lock:
+        _device_tensors.update((id(t), t) for t in tensors)
+    try:
+        yield
+    finally:
+        with _lock:
+            _device_tensors.clear()
 
 
 def _reduce_scatter_via_all_reduce(output, input, op=dist.ReduceOp.SUM, group=None,

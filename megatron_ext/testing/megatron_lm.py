@@ -24,7 +24,12 @@ What a CPU run of ``megatron/training`` needs beyond the megatron-core emulation
 * ``moe_utils.te_general_gemm`` defined as None (megatron-core tests the name without TE), and
   MoE's all-to-all split sizes handed over as lists (``_split_sizes_as_lists``);
 * megatron-core's ``fully_reshardable`` optimizer load made to work with torch's Adam
-  (``_torch_adam_loads_fully_reshardable``).
+  (``_torch_adam_loads_fully_reshardable``);
+* ``--optimizer-cpu-offload`` (``_hybrid_optimizer_on_cpu``): the optimizer's parameters count as
+  the device's when the hybrid device optimizer sorts them, so its sub-optimizers, host copies and
+  copy-back hooks are those of a GPU run; pinning is plain memory; and the precision-aware
+  optimizer's check of the Transformer Engine version answers "none" (megatron-core compares
+  ``None`` with a version there).
 
 Megatron-LM's interleaved schedule with overlapped p2p communication (required at PP = 2) is not
 deterministic over gloo here (a run without checkpoints differs from run to run, even NaN): the
@@ -253,6 +258,7 @@ def _patch_megatron_training() -> None:
     training.load_checkpoint = checkpointing.load_checkpoint = _native_loads_torch_adam(checkpointing.load_checkpoint)
     _split_sizes_as_lists()
     _torch_adam_loads_fully_reshardable()
+    _hybrid_optimizer_on_cpu()
 
 
 def _patch_megatron_any_device() -> None:
@@ -268,6 +274,31 @@ def _patch_megatron_any_device() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _hybrid_optimizer_on_cpu() -> None:
+    """``HybridDeviceOptimizer`` on CPU ranks, structured as on a GPU.
+
+    It offloads a fraction of the *device* parameters (``is_cuda``) to host copies stepped by a
+    CPU optimizer, the rest stepped in place by the "GPU" optimizer; on CPU ranks no parameter is a
+    device one, and it would offload none and then miss the copies it expects. While it sorts its
+    parameters they count as the device's (``cpu_emulation.as_device_tensors``); its copies do not.
+    """
+    from megatron.core import utils
+    from megatron.core.optimizer import optimizer_config
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+
+    from megatron_ext.testing.cpu_emulation import as_device_tensors
+
+    if utils.get_te_version() is None:  # no Transformer Engine: not "at least 2.1"
+        optimizer_config.is_te_min_version = lambda version, check_equality=True: False
+    inner = HybridDeviceOptimizer._get_sub_optimizer_param_groups
+
+    def sort_params(self, offload_fraction):
+        with as_device_tensors([p for group in self.param_groups for p in group["params"]]):
+            return inner(self, offload_fraction)
+
+    HybridDeviceOptimizer._get_sub_optimizer_param_groups = sort_params
 
 
 def _native_loads_torch_adam(load_checkpoint: Callable) -> Callable:

@@ -149,7 +149,7 @@ def test_holder_keeps_the_newest_committed_replica_and_offers_only_exact_copies(
         incoming = Path(store.begin())
         for entry in (manifests.get(checkpoint) or {"files": {}})["files"].values():
             for key in ("tensor_file", "state_file"):
-                (incoming / entry[key]).parent.mkdir(parents=True, exist_ok=True)
+                (incoming / entry[key]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # as _Sink does
                 shutil.copy(root / entry[key], incoming / entry[key])
         store.keep({"checkpoint": checkpoint, "version": version, "run_id": run_id, "files": []})
 

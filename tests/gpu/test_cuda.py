@@ -4,7 +4,8 @@ docs/ARCHITECTURE.md ("What no test here executes") lists them: ``CudaCopier`` (
 compute stream, private copy stream, ``.contiguous()`` temporaries kept until synchronised, the
 stream synchronised for an abandoned copy), the pinned host cache, pinned restore buffers and
 ``non_blocking`` host-to-GPU copies in ``fast_read``, ``read_into`` of GPU tensors through pinned
-slots, ``restore._wants_cuda``, and the NCCL branch of ``engine.agree_load_level``. The scenarios
+slots, ``restore._wants_cuda``, the NCCL branch of ``engine.agree_load_level``, and (two GPUs)
+the engine's threads bound to the rank's device rather than GPU 0 (``device.py``). The scenarios
 are shared with the CPU suite (``helpers.device_scenarios``).
 """
 
@@ -20,7 +21,7 @@ import torch
 
 from helpers import device_scenarios
 from megatron_ext.engine import fast_read, restore
-from megatron_ext.engine.copier import CudaCopier
+from megatron_ext.engine.copier import CudaCopier, CudaMark
 from megatron_ext.procs import torchrun_command
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,7 +39,8 @@ def test_engine_uses_the_cuda_copier_and_a_pinned_cache(tmp_path):
         assert engine.cache.pinned and engine.cache.view(0).is_pinned()
         x = torch.arange(1000.0, device="cuda")
         mark = engine.scheduler.copier.mark([x])
-        assert isinstance(mark, torch.cuda.Event)
+        assert isinstance(mark, CudaMark) and isinstance(mark.event, torch.cuda.Event)
+        assert mark.device == x.device.index == engine.device == torch.cuda.current_device()
         assert engine.scheduler.copier.mark([torch.zeros(3)]) is None  # host tensors need no event
 
 
@@ -106,7 +108,7 @@ def test_graph_safe_cuda_generators_round_trip_through_a_checkpoint(tmp_path):
     pytest.importorskip("megatron.core")
     from megatron.core import tensor_parallel
 
-    from megatron_ext.engine import CheckpointEngine
+    from helpers.states import through_a_checkpoint
     from megatron_ext.megatron import checkpoint_layout as layout
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -117,14 +119,79 @@ def test_graph_safe_cuda_generators_round_trip_through_a_checkpoint(tmp_path):
     try:
         captured = layout.capture_rng_state()
         expected = torch.rand(8, device="cuda", generator=generators["model-parallel-rng"])
-        engine = CheckpointEngine({"save_dir": str(tmp_path), "host_cache_size": 0.01})
-        engine.save({"rng": captured}, "ckpt", version=1)
-        engine.commit("ckpt")
-        engine.wait_persisted()
-        loaded = engine.load("ckpt")["rng"]
-        engine.shutdown()
+        loaded = through_a_checkpoint(tmp_path, {"rng": captured})["rng"]
         layout.restore_rng_state(loaded)
         assert tracker.get_states()["model-parallel-rng"] is generators["model-parallel-rng"]
         assert torch.equal(torch.rand(8, device="cuda", generator=generators["model-parallel-rng"]), expected)
     finally:
         tracker.set_states(kept)
+
+
+def _devices_seen(engine, seen: dict) -> None:
+    """Record ``torch.cuda.current_device()`` on the copy thread (each copy) and the checksum thread (each wait)."""
+    copier = engine.scheduler.copier
+    inner_copy, inner_ready = copier.copy, copier.chunk_ready
+
+    def copy(*args):
+        seen.setdefault("copy", set()).add(torch.cuda.current_device())
+        return inner_copy(*args)
+
+    def chunk_ready():
+        ready = inner_ready()
+
+        def wait():
+            seen.setdefault("writer", set()).add(torch.cuda.current_device())
+            ready()
+
+        return wait
+
+    copier.copy, copier.chunk_ready = copy, chunk_ready
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a device other than GPU 0 needs two GPUs")
+def test_engine_threads_work_on_the_ranks_device_not_gpu_0(tmp_path):
+    """A rank on GPU 1: the copy thread works on the saved tensors' device, the checksum thread on the
+    rank's, and the pinned cache is allocated there; none of them on GPU 0 (device.py)."""
+    torch.cuda.set_device(1)
+    try:
+        seen: dict = {}
+        with device_scenarios.engine(tmp_path / "a", host_cache_size=0.01) as engine:
+            assert engine.device == 1 and engine.scheduler.copier.device == 1
+            _devices_seen(engine, seen)
+            x = torch.arange(1 << 20, dtype=torch.float32, device="cuda:1")
+            engine.save_and_commit({"x": x}, "A", version=1)
+            engine.wait_snapshot()
+            engine.wait_persisted()
+            device_scenarios.assert_bits(engine.load("A")["x"], x.cpu(), "x")
+        assert seen == {"copy": {1}, "writer": {1}}
+        # Host tensors only: the copy thread binds to the rank's device (the one current at construction).
+        seen.clear()
+        with device_scenarios.engine(tmp_path / "b", host_cache_size=0.01) as engine:
+            _devices_seen(engine, seen)
+            engine.save_and_commit({"y": torch.arange(1000.0)}, "B", version=1)
+            engine.wait_persisted()
+        assert seen == {"copy": {1}, "writer": {1}}
+    finally:
+        torch.cuda.set_device(0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a device other than GPU 0 needs two GPUs")
+def test_restore_readers_copy_on_the_targets_device(tmp_path):
+    seen = set()
+
+    class Recording(fast_read.HostCache):
+        def view(self, slot):  # called by the reader right before its copy to the targets
+            seen.add(torch.cuda.current_device())
+            return super().view(slot)
+
+    state = {"w": torch.randn(3 * fast_read.READ_PIECE // 4 + 999)}
+    with device_scenarios.engine(tmp_path, host_cache_size=0.01) as e:
+        e.save_and_commit(state, "A", version=1)
+        e.wait_persisted()
+        reader = e.open_checkpoint("A").reader("rank00000")
+        targets = {"w": torch.zeros_like(state["w"], device="cuda:1")}
+        staging = Recording(4 * fast_read.READ_PIECE, fast_read.READ_PIECE, pin=True, device=1)
+        fast_read.stream_into(reader.tensor_path, reader.entry, targets, staging, threads=3)
+        staging.close()
+    assert seen == {1}
+    device_scenarios.assert_bits(targets["w"], state["w"], "w")

@@ -204,3 +204,39 @@ class Audit:
 
 def copy_checkpoint(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, symlinks=True)
+
+
+# ------------------------------------------------------------------------------- Megatron-shaped checkpoints
+#: The one sharded tensor of ``save_megatron_like``: its key, shard id and the tensor's name in the file.
+SHARD_KEY = "decoder.weight"
+SHARD_ID = f"{SHARD_KEY}@0,0"
+SHARD_TENSOR = f"shards/tensors/{SHARD_ID}"
+
+
+def megatron_like_state() -> dict:
+    """One rank's state in the Megatron layout (checkpoint_layout.rank_state): one (4, 6) shard,
+    the non-sharded ``common`` and rank 0's ``meta``, enough for ``export`` and ``convert`` to
+    reach the shards."""
+    import argparse
+
+    from megatron_ext.megatron import checkpoint_layout as layout
+
+    weight = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    meta = {"key": SHARD_KEY, "global_shape": [4, 6], "global_offset": [0, 0], "local_shape": [4, 6],
+            "dtype": "float32", "axis_fragmentations": [1, 1], "prepend_axis_num": 0}
+    parallel = {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "tp_rank": 0, "pp_rank": 0, "dp_rank": 0}
+    run = layout.run_meta(2, 0, None, argparse.Namespace(), parallel)
+    return layout.rank_state({"tensors": {SHARD_ID: weight}, "objects": {}, "meta": {SHARD_ID: meta}},
+                             common={}, meta=run)
+
+
+def save_megatron_like(root: Path) -> None:
+    """``iter_0000002`` in a Megatron save directory, written by the engine as the adapter writes it."""
+    from megatron_ext.megatron import checkpoint_layout as layout
+
+    with CheckpointEngine({"save_dir": str(root), **SMALL}, rank=0, world_size=1) as engine:
+        engine.save(megatron_like_state(), C2, layout.rank_file_name(0), version=2,
+                    extra=layout.rank_extra([], {"world_size": 1, "tp": 1, "pp": 1, "dp": 1,
+                                                 "tp_rank": 0, "pp_rank": 0, "dp_rank": 0}))
+        engine.commit(C2, on_committed=layout.tracker_writer(str(root), 2, 0))
+        engine.wait_persisted()

@@ -112,3 +112,17 @@ def rank_state(rank: int, part: str) -> dict:
         "half": torch.randn(33, generator=g).to(torch.bfloat16),
         "rank": rank, "part": part,
     }
+
+
+def through_a_checkpoint(directory: Path, state: Any) -> Any:
+    """``state`` saved, committed and loaded back by a fresh engine writing under ``directory``."""
+    from megatron_ext.engine import CheckpointEngine
+
+    engine = CheckpointEngine({"save_dir": str(directory), "host_cache_size": 0.01})
+    try:
+        engine.save(state, "ckpt", version=1)
+        engine.commit("ckpt")
+        engine.wait_persisted()
+        return engine.load("ckpt")
+    finally:
+        engine.shutdown()

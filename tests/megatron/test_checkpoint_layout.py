@@ -89,7 +89,7 @@ def test_graph_safe_tracker_generators_saved_as_states_and_restored_in_place(tmp
     """
     from megatron.core import tensor_parallel
 
-    from megatron_ext.engine import CheckpointEngine
+    from helpers.states import through_a_checkpoint
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
     saved_states = tracker.get_states()
@@ -100,12 +100,7 @@ def test_graph_safe_tracker_generators_saved_as_states_and_restored_in_place(tmp
         captured = layout.capture_rng_state()
         assert all(isinstance(v, torch.Tensor) for v in captured["tracker"].values())
         expected = {name: torch.rand(4, generator=g) for name, g in generators.items()}  # draws after the save
-        engine = CheckpointEngine({"save_dir": str(tmp_path), "host_cache_size": 0.01})
-        engine.save({"rng": captured}, "ckpt", version=1)
-        engine.commit("ckpt")
-        engine.wait_persisted()
-        loaded = engine.load("ckpt")["rng"]
-        engine.shutdown()
+        loaded = through_a_checkpoint(tmp_path, {"rng": captured})["rng"]
         layout.restore_rng_state(loaded)
         after = tracker.get_states()
         assert all(after[name] is generators[name] for name in generators)  # the same objects, set in place

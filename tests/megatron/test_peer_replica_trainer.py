@@ -42,7 +42,11 @@ def test_trainer_recovers_a_lost_node_from_peer_memory(tmp_path: Path):
         assert held == ["of-rank-00002", "of-rank-00003"], "node 0 did not hold the replicas one iteration later"
         shutil.rmtree(replica_dir / "node-00001")  # node 1's memory is gone
 
-        cmd = trainer_command(4, *COMMON, *flags, "--load", str(ckpt), "--log-json", str(tmp_path / "resumed.jsonl"))
+        # The restart sizes its host cache itself (auto): the run's engine reads (recovery from peers is
+        # its collective), so it is created before the load, sized from the manifest (an error otherwise).
+        resume_flags = [a if a != "0.02" else "auto" for a in flags]
+        cmd = trainer_command(4, *COMMON, *resume_flags, "--load", str(ckpt), "--log-json",
+                              str(tmp_path / "resumed.jsonl"))
         proc = subprocess.run(cmd, cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         assert proc.returncode == 0, proc.stderr[-8000:]
         for rank, holder in ((2, 0), (3, 1)):

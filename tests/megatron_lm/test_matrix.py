@@ -99,6 +99,11 @@ SCENARIOS = {
          "--moe-router-score-function", "sigmoid", "--moe-router-bias-update-rate", "0.1"],
         [Phase([], kill_at=4, late_copies=True), Phase([], late_copies=True)],
         same_tensors=["decoder.layers.mlp.router.expert_bias"]),
+    # megatron-core's hybrid device optimizer: half of the fp32 masters and moments in a CPU
+    # sub-optimizer (one per parameter with the overlap flag), stepped there and copied back.
+    "optimizer_cpu_offload": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--optimizer-cpu-offload",
+                                       "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "0.5",
+                                       "--overlap-cpu-optimizer-d2h-h2d"], KILL_RESUME),
 }
 
 
