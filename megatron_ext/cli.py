@@ -46,6 +46,41 @@ def _bench_engine(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _bench_python_loop(sub) -> None:
+    p = sub.add_parser("python-loop", help="a Python-bound training loop saving every iteration: this engine vs "
+                                           "DCP async_save (thread, DefaultStager, process), iteration time vs none")
+    p.add_argument("--size-gb", type=POSITIVE, default=0.25, help="state saved every iteration, in GB (default 0.25)")
+    p.add_argument("--work-s", type=POSITIVE, default=0.8,
+                   help="seconds of pure-Python work per iteration, calibrated once (default 0.8)")
+    p.add_argument("--iters", type=_number(int, 2), default=8, help="iterations per run (default 8)")
+    p.add_argument("--warmup", type=NONNEG_INT, default=2, help="first iterations of each run left out (default 2)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=2,
+                   help="rounds, each running every mode in a fresh process, order reversed every other round "
+                        "(default 2)")
+    p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
+                   help="none datastates dcp_async dcp_stager dcp_process (default: all)")
+    p.add_argument("--account", action="store_true",
+                   help="also the GIL account: the engine with one stage (copy, checksum, write, commit) off at a "
+                        "time, and each thread's CPU per iteration")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write the ratios as a bar chart")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+    def run(args) -> int:
+        from megatron_ext.bench import python_loop_bench
+
+        if args.modes is None:
+            args.modes = list(python_loop_bench.MODES)
+        unknown = sorted(set(args.modes) - set(python_loop_bench.MODES))
+        if unknown:
+            raise ValueError(f"unknown mode(s) {', '.join(unknown)}: choose among {' '.join(python_loop_bench.MODES)}")
+        if "none" not in args.modes:
+            args.modes = ["none", *args.modes]  # the ratios need the baseline
+        return python_loop_bench.main(args)
+
+    p.set_defaults(func=run)
+
+
 def _bench_restore(sub) -> None:
     p = sub.add_parser("restore", help="engine restore vs torch.load, DCP load and an O_DIRECT read (cold)")
     p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
@@ -456,6 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (figures are ratios against peers measured in the same run)")
     benches = bench.add_subparsers(dest="bench", required=True)
     _bench_engine(benches)
+    _bench_python_loop(benches)
     _bench_restore(benches)
     _bench_train(benches)
     _bench_deepspeed(benches)

@@ -7,7 +7,10 @@ specific part stays in ``CudaCopier`` alone:
   of the tensors' device, so the copies are ordered after every kernel that produced the tensors.
 * ``begin(mark)`` on the copy thread before a save's first copy: CUDA binds the thread to that
   device (``device.py``; else the rank's) and makes that device's copy stream wait for the event.
-* ``copy(tensor, lo, hi, dst)``: bytes [lo, hi) of the tensor's row-major layout into ``dst``.
+* ``copy(tensor, lo, hi, dst)``: bytes [lo, hi) of the tensor's row-major layout into ``dst``;
+  ``copy_many(parts)`` does a list of those (every part of a run of cache slots) at once: on CPU one
+  ``torch._foreach_copy_`` call, so the copy thread takes the GIL back once per run, not per tensor
+  (each time it does, a Python-bound training thread loses a round trip; docs/ARCHITECTURE.md).
 * ``chunk_ready()``: a callable the writer runs before reading the slot (CUDA: the event of the
   copies issued so far; CPU: nothing, copies are synchronous).
 
@@ -29,15 +32,20 @@ def _noop() -> None:
     return None
 
 
-def copy_elements(src: torch.Tensor, first: int, last: int, dst: torch.Tensor) -> None:
-    """Copy elements [first, last) of ``src`` in row-major order into the flat ``dst``.
+_foreach_copy = getattr(torch, "_foreach_copy_", None)
+
+
+def element_pairs(src: torch.Tensor, first: int, last: int, dst: torch.Tensor,
+                  out: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Append to ``out`` the (destination, source) views that copy elements [first, last) of ``src``,
+    in row-major order, into the flat ``dst``.
 
     Works for non-contiguous tensors without a temporary of the whole tensor: runs of whole rows
-    of dimension 0 are copied as one view, partial rows recurse into the row.
+    of dimension 0 are one pair, partial rows recurse into the row.
     """
     if src.is_contiguous() or src.dim() <= 1:
         if last > first:
-            dst.copy_(src.reshape(-1)[first:last], non_blocking=True)
+            out.append((dst, src.reshape(-1)[first:last]))
         return
     row = src[0].numel()
     pos = 0
@@ -46,24 +54,45 @@ def copy_elements(src: torch.Tensor, first: int, last: int, dst: torch.Tensor) -
         if offset == 0 and last - first >= row:
             rows = (last - first) // row
             n = rows * row
-            dst[pos:pos + n].view((rows,) + tuple(src.shape[1:])).copy_(src[r:r + rows], non_blocking=True)
+            out.append((dst[pos:pos + n].view((rows,) + tuple(src.shape[1:])), src[r:r + rows]))
         else:
             n = min(row - offset, last - first)
-            copy_elements(src[r], offset, offset + n, dst[pos:pos + n])
+            element_pairs(src[r], offset, offset + n, dst[pos:pos + n], out)
         pos += n
         first += n
 
 
-def copy_bytes(src: torch.Tensor, lo: int, hi: int, dst: torch.Tensor) -> None:
-    """Copy bytes [lo, hi) of ``src``'s row-major image into the uint8 tensor ``dst``."""
+def byte_pairs(src: torch.Tensor, lo: int, hi: int, dst: torch.Tensor,
+               out: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Append the (destination, source) views that copy bytes [lo, hi) of ``src``'s row-major image
+    into the uint8 tensor ``dst``."""
     if src.is_contiguous():
-        flat = src.reshape(-1).view(torch.uint8) if src.numel() else src.new_empty(0, dtype=torch.uint8)
-        dst.copy_(flat[lo:hi], non_blocking=True)
+        if hi > lo:
+            out.append((dst, src.reshape(-1).view(torch.uint8)[lo:hi]))
         return
     size = src.element_size()
     # The file layout keeps every tensor element-aligned within chunks (layout.py), so this holds.
     assert lo % size == 0 and hi % size == 0, "chunk boundary splits an element"
-    copy_elements(src, lo // size, hi // size, dst.view(src.dtype))
+    element_pairs(src, lo // size, hi // size, dst.view(src.dtype), out)
+
+
+def copy_elements(src: torch.Tensor, first: int, last: int, dst: torch.Tensor) -> None:
+    """Copy elements [first, last) of ``src`` in row-major order into the flat ``dst``."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    element_pairs(src, first, last, dst, pairs)
+    for d, s in pairs:
+        d.copy_(s, non_blocking=True)
+
+
+def copy_bytes(src: torch.Tensor, lo: int, hi: int, dst: torch.Tensor) -> None:
+    """Copy bytes [lo, hi) of ``src``'s row-major image into the uint8 tensor ``dst``."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    byte_pairs(src, lo, hi, dst, pairs)
+    for d, s in pairs:
+        d.copy_(s, non_blocking=True)
+
+
+Part = tuple[torch.Tensor, int, int, torch.Tensor]  # (tensor, lo, hi, destination bytes)
 
 
 class CpuCopier:
@@ -80,6 +109,19 @@ class CpuCopier:
 
     def copy(self, tensor: torch.Tensor, lo: int, hi: int, dst: torch.Tensor) -> None:
         copy_bytes(tensor, lo, hi, dst)
+
+    def copy_many(self, parts: list[Part]) -> None:
+        """Every part in one ``torch._foreach_copy_`` call: the GIL is released once for all of them."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for tensor, lo, hi, dst in parts:
+            byte_pairs(tensor, lo, hi, dst, pairs)
+        if not pairs:
+            return
+        if _foreach_copy is None:  # older torch: one call per part
+            for d, s in pairs:
+                d.copy_(s)
+            return
+        _foreach_copy([d for d, _ in pairs], [s for _, s in pairs])
 
     def chunk_ready(self) -> Callable[[], None]:
         return _noop
@@ -135,6 +177,12 @@ class CudaCopier(CpuCopier):
     def copy(self, tensor: torch.Tensor, lo: int, hi: int, dst: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):
             copy_bytes(tensor, lo, hi, dst)
+
+    def copy_many(self, parts: list[Part]) -> None:
+        # Each copy is queued on the copy stream (the GIL is held only to launch it).
+        with torch.cuda.stream(self.stream):
+            for tensor, lo, hi, dst in parts:
+                copy_bytes(tensor, lo, hi, dst)
 
     def chunk_ready(self) -> Callable[[], None]:
         event = torch.cuda.Event()

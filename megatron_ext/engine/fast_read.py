@@ -17,7 +17,8 @@ released during the system call) on a file descriptor of its own. Two ways to re
   (one aligned buffer, or resident staging slots that are then copied into the caller's tensors).
 
 Each tensor is checksummed on a second pool as soon as every piece it spans has arrived, so
-hashing overlaps reading (xxhash releases the GIL).
+hashing overlaps reading (xxhash's ``update`` releases the GIL above 64 KiB; its one-shot functions
+never do, so they are not used on tensors).
 
 GPU tensors cannot be read into: ``stream_into`` takes the pieces in file order through a few
 reused (pinned) staging slots instead of one host buffer the size of the file.
@@ -709,7 +710,11 @@ def _cancel(futures: list[cf.Future], timeout: float) -> None:
 
 
 def _digest(view: torch.Tensor) -> str:
-    return xxhash.xxh3_64_hexdigest(memoryview(view.numpy()))
+    # ``update`` releases the GIL above 64 KiB; the one-shot ``xxh3_64_hexdigest`` never does, which
+    # would serialise the hashing pool with the reading threads and the caller.
+    digest = xxhash.xxh3_64()
+    digest.update(memoryview(view.numpy()))
+    return digest.hexdigest()
 
 
 def to_device(tensors: dict[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:

@@ -65,6 +65,7 @@ class ChunkFile:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0)
         self.fd = os.open(path, flags, 0o644)
         self.size = 0
+        self.written_to = 0  # the file's size so far: it was created empty and only grows by writes
 
     def write_at(self, offset: int, data: memoryview) -> None:
         """Write all of ``data`` at ``offset`` (with O_DIRECT both must be 4 KiB aligned)."""
@@ -74,17 +75,20 @@ class ChunkFile:
             if n <= 0:
                 raise OSError(errno.EIO, f"short write to {self.path}")
             written += n
+        self.written_to = max(self.written_to, offset + written)
 
-    def close(self, size: int) -> None:
-        """Cut O_DIRECT padding, fsync data and size, close, and fsync the directory entry."""
+    def close(self, size: int, sync_dir: bool = True) -> None:
+        """Cut O_DIRECT padding, fsync data and size, close, and fsync the directory entry (unless the
+        caller fsyncs the directory itself, after more entries of it)."""
         try:
-            if os.fstat(self.fd).st_size != size:
+            if self.written_to != size:
                 os.ftruncate(self.fd, size)
             os.fsync(self.fd)
         finally:
             os.close(self.fd)
             self.fd = -1
-        fsync_dir(os.path.dirname(self.path))
+        if sync_dir:
+            fsync_dir(os.path.dirname(self.path))
 
     def abort(self) -> None:
         if self.fd >= 0:

@@ -1,7 +1,8 @@
 """Flushing: host cache to the first storage level, then (optionally) node-local to shared.
 
-``RankWriter`` is this rank's writer thread. It takes filled chunks in file order, checksums them
-(xxh3-64 per tensor and per file), writes them at their offsets with ``O_DIRECT`` where the
+``RankWriter`` is this rank's writer thread. It takes filled runs of chunks in file order, checksums
+them (xxh3-64 per tensor and per file: one ``update`` call per run and per tensor in it, which
+releases the GIL above 64 KiB), writes each run at its offset in one call with ``O_DIRECT`` where the
 directory allows it, frees the cache slot, and on a file's last chunk truncates the padding,
 fsyncs the file and its directory and writes the sidecar. The first level is the node-local
 directory when one is configured, else the shared one.
@@ -79,7 +80,7 @@ class RankWriter:
 
     def take_back(self, job: CheckpointJob) -> None:
         """Pull a skipped checkpoint's queued chunks out of the pipeline and free their slots now."""
-        slots = []
+        runs = []
         for q in (self._hash_queue, self._write_queue):
             with q.mutex:
                 mine = [c for c in q.queue if isinstance(c, Chunk) and c.file.job is job]
@@ -87,9 +88,9 @@ class RankWriter:
                     keep = [c for c in q.queue if not (isinstance(c, Chunk) and c.file.job is job)]
                     q.queue.clear()
                     q.queue.extend(keep)
-            slots += [c.slot for c in mine]
-        for slot in slots:
-            self.cache.release(slot)
+            runs += [(c.slot, c.count) for c in mine]
+        for slot, count in runs:
+            self.cache.release_run(slot, count)
 
     def stop(self, timeout: float) -> None:
         self._hash_queue.put(None)
@@ -112,12 +113,12 @@ class RankWriter:
                 if forward is None and not dropped:
                     chunk.file.flush_started = True
             if self._failed.is_set() or id(chunk.file) in self._failed_jobs or dropped:
-                self.cache.release(chunk.slot)  # keep freeing slots so nobody waits on a dead file
+                self.cache.release_run(chunk.slot, chunk.count)  # keep freeing slots: nobody waits on a dead file
                 continue
             try:
                 step(chunk)
             except BaseException as exc:
-                self.cache.release(chunk.slot)
+                self.cache.release_run(chunk.slot, chunk.count)
                 self._failed_jobs.add(id(chunk.file))
                 broken = self._files.pop(id(chunk.file), None)
                 if broken is not None:
@@ -191,10 +192,10 @@ class RankWriter:
         data = self.cache.memory(chunk.slot, round_up(chunk.nbytes) if f.direct else chunk.nbytes)
         faults.before_write(self.level, f.path, chunk.offset, chunk.nbytes)
         f.write_at(chunk.offset, data)
-        self.cache.release(chunk.slot)
+        self.cache.release_run(chunk.slot, chunk.count)
         if chunk.last:
             del self._files[key]
-            f.close(fjob.layout.size)
+            f.close(fjob.layout.size, sync_dir=False)  # one fsync of the directory below covers both files
             sidecar_path = os.path.join(self.ctx.directory(fjob, self.level), fjob.sidecar_rel)
             faults.before_write(self.level, sidecar_path, 0, len(fjob.sidecar))
             write_durable(sidecar_path, fjob.sidecar)

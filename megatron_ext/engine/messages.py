@@ -14,15 +14,17 @@ from .jobs import CheckpointJob, FileJob
 
 @dataclasses.dataclass(eq=False)
 class Chunk:
-    """A filled cache slot: bytes [offset, offset + nbytes) of ``file``'s tensor file."""
+    """Filled cache slots: bytes [offset, offset + nbytes) of ``file``'s tensor file, in ``count``
+    neighbouring slots from ``slot`` on (a run: one checksum call and one write for all of them)."""
 
     file: FileJob
-    index: int
+    index: int  # the file's chunk number of the first slot
     last: bool
     slot: int
     offset: int
     nbytes: int
     ready: Callable[[], None]  # blocks until the slot's bytes are really there (CUDA event)
+    count: int = 1
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,10 +1,13 @@
 """The snapshot scheduler: copies each saved file's bytes into host-cache slots, in order.
 
 One background thread takes ``FileJob``s first-in first-out, cuts each file's byte stream (header,
-then tensors) into chunks of the cache's slot size, waits for a free slot (backpressure), copies,
-and hands the filled slot to the flusher at once, so writing starts with the first chunk rather
-than after the whole snapshot. When a file's last chunk is copied its tensors are released and
-``snapshot_done`` is set; ``wait_snapshot`` waits on those events.
+then tensors) into chunks of the cache's slot size, waits for free slots (backpressure), copies,
+and hands the filled slots to the flusher at once, so writing starts with the first run rather
+than after the whole snapshot. It takes neighbouring free slots in runs (``run_slots``: half
+the cache, at most 1 GiB) and copies all of a run's tensor parts in one call, so the GIL is
+taken back once per run rather than once per tensor and chunk. When a file's last chunk is
+copied its tensors are released and ``snapshot_done`` is set; ``wait_snapshot`` waits on those
+events.
 
 Under ``overload_policy="supersede"`` a copy that finds the cache full first lets the engine drop
 older checkpoints whose flush has not started, and a copy whose checkpoint was skipped meanwhile
@@ -77,8 +80,9 @@ class SnapshotScheduler(QueueWorker):
         if fjob.job.abandoned:
             self.settled(fjob.job)
 
-    def _slot(self, fjob: FileJob) -> int:
-        """A free cache slot for ``fjob``'s next chunk; under "supersede", older pending checkpoints make room."""
+    def _slots(self, fjob: FileJob, most: int) -> tuple[int, int]:
+        """Free neighbouring cache slots for ``fjob``'s next chunks, ``(first, count)`` with 1 <= count <= most;
+        under "supersede", older pending checkpoints make room."""
         ckpt = fjob.job
         if ckpt.abandoned:
             raise _Abandoned()
@@ -95,7 +99,7 @@ class SnapshotScheduler(QueueWorker):
             self.progress.set()
 
         try:
-            return self.cache.acquire(self.ctx.timeout_s, check, starving)
+            return self.cache.acquire_run(most, self.ctx.timeout_s, check, starving)
         finally:
             self.starved = None
 
@@ -107,6 +111,7 @@ class SnapshotScheduler(QueueWorker):
         fjob.keepalive.clear()
 
     def _copy_file(self, fjob: FileJob) -> None:
+        """The file's chunks in runs of neighbouring slots: one batched copy and one writer item per run."""
         layout = fjob.layout
         chunk = self.cache.chunk_bytes
         self.copier.begin(fjob.cuda_mark)
@@ -116,27 +121,44 @@ class SnapshotScheduler(QueueWorker):
             if src is not s.tensor:
                 fjob.keepalive.append(src)
             sources.append(src)
-        seg = 0  # first tensor that may overlap the current chunk (tensors are in file order)
+        seg = 0  # first tensor that may overlap the current run (tensors are in file order)
         count = fjob.num_chunks(chunk)
-        for index in range(count):
+        most = run_slots(self.cache)
+        index = 0
+        while index < count:
+            slot, taken = self._slots(fjob, min(most, count - index))
             start = index * chunk
-            end = min(start + chunk, layout.size)
-            slot = self._slot(fjob)
-            dst = self.cache.view(slot)
+            end = min(start + taken * chunk, layout.size)
             if start < layout.data_start:
                 head = layout.header[start:min(end, layout.data_start)]
                 self.cache.memory(slot, len(head))[:] = head
+            dst = self.cache.run_view(slot, taken)
             while seg < len(layout.spans) and layout.spans[seg].end <= start:
                 seg += 1
+            parts = []
             k = seg
             while k < len(layout.spans) and layout.spans[k].start < end:
                 s = layout.spans[k]
                 lo, hi = max(s.start, start), min(s.end, end)
                 if hi > lo:
-                    self.copier.copy(sources[k], lo - s.start, hi - s.start, dst[lo - start:hi - start])
+                    parts.append((sources[k], lo - s.start, hi - s.start, dst[lo - start:hi - start]))
                 k += 1
-            self.writer.submit(Chunk(fjob, index, index == count - 1, slot, start, end - start, self.copier.chunk_ready()))
+            self.copier.copy_many(parts)
+            index += taken
+            self.writer.submit(Chunk(fjob, index - taken, index == count, slot, start, end - start,
+                                     self.copier.chunk_ready(), taken))
         self.copier.finish()
         self._release(fjob)
         fjob.snapshot_at = time.monotonic()
         fjob.snapshot_done.set()
+
+
+#: A run of slots is at most this many bytes: enough that a 16 GB cache takes a few calls per
+#: checkpoint, small enough that copy, checksum and write of consecutive runs still overlap.
+MAX_RUN_BYTES = 1 << 30
+
+
+def run_slots(cache: HostCache) -> int:
+    """How many slots one run may take: half the cache (so the copy of one run overlaps the checksum and
+    write of the other), at most ``MAX_RUN_BYTES``, at least one slot."""
+    return max(1, min(cache.num_slots // 2, MAX_RUN_BYTES // cache.chunk_bytes))

@@ -15,7 +15,9 @@ KEYS = {"state_bytes", "rss_with_state_bytes", "device", "memcpy_gbps", "d2h_gbp
         "datastates_save_call_s", "datastates_blocking_s", "datastates_snapshot_s", "datastates_compute_s",
         "datastates_compute_steps", "datastates_persisted_s", "datastates_flush_s", "datastates_flush_gbps",
         "peak_rss_bytes", "direct_write_gbps_before", "direct_write_gbps_after", "direct_write_gbps", "torch_save_s",
-        "dcp_async_blocking_s", "dcp_async_done_s", "ratio_blocking_vs_dcp", "ratio_flush_vs_direct",
+        "dcp_async_blocking_s", "dcp_async_done_s", "dcp_stager_blocking_s", "dcp_stager_call_s",
+        "dcp_stager_staged_s", "dcp_stager_done_s", "ratio_blocking_vs_dcp", "ratio_blocking_vs_dcp_stager",
+        "ratio_flush_vs_direct",
         "ratio_rss_vs_state_plus_cache", "workdir"}
 
 

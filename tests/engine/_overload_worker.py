@@ -28,11 +28,11 @@ def main() -> None:
     if len(sys.argv) > 5:
         cfg["max_durable_age"] = int(sys.argv[5])
     engine = CheckpointEngine(cfg)
-    delay = 0.006 * (1 + rank)
+    delay = 0.006 * (1 + rank)  # per 4 KiB chunk written (a write may cover a run of chunks)
 
     def slow_storage(level, path, offset, nbytes):
         if path.endswith(".safetensors"):
-            time.sleep(delay)
+            time.sleep(delay * -(-nbytes // 4096))
 
     faults.arm(slow_storage)
     state = step_state(rank, 0)

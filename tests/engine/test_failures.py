@@ -35,7 +35,8 @@ def test_sigkill_in_the_middle_of_a_flush_keeps_previous_checkpoint(tmp_path):
     run_worker(LIFECYCLE, "killed-mid-flush", str(root), check_rc=-9)
     assert committed_names(root) == ["A"]
     partial = [p for p in (root / "B").iterdir() if p.name.endswith(".safetensors")]
-    assert len(partial) == 1 and partial[0].stat().st_size <= 2 * 4096  # killed before chunk 3 landed
+    # Killed after B's first run of chunks landed, long before its ~800 KB were written.
+    assert len(partial) == 1 and 0 < partial[0].stat().st_size <= 200_000
     with CheckpointEngine({"save_dir": str(root), **TINY, **FAST}) as engine:
         assert engine.latest() == "A"
         assert_same(engine.load("A"), _state(1))
