@@ -160,7 +160,6 @@ def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = N
     committed = open_committed(located.root, located.name, located.manifest)
     meta = saved_meta(committed)
     iteration = meta["iteration"]
-    root = located.root
     common = committed.reader(ckpt_layout.file_of_rank(committed.manifest, 0)).part(ckpt_layout.COMMON)
     if not isinstance(common, dict):
         raise CheckpointError(f"{committed.checkpoint}: rank 0's common state is not a dict")
