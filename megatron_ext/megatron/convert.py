@@ -134,6 +134,13 @@ def _datastates_source(source: Any, iteration: int | None, checkpoint: str | Non
 
     located = source if isinstance(source, locate.Located) else locate.resolve(source, iteration, checkpoint)
     if located.kind != locate.MEGATRON:
+        from megatron_ext.engine.verify import verify_checkpoint
+
+        # Damage first, as every tool reports it (reports, sizes, headers; no checksums): a damaged
+        # checkpoint is named as such, whatever its kind.
+        problems = verify_checkpoint(located.root, located.name, deep=False)
+        if problems:
+            raise CheckpointError(f"{located.root}/{problems[0]}")
         hint = ("`megatron-ext export` gives its consolidated weights" if located.kind == locate.DEEPSPEED else
                 "only checkpoints saved by the Megatron adapter (--use-datastates) have a torch_dist form")
         raise CheckpointError(f"{located.path} is {locate.describe_kind(located.kind)}, not one the Megatron adapter "
@@ -259,13 +266,13 @@ def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = N
 def _piece_bytes(piece: dict) -> int:
     if "local_shape" not in piece:
         return 0
-    from megatron_ext.megatron.shard_assembly import _dtype
+    from megatron_ext.megatron.shard_assembly import SHARD_DTYPES
 
     numel = math.prod(piece["local_shape"])
     if piece.get("flattened_range") is not None:
         start, stop = piece["flattened_range"]
         numel = stop - start
-    return numel * torch.empty((), dtype=_dtype(piece["dtype"])).element_size()
+    return numel * SHARD_DTYPES[piece["dtype"]].itemsize  # validated by SavedShards
 
 
 # ------------------------------------------------------------------------------ from torch_dist
