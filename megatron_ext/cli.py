@@ -295,41 +295,46 @@ def _main_job(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _one_checkpoint(path: str) -> tuple[str, str | None]:
-    """(root, checkpoint): a checkpoint's own directory (it holds a manifest or rank reports) is
-    taken as that one checkpoint of its parent; any other directory as a root of checkpoints."""
-    import os
+def _which(p: argparse.ArgumentParser, what: str) -> None:
+    """DIR plus --iteration / --checkpoint, as every checkpoint tool takes them (``megatron_ext.locate``)."""
+    p.add_argument("dir", help="a checkpoint root (Megatron's --save, DeepSpeed's save_dir, an engine's save_dir), "
+                               "or one checkpoint's own directory (iter_*, global_step*, ...)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--iteration", type=NONNEG_INT,
+                       help=f"{what} iter_NNNNNNN or global_stepN under DIR (else the checkpoint of that version)")
+    which.add_argument("--checkpoint", metavar="NAME", help=f"{what} the checkpoint directory NAME under DIR")
 
-    from megatron_ext.engine.commit import REPORTS
-    from megatron_ext.engine.manifest import MANIFEST
 
-    path = os.path.normpath(path)
-    if os.path.lexists(os.path.join(path, MANIFEST)) or os.path.isdir(os.path.join(path, REPORTS)):
-        return os.path.dirname(os.path.abspath(path)), os.path.basename(os.path.abspath(path))
-    return path, None
+def _print_json(value) -> None:
+    import json
+
+    print(json.dumps(value, indent=1, default=str))
 
 
 def _verify(sub) -> None:
     p = sub.add_parser("verify", help="check manifests, headers, sizes and checksums of committed checkpoints")
-    p.add_argument("dir", help="checkpoint root (e.g. Megatron's --save directory) or one checkpoint's directory")
-    which = p.add_mutually_exclusive_group()
-    which.add_argument("--iteration", type=NONNEG_INT, help="only iter_NNNNNNN (Megatron layout)")
-    which.add_argument("--checkpoint", help="only this checkpoint id (directory name)")
+    _which(p, "only")
     p.add_argument("--quick", action="store_true", help="sizes and headers only, no checksums")
+    p.add_argument("--json", action="store_true", help="print one JSON object: checked, problems, ok")
 
     def run(args) -> int:
-        from megatron_ext.engine.verify import verify_root
-        from megatron_ext.megatron.checkpoint_layout import checkpoint_name
-
-        name = checkpoint_name(args.iteration) if args.iteration is not None else args.checkpoint
-        root = args.dir
-        if name is None:
-            root, name = _one_checkpoint(args.dir)
-        checked, problems = verify_root(root, name, deep=not args.quick)
+        from megatron_ext import locate
+        from megatron_ext.engine.verify import checkpoint_bytes, checkpoints_under, verify_root
         from megatron_ext.megatron.shard_assembly import shard_problems
+        from megatron_ext.progress import Progress
 
+        root, name = locate.resolve_many(args.dir, args.iteration, args.checkpoint)
+        names = [name] if name is not None else checkpoints_under(root)
+        sizes = [checkpoint_bytes(root, n) for n in names]
+        with Progress("verify", sum(b for b, _ in sizes), sum(f for _, f in sizes), quiet=args.quiet) as progress:
+            checked, problems = verify_root(root, name, deep=not args.quick, progress=progress.update)
         intact = [c for c in checked if all(p.checkpoint != c for p in problems)]
         problems += [p for c in intact for p in shard_problems(root, c)]  # what export and convert would refuse
+        ok = bool(checked) and not problems
+        if args.json:
+            _print_json({"root": root, "checked": checked, "ok": ok, "problems": [
+                {"checkpoint": p.checkpoint, "path": p.path, "what": p.what} for p in problems]})
+            return 0 if ok else 1
         for problem in problems:
             print(f"BAD  {problem}")
         if not checked:
@@ -345,87 +350,160 @@ def _verify(sub) -> None:
 
 
 def _inspect(sub) -> None:
-    p = sub.add_parser("inspect", help="list the checkpoints under a directory: committed or not, levels, ranks, sizes")
-    p.add_argument("dir", help="checkpoint root, or one checkpoint's directory")
+    p = sub.add_parser("inspect", help="list the checkpoints under a directory: committed or not, kind, levels, "
+                                       "ranks, sizes")
+    _which(p, "only")
     p.add_argument("--local-dir", default=None, help="node-local level to report on as well")
     p.add_argument("--json", action="store_true")
 
     def run(args) -> int:
-        import json
+        import os
 
+        from megatron_ext import locate
         from megatron_ext.engine.inspect import describe, format_rows
+        from megatron_ext.progress import Progress
 
-        root, only = _one_checkpoint(args.dir)
-        rows = describe(root, args.local_dir, only)
-        print(json.dumps(rows, indent=1) if args.json else format_rows(rows))
+        root, only = locate.resolve_many(args.dir, args.iteration, args.checkpoint)
+        total = 1 if only is not None else len(os.listdir(root)) if os.path.isdir(root) else 0
+        with Progress("inspect", None, total, quiet=args.quiet or total <= 8) as progress:
+            rows = describe(root, args.local_dir, only, classify=locate.kind_of, progress=progress.update)
+        if args.json:
+            _print_json(rows)
+        else:
+            print(format_rows(rows))
         return 0
 
     p.set_defaults(func=run)
 
 
 def _export(sub) -> None:
-    p = sub.add_parser("export", help="a committed checkpoint's model weights as consolidated safetensors files + index")
-    p.add_argument("dir", help="checkpoint root (Megatron's --save directory)")
-    p.add_argument("--iteration", type=NONNEG_INT, required=True)
+    p = sub.add_parser("export", help="a committed checkpoint's model weights as consolidated safetensors files + "
+                                      "index (Megatron-LM, DeepSpeed ZeRO 0-3, engine API checkpoints)")
+    _which(p, "export")
     p.add_argument("--to", choices=["safetensors"], required=True, help="output format")
     p.add_argument("out", help="new (or empty) output directory")
-    p.add_argument("--max-shard-size", default="5GB", help="largest output file (default 5GB; 500MB, 2GiB, ...)")
-    p.add_argument("--dtype", choices=["keep", "fp32", "bf16"], default="keep")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output file, with its unit (default 5GB; "
+                                                           "500MB, 2GiB, ...)")
+    p.add_argument("--dtype", choices=["keep", "fp32", "bf16"], default="keep",
+                   help="keep: as the model held them (DeepSpeed: the fp32 master weights); fp32/bf16: cast")
     p.add_argument("--names", choices=["megatron", "hf"], default="megatron",
                    help="megatron-core's keys, or Hugging Face GPT-2 names + config.json (standard GPT only)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
     def run(args) -> int:
-        import json
+        from megatron_ext import locate
+        from megatron_ext.megatron.export import export_safetensors, parse_size
+        from megatron_ext.progress import Progress
 
-        from megatron_ext.megatron.export import export_safetensors
-
-        summary = export_safetensors(args.dir, args.iteration, args.out, args.max_shard_size, args.dtype, args.names)
-        print(json.dumps(summary))
+        parse_size(args.max_shard_size)  # a bad size is refused before anything is read
+        located = locate.resolve(args.dir, args.iteration, args.checkpoint)
+        with Progress("export", quiet=args.quiet) as progress:
+            summary = export_safetensors(located, out=args.out, max_shard_size=args.max_shard_size,
+                                         dtype=args.dtype, names=args.names, progress=progress)
+        if args.json:
+            _print_json(summary)
+            return 0
+        print(f"exported {summary['tensors']} tensors ({summary['total_size'] / 1e9:.3f} GB) of {located.kind} "
+              f"checkpoint {located.path} into {summary['files']} file(s) in {args.out}")
+        if summary.get("weights"):
+            print(f"  weights: {summary['weights']}")
+        if summary.get("note"):
+            print(f"  note: {summary['note']}")
         return 0
 
     p.set_defaults(func=run)
 
 
 def _convert(sub) -> None:
-    p = sub.add_parser("convert", help="datastates checkpoint <-> megatron-core torch_dist (Megatron's layout both ways)")
-    p.add_argument("dir", help="checkpoint root: a datastates save directory, or a torch_dist one with --to datastates")
-    p.add_argument("--iteration", type=NONNEG_INT, help="iteration to convert (to torch_dist; from torch_dist: the tracker's)")
+    p = sub.add_parser("convert", help="Megatron checkpoints: datastates <-> megatron-core torch_dist, both ways")
+    p.add_argument("dir", help="--to torch_dist: a datastates save directory or one iter_* of it; --to datastates: "
+                               "a torch_dist save directory or one iter_* of it")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--iteration", type=NONNEG_INT,
+                       help="iteration to convert (default: the newest committed / the tracker's)")
+    which.add_argument("--checkpoint", metavar="NAME", help="the checkpoint directory NAME under DIR")
     p.add_argument("--to", choices=["torch_dist", "datastates"], required=True)
     p.add_argument("out", help="output save directory (gets iter_NNNNNNN/ and the tracker file)")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
     def run(args) -> int:
-        import json
-
         from megatron_ext.megatron import convert
+        from megatron_ext.progress import Progress
 
-        if args.to == "torch_dist":
-            if args.iteration is None:
-                raise ValueError("convert --to torch_dist needs --iteration N")
-            summary = convert.to_torch_dist(args.dir, args.iteration, args.out)
-        else:
-            summary = convert.from_torch_dist(args.dir, args.out, args.iteration)
-        print(json.dumps(summary))
+        with Progress(f"convert to {args.to}", quiet=args.quiet) as progress:
+            if args.to == "torch_dist":
+                summary = convert.to_torch_dist(args.dir, args.iteration, args.out, checkpoint=args.checkpoint,
+                                                progress=progress)
+            else:
+                summary = convert.from_torch_dist(args.dir, args.out, args.iteration, checkpoint=args.checkpoint,
+                                                  progress=progress)
+        if args.json:
+            _print_json(summary)
+            return 0
+        print(f"converted {summary['source']} to {args.to}: {summary['out']} (iteration {summary['iteration']}, "
+              f"optimizer {summary.get('optimizer_format') or 'none'})")
         return 0
 
     p.set_defaults(func=run)
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage mistakes are one line on stderr (exit 2), like every other bad input."""
+    """Usage mistakes are one line on stderr (exit 2), like every other bad input.
+
+    A mistyped option is named as such: argparse reports missing required arguments before
+    unknown ones, so ``export DIR --iteraton 2 ...`` would otherwise say "--to is required" or
+    the like instead of naming ``--iteraton``.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._seen_args = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def _unknown_options(self) -> list[str]:
+        unknown = []
+        for arg in getattr(self, "_seen_args", []):
+            if arg == "--":
+                break
+            if not arg.startswith("-") or arg == "-" or _is_number(arg):
+                continue
+            option = arg.split("=", 1)[0]
+            if option not in self._option_string_actions and not (
+                    option.startswith("--") and any(o.startswith(option) for o in self._option_string_actions)):
+                unknown.append(option)
+        return unknown
 
     def error(self, message: str):
+        if message.startswith("the following arguments are required"):
+            unknown = self._unknown_options()
+            if unknown:
+                message = f"unrecognized arguments: {' '.join(unknown)}"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _quiet(p: argparse.ArgumentParser) -> None:
+    """``-q`` after the command too (the top-level one sets the default)."""
+    p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
+                   help="no progress on stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="megatron-ext", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log every checkpoint")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress on stderr (verify, inspect, export, convert)")
     sub = parser.add_subparsers(dest="command", required=True)
     _main_job(sub)
-    _verify(sub)
-    _inspect(sub)
-    _export(sub)
-    _convert(sub)
+    for tool in (_verify, _inspect, _export, _convert):
+        tool(sub)
+        _quiet(sub.choices[next(reversed(sub.choices))])
     _demo(sub)
     _telemetry(sub)
     bench = sub.add_parser("bench", help="benchmarks (figures are ratios against peers measured in the same run)")

@@ -34,6 +34,7 @@ import atexit
 import json
 import logging
 import os
+import re
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -104,6 +105,7 @@ class DeepSpeedDataStatesEngine:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = rank
         self.engine = CheckpointEngine(config, rank=rank, world_size=world)
+        self._telemetry_default = config.telemetry_path is None and config.save_dir is None
         self._uncommitted: list[tuple[str, str]] = []  # (root, tag) saved here, commit not yet asked
         self._armed = False  # whether a save happened, so the step hook has something to do
         # With ZeRO every rank saves its optimizer partition, so no rank needs to learn tags from others.
@@ -116,14 +118,18 @@ class DeepSpeedDataStatesEngine:
     # -- the four calls DeepSpeed makes -------------------------------------------------------
     def save(self, state_dict: Any, path: str) -> None:
         root, tag, name = _split(path)
+        self._telemetry_under(root)
         if (root, tag) not in self._uncommitted:
             self._uncommitted.append((root, tag))
         self._armed = True
-        self.engine.save(state_dict, tag, name, root=root)
+        step = re.fullmatch(r"global_step(\d+)", tag)  # DeepSpeed's default tags: the version is the step
+        self.engine.save(state_dict, tag, name, root=root, version=int(step.group(1)) if step else None)
         os.makedirs(os.path.join(root, tag), exist_ok=True)
         with open(os.path.join(root, tag, name), "w", encoding="utf-8") as f:  # tiny; no fsync needed
             json.dump({"format": POINTER_FORMAT, "checkpoint": tag, "name": name,
-                       "note": "data: see manifest.json in this directory"}, f)
+                       "note": "data: see manifest.json in this directory. DeepSpeed's zero_to_fp32.py cannot read "
+                               "these files; for consolidated weights run: megatron-ext export "
+                               f"{os.path.join(root, tag)} --to safetensors OUT"}, f)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         root, tag, name = _split(path)
@@ -154,6 +160,14 @@ class DeepSpeedDataStatesEngine:
             self.engine.wait_persisted()
 
     # -- helpers ------------------------------------------------------------------------------
+    def _telemetry_under(self, root: str) -> None:
+        """Without ``telemetry_path`` the engine writes telemetry under the first save directory, as it
+        does under ``save_dir`` elsewhere (DeepSpeed names the directory only at ``save_checkpoint``)."""
+        telemetry = self.engine.telemetry
+        if telemetry.path is None and self._telemetry_default:
+            telemetry.path = os.path.join(root, "datastates_telemetry", f"rank-{self.rank:05d}.jsonl")
+            self._telemetry_default = False
+
     def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
         """Right before any optimizer mutates parameters: snapshot complete, commits requested."""
         if self._armed or not self._all_ranks_save:  # the latter: every rank joins the all-gather

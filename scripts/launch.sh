@@ -4,12 +4,17 @@
 # level (--save = --load, so a requeued job resumes from the newest committed checkpoint) on the
 # parallel file system and the node-local level on each node's scratch disk.
 #
-#   scripts/launch.sh --config gpt_70b [--site FILE] [--dry-run] [--nodes N] [-- extra trainer args]
+#   scripts/launch.sh --config gpt_70b [--site FILE] [--dry-run | --check] [--nodes N] [-- extra trainer args]
 #
 # --config NAME|FILE  model config (configs/NAME.env); default $MODEL_CONFIG
 # --site FILE         site config; default $SITE_ENV, else configs/site.env when it exists
 # --dry-run           print the command line of every node and exit (no srun, nothing created)
-# --nodes N           outside Slurm (with --dry-run): pretend an allocation of N nodes
+# --check             preflight on the login node, before any allocation (scripts/slurm_submit.sh runs it
+#                     before every submission): the Megatron-LM checkout is at the pin with the patches
+#                     applied, megatron_ext (and megatron.core) import under SITE_SETUP with $PYTHON,
+#                     Transformer Engine imports or TRANSFORMER_IMPL=local, the data paths exist or mock
+#                     data is explicit (MOCK_DATA=1), the checkpoint root is writable, no placeholder left
+# --nodes N           outside Slurm (with --dry-run or --check): pretend an allocation of N nodes
 #
 # Inside the job, the batch shell traps SIGUSR1 (#SBATCH --signal=B:USR1@300) and SIGTERM: it
 # forwards $FORWARD_SIGNAL (default SIGTERM) to the training step, waits up to $STOP_GRACE_S for it
@@ -28,6 +33,7 @@ say() { echo "launch.sh: $*" >&2; }
 CONFIG="${MODEL_CONFIG:-}"
 SITE="${SITE_ENV:-}"
 DRY_RUN=0
+CHECK=0
 FAKE_NODES=""
 EXTRA=()
 while [[ $# -gt 0 ]]; do
@@ -37,13 +43,15 @@ while [[ $# -gt 0 ]]; do
         --site) [[ $# -ge 2 ]] || die "--site needs a value"; SITE="$2"; shift 2 ;;
         --site=*) SITE="${1#*=}"; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
+        --check) CHECK=1; shift ;;
         --nodes) [[ $# -ge 2 ]] || die "--nodes needs a value"; FAKE_NODES="$2"; shift 2 ;;
         --nodes=*) FAKE_NODES="${1#*=}"; shift ;;
-        -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         --) shift; EXTRA=("$@"); break ;;
         *) die "unknown argument '$1' (trainer arguments go after --)" ;;
     esac
 done
+[[ $DRY_RUN -eq 0 || $CHECK -eq 0 ]] || die "--dry-run and --check exclude each other"
 
 # ------------------------------------------------------------------ configuration
 [[ -n "$CONFIG" ]] || die "no model config: pass --config NAME (one of: $(cd "$ROOT/configs" && ls *.env | sed 's/\.env$//' | tr '\n' ' '))"
@@ -74,7 +82,14 @@ done
 for v in CKPT_ROOT LOCAL_SCRATCH; do
     [[ -n "${!v:-}" ]] || die "$v is not set: put it in configs/site.env (see configs/site.env.example) or the environment"
 done
-[[ "$CKPT_ROOT" != *"<"* && "$LOCAL_SCRATCH" != *"<"* ]] || die "site config still has <placeholders>: CKPT_ROOT=$CKPT_ROOT LOCAL_SCRATCH=$LOCAL_SCRATCH"
+# Placeholders of configs/site.env.example (<account>, /path/to/...) anywhere a node would use them.
+for v in CKPT_ROOT LOCAL_SCRATCH MEGATRON_LM_DIR MEGATRON_EXT_DIR PYTHON SITE_SETUP SRUN_EXTRA_ARGS \
+         MEGATRON_DATA_ARGS EXTRA_TRAINER_ARGS MEGATRON_ENTRY; do
+    value="${!v:-}"
+    if [[ "$value" == *"<"*">"* || "$value" == *"/path/to/"* || "$value" == "/path/to" ]]; then
+        die "site config still has a placeholder: $v=$value (fill it in ${SITE_FILE:-the environment}; see configs/site.env.example)"
+    fi
+done
 PYTHON="${PYTHON:-python3}"
 RUN_NAME="${RUN_NAME:-$CONFIG_NAME}"
 CKPT_DIR="$CKPT_ROOT/$RUN_NAME"
@@ -99,15 +114,16 @@ if [[ -n "${SLURM_JOB_NODELIST:-}" && -z "$FAKE_NODES" ]]; then
     [[ "$NNODES" -eq "${#HOSTS[@]}" ]] || die "SLURM_NNODES=$NNODES but the node list has ${#HOSTS[@]} hosts"
     MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -1)"
     RDZV_ID="${SLURM_JOB_ID:-$RUN_NAME}"
-elif [[ -n "$FAKE_NODES" ]]; then
+elif [[ -n "$FAKE_NODES" || $CHECK -eq 1 ]]; then
+    FAKE_NODES="${FAKE_NODES:-${NODES:-1}}"
     [[ "$FAKE_NODES" =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive integer, not '$FAKE_NODES'"
-    [[ $DRY_RUN -eq 1 ]] || die "--nodes only makes sense with --dry-run (inside Slurm the allocation decides)"
+    [[ $DRY_RUN -eq 1 || $CHECK -eq 1 ]] || die "--nodes only makes sense with --dry-run or --check (inside Slurm the allocation decides)"
     NNODES="$FAKE_NODES"
     HOSTS=(); for ((i = 0; i < NNODES; i++)); do HOSTS+=("$(printf 'node%03d' "$i")"); done
     MASTER_ADDR="${HOSTS[0]}"
     RDZV_ID="dryrun"
 else
-    die "no allocation: run inside a Slurm job (SLURM_JOB_NODELIST) or pass --dry-run --nodes N"
+    die "no allocation: run inside a Slurm job (SLURM_JOB_NODELIST), or pass --dry-run --nodes N or --check"
 fi
 if [[ -n "${NODES:-}" && "$NODES" != "$NNODES" ]]; then
     say "warning: $CONFIG_NAME is sized for $NODES nodes, the allocation has $NNODES"
@@ -215,9 +231,32 @@ case "$TRAINER" in
         # Mock data: the NullTokenizer adds its end-of-document id to --vocab-size, so the model gets
         # VOCAB_SIZE ids (then padded to a multiple of MAKE_VOCAB_SIZE_DIVISIBLE_BY x TP, Megatron-LM's
         # default 128 x TP). With a real tokenizer in MEGATRON_DATA_ARGS its vocabulary decides.
+        # Mock data only when asked for (MOCK_DATA=1, or --mock-data in MEGATRON_DATA_ARGS): a job that
+        # forgot its data must not train on random tokens for a day.
         MOCK_DATA_ARGS="--mock-data --tokenizer-type NullTokenizer --vocab-size $(( ${VOCAB_SIZE:-32001} - 1 ))"
-        read -r -a DATA_ARGS <<< "${MEGATRON_DATA_ARGS:-$MOCK_DATA_ARGS}"
+        [[ -z "${MOCK_DATA:-}" || "$MOCK_DATA" == 0 || "$MOCK_DATA" == 1 ]] || die "MOCK_DATA must be 0 or 1, not '$MOCK_DATA'"
+        if [[ -n "${MEGATRON_DATA_ARGS:-}" ]]; then
+            [[ "${MOCK_DATA:-0}" == 0 || "$MEGATRON_DATA_ARGS" == *--mock-data* ]] || die "MOCK_DATA=1 and MEGATRON_DATA_ARGS ($MEGATRON_DATA_ARGS) contradict each other: unset one"
+            DATA_SUMMARY="MEGATRON_DATA_ARGS: $MEGATRON_DATA_ARGS"
+            read -r -a DATA_ARGS <<< "$MEGATRON_DATA_ARGS"
+        elif [[ "${MOCK_DATA:-0}" == 1 ]]; then
+            DATA_SUMMARY="mock data (MOCK_DATA=1): random tokens, for benchmarks and tests"
+            read -r -a DATA_ARGS <<< "$MOCK_DATA_ARGS"
+        else
+            DATA_SUMMARY="NOT SET: set MEGATRON_DATA_ARGS (--data-path ... --tokenizer-type ...) or MOCK_DATA=1 for mock data"
+            [[ $DRY_RUN -eq 1 || $CHECK -eq 1 ]] || die "no training data: set MEGATRON_DATA_ARGS in configs/site.env (e.g. --data-path /lustre/data/my_text_document --tokenizer-type HuggingFaceTokenizer --tokenizer-model /lustre/tok), or MOCK_DATA=1 to train on mock data deliberately"
+            read -r -a DATA_ARGS <<< "$MOCK_DATA_ARGS"  # shown by --dry-run only; --check reports it
+        fi
+        # Transformer Engine is optional: TRANSFORMER_IMPL=local builds megatron-core's own layers.
+        TRANSFORMER_IMPL="${TRANSFORMER_IMPL:-transformer_engine}"
+        case "$TRANSFORMER_IMPL" in transformer_engine|local) ;; *) die "TRANSFORMER_IMPL must be transformer_engine or local, not '$TRANSFORMER_IMPL'" ;; esac
+        IMPL_ARGS=(--transformer-impl "$TRANSFORMER_IMPL")
+        if [[ " ${EXTRA_TRAINER_ARGS:-} ${EXTRA[*]:-} " == *" --transformer-impl "* ]]; then
+            IMPL_ARGS=()  # the config's or the caller's own flag decides
+            [[ " ${EXTRA_TRAINER_ARGS:-} ${EXTRA[*]:-} " == *" --transformer-impl local"* ]] && TRANSFORMER_IMPL=local
+        fi
         TRAINER_ARGS=("${COMMON_ARGS[@]}" --bf16 --max-position-embeddings "$MAX_POSITIONS" "${ARCH_ARGS[@]}"
+            "${IMPL_ARGS[@]}"
             --lr 1.0e-4 --min-lr 1.0e-5 --lr-decay-style cosine --lr-warmup-iters 10
             --weight-decay 0.1 --clip-grad 1.0 --ckpt-format torch_dist
             --exit-signal-handler --log-interval 1 --eval-iters 0 --eval-interval "$TRAIN_ITERS"
@@ -273,12 +312,121 @@ node_script() {
     echo "set -e; ${SITE_SETUP:+$SITE_SETUP; }${exports}mkdir -p $(printf '%q' "$LOCAL_DIR"); exec $(printf '%q ' "${torchrun[@]}" "${PROGRAM[@]}" "${TRAINER_ARGS[@]}")"
 }
 
+# ------------------------------------------------------------------ data paths
+# The files MEGATRON_DATA_ARGS names, checked from here (the shared file system the nodes see too).
+data_problems() {
+    local args=() i=0 flag value prefix
+    read -r -a args <<< "${MEGATRON_DATA_ARGS:-}"
+    while (( i < ${#args[@]} )); do
+        flag="${args[$i]}"; i=$((i + 1))
+        case "$flag" in
+            --data-path|--train-data-path|--valid-data-path|--test-data-path)
+                # A list of prefixes, optionally weighted ("0.3 /data/a 0.7 /data/b"), up to the next flag.
+                while (( i < ${#args[@]} )) && [[ "${args[$i]}" != --* ]]; do
+                    prefix="${args[$i]}"; i=$((i + 1))
+                    [[ "$prefix" =~ ^[0-9.eE+-]+$ ]] && continue
+                    if [[ ! -e "$prefix" && ( ! -f "$prefix.bin" || ! -f "$prefix.idx" ) ]]; then
+                        echo "$flag $prefix: no $prefix.bin and $prefix.idx (nor a file $prefix)"
+                    fi
+                done ;;
+            --tokenizer-model|--vocab-file|--merge-file|--data-args-path|--per-split-data-args-path|--data-cache-path)
+                value="${args[$i]:-}"; i=$((i + 1))
+                if [[ "$flag" == --data-cache-path ]]; then
+                    [[ -d "$value" || -d "$(dirname "$value")" ]] || echo "$flag $value: neither it nor its parent is a directory"
+                elif [[ "$flag" == --tokenizer-model && ! -e "$value" && "$value" != */* ]]; then
+                    :  # a Hugging Face hub name, fetched by the tokenizer itself
+                elif [[ ! -e "$value" ]]; then
+                    echo "$flag $value: does not exist"
+                fi ;;
+        esac
+    done
+}
+if [[ "$TRAINER" == megatron && $DRY_RUN -eq 0 && $CHECK -eq 0 ]]; then
+    problems="$(data_problems)"
+    [[ -z "$problems" ]] || die "MEGATRON_DATA_ARGS names missing files: $(echo "$problems" | head -1)$( (( $(echo "$problems" | wc -l) > 1 )) && echo " (and more: launch.sh --check lists them)")"
+fi
+
+# ------------------------------------------------------------------ --check
+run_check() {
+    local failed=0 out
+    ok() { echo "launch.sh: check: ok    $*"; }
+    bad() { echo "launch.sh: check: FAIL  $*"; failed=1; }
+    warn() { echo "launch.sh: check: note  $*"; }
+    ok "config $CONFIG_NAME: $NNODES node(s) x $GPUS_PER_NODE = $WORLD ranks, TP=$TP PP=$PP DP=$DP; site ${SITE_FILE:-environment only}; no placeholders"
+    # Under SITE_SETUP with $PYTHON, as every node will run it (the login node's modules may differ).
+    on_node() { bash -c "set -e; ${SITE_SETUP:+$SITE_SETUP; }$1" 2>&1; }
+    if out="$(on_node "$(printf '%q' "$PYTHON") -c 'import megatron_ext, os; print(os.path.dirname(os.path.dirname(megatron_ext.__file__)))'")"; then
+        local where="${out##*$'\n'}"
+        ok "megatron_ext imports under SITE_SETUP with $PYTHON (from $where)"
+        if [[ -n "${MEGATRON_EXT_DIR:-}" && "$(cd "$where" 2>/dev/null && pwd -P)" != "$(cd "$MEGATRON_EXT_DIR" 2>/dev/null && pwd -P)" ]]; then
+            warn "that is not MEGATRON_EXT_DIR=$MEGATRON_EXT_DIR; install this checkout on the nodes (pip install -e $ROOT) if you changed it"
+        fi
+    else
+        bad "megatron_ext does not import under SITE_SETUP with PYTHON=$PYTHON: ${out##*$'\n'} (install it in the nodes' environment: pip install -e $ROOT)"
+    fi
+    if [[ "$TRAINER" == megatron ]]; then
+        if [[ -n "${MEGATRON_LM_DIR:-}" ]]; then
+            if out="$( ( source "$ROOT/scripts/megatron_pin.sh"; check_pin "$MEGATRON_LM_DIR"; patch_state "$MEGATRON_LM_DIR" ) 2>&1 )"; then
+                case "${out##*$'\n'}" in
+                    applied) ok "MEGATRON_LM_DIR=$MEGATRON_LM_DIR is at the pin with the megatron_ext patches applied" ;;
+                    clean) bad "MEGATRON_LM_DIR=$MEGATRON_LM_DIR is at the pin but not patched: run scripts/apply_patches.sh $MEGATRON_LM_DIR" ;;
+                    *) bad "MEGATRON_LM_DIR=$MEGATRON_LM_DIR has changes that are not the megatron_ext patch series (git -C $MEGATRON_LM_DIR status; scripts/check_patches.sh checks the series)" ;;
+                esac
+            else
+                bad "MEGATRON_LM_DIR=$MEGATRON_LM_DIR: ${out##*error: }"
+            fi
+        fi
+        if out="$(on_node "$(printf '%q' "$PYTHON") -c 'import megatron.core'")"; then
+            ok "megatron.core imports under SITE_SETUP"
+        else
+            bad "megatron.core does not import under SITE_SETUP: ${out##*$'\n'} (pip install -r $ROOT/requirements/megatron-lm.txt, or megatron-core==0.16.1)"
+        fi
+        if [[ "$TRANSFORMER_IMPL" == local ]]; then
+            ok "--transformer-impl local: Transformer Engine not needed"
+        elif out="$(on_node "$(printf '%q' "$PYTHON") -c 'import transformer_engine'")"; then
+            ok "Transformer Engine imports under SITE_SETUP (--transformer-impl transformer_engine)"
+        else
+            bad "Transformer Engine does not import under SITE_SETUP (${out##*$'\n'}): install it, or set TRANSFORMER_IMPL=local in configs/site.env (megatron-core's own layers)"
+        fi
+        if [[ "$DATA_SUMMARY" == NOT\ SET* ]]; then
+            bad "data: $DATA_SUMMARY"
+        else
+            local problems
+            problems="$(data_problems)"
+            if [[ -z "$problems" ]]; then ok "data: $DATA_SUMMARY"; else
+                while IFS= read -r line; do bad "data: $line"; done <<< "$problems"
+            fi
+        fi
+    fi
+    if [[ -d "$CKPT_DIR" ]]; then
+        [[ -w "$CKPT_DIR" ]] && ok "checkpoint directory $CKPT_DIR exists and is writable" || bad "checkpoint directory $CKPT_DIR is not writable"
+    else
+        local parent="$CKPT_DIR"
+        while [[ ! -d "$parent" ]]; do parent="$(dirname "$parent")"; done
+        [[ -w "$parent" ]] && ok "checkpoint directory $CKPT_DIR can be created (under $parent)" || bad "checkpoint directory $CKPT_DIR cannot be created: $parent is not writable"
+    fi
+    warn "node-local level $LOCAL_DIR is created on each node at the start (not checked from here)"
+    if [[ $failed -ne 0 ]]; then
+        echo "launch.sh: check: FAILED; fix the lines marked FAIL (docs/SLURM.md, \"First run\")" >&2
+        return 2
+    fi
+    echo "launch.sh: check: all ok"
+}
+if [[ $CHECK -eq 1 ]]; then
+    run_check
+    exit $?
+fi
+
 if [[ $DRY_RUN -eq 1 ]]; then
     RDZV_ID="$RDZV_ID-${SLURM_RESTART_COUNT:-0}-0"  # as the first attempt of the run below
     NODE_SCRIPT="$(node_script "$MASTER_PORT" "$RDZV_ID")"
     echo "# $CONFIG_NAME: $NNODES nodes x $GPUS_PER_NODE ranks = $WORLD ranks, TP=$TP PP=$PP DP=$DP, trainer=$TRAINER"
     echo "# model: $ARCH_SUMMARY"
     echo "# shared level (--save/--load): $CKPT_DIR ; node-local level: $LOCAL_DIR"
+    if [[ "$TRAINER" == megatron ]]; then
+        echo "# data: $DATA_SUMMARY"
+        echo "# transformer: --transformer-impl $TRANSFORMER_IMPL"
+    fi
     echo "# site: ${SITE_FILE:-environment only}; rendezvous: c10d at $MASTER_ADDR:$MASTER_PORT id $RDZV_ID"
     # c10d numbers nodes in the sorted order of their host names: node k hosts ranks k*G .. k*G+G-1.
     mapfile -t SORTED < <(printf '%s\n' "${HOSTS[@]}" | LC_ALL=C sort)
@@ -291,6 +439,12 @@ fi
 
 # ------------------------------------------------------------------ run
 [[ -n "${SLURM_JOB_ID:-}" ]] || die "not inside a Slurm job (use --dry-run to see the commands)"
+# An unpatched or wrong checkout would fail on every rank ("unrecognized arguments: --use-datastates").
+if [[ "$TRAINER" == megatron ]] && git -C "$MEGATRON_LM_DIR" rev-parse --git-dir >/dev/null 2>&1; then
+    state="$( ( source "$ROOT/scripts/megatron_pin.sh"; check_pin "$MEGATRON_LM_DIR"; patch_state "$MEGATRON_LM_DIR" ) 2>&1 )" \
+        || die "MEGATRON_LM_DIR: ${state##*error: }"
+    [[ "${state##*$'\n'}" == applied ]] || die "MEGATRON_LM_DIR=$MEGATRON_LM_DIR is not patched (${state##*$'\n'}): run scripts/apply_patches.sh $MEGATRON_LM_DIR"
+fi
 mkdir -p "$CKPT_DIR" || die "cannot create the checkpoint directory $CKPT_DIR"
 [[ -w "$CKPT_DIR" ]] || die "checkpoint directory $CKPT_DIR is not writable"
 TRACKER="$CKPT_DIR/latest_checkpointed_iteration.txt"

@@ -17,7 +17,9 @@ COLORS = {"datastates": "tab:green", "torch.save": "tab:red", "DCP async (thread
           "DCP async (process)": "tab:cyan", "megatron-core async": "tab:purple",
           "DeepSpeed default": "tab:orange", "no checkpoints": "tab:gray"}
 PHASE_COLORS = {"snapshot": "tab:green", "flush local": "tab:olive", "flush shared": "tab:blue",
-                "commit": "tab:purple"}
+                "commit": "tab:purple", "training blocked": "tab:red"}
+#: A physical limit drawn beside the measured bars (a series whose name ends in "(limit)").
+LIMIT_STYLE = {"color": "white", "edgecolor": "black", "hatch": "///", "linewidth": 0.8}
 
 
 def grouped_bars(path: str, title: str, groups: Sequence[str], series: Mapping[str, Sequence[float | None]],
@@ -28,7 +30,8 @@ def grouped_bars(path: str, title: str, groups: Sequence[str], series: Mapping[s
     for i, (name, values) in enumerate(series.items()):
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         kept = [(x, v) for x, v in zip(xs, values) if v is not None]
-        bars = ax.bar([x for x, _ in kept], [v for _, v in kept], width, label=name, color=COLORS.get(name))
+        style = LIMIT_STYLE if name.endswith("(limit)") else {"color": COLORS.get(name)}
+        bars = ax.bar([x for x, _ in kept], [v for _, v in kept], width, label=name, **style)
         if len(groups) <= 12:  # values on the bars while they stay readable
             ax.bar_label(bars, labels=[_short(v) for _, v in kept], fontsize=7, padding=1)
     ax.set_xticks(range(len(groups)), groups)
@@ -48,19 +51,45 @@ def lines(path: str, title: str, xs: Sequence[float], series: Mapping[str, Seque
     return _save(fig, path)
 
 
-def timeline(path: str, title: str, bars: Sequence[tuple[str, str, float, float]]) -> str:
-    """Horizontal bars ``(row, phase, start_s, end_s)``: one row per rank, one colour per phase."""
+def timeline(path: str, title: str, bars: Sequence[tuple[str, str, float, float]], *,
+             breaks: Sequence[tuple[float, str]] = (), separators: Sequence[tuple[float, str]] = (),
+             ticks: Sequence[tuple[float, str]] | None = None) -> str:
+    """Horizontal bars ``(row, phase, start, end)``: one row per rank, one colour per phase.
+
+    ``training blocked`` bars are drawn thin, on top, at least a few pixels wide (they last
+    milliseconds). ``breaks``: ``(x, label)`` where idle time was cut out of the axis (a dashed
+    line and the seconds it stands for); ``separators``: ``(x, label)`` where a run starts (drawn
+    when there are several); ``ticks``: the axis positions labelled with the real time there.
+    """
     rows = sorted({row for row, *_ in bars}, key=_natural)
-    fig, ax = plt.subplots(figsize=(9.0, max(2.5, 0.45 * len(rows) + 1.5)))
+    fig, ax = plt.subplots(figsize=(10.0, max(2.8, 0.45 * len(rows) + 1.8)))
     seen: set[str] = set()
-    for row, phase, start, end in bars:
-        ax.barh(rows.index(row), max(end - start, 1e-4), left=start, height=0.6,
-                color=PHASE_COLORS.get(phase, "tab:gray"), label=None if phase in seen else phase, alpha=0.85,
-                edgecolor="white", linewidth=0.6)
+    span = max((e for *_, e in bars), default=1.0) - min((s for _, _, s, _ in bars), default=0.0)
+    visible = span / 400  # the narrowest bar drawn: about two pixels
+    for row, phase, start, end in sorted(bars, key=lambda b: b[1] == "training blocked"):
+        blocked = phase == "training blocked"
+        ax.barh(rows.index(row) + (0.22 if blocked else 0.0), max(end - start, visible if blocked else 1e-4),
+                left=start, height=0.16 if blocked else 0.6, color=PHASE_COLORS.get(phase, "tab:gray"),
+                label=None if phase in seen else phase, alpha=1.0 if blocked else 0.85,
+                edgecolor="none" if blocked else "white", linewidth=0.6, zorder=3 if blocked else 2)
         seen.add(phase)
+    for x, label in breaks:
+        ax.axvline(x, color="0.4", linestyle=(0, (2, 2)), linewidth=0.9, zorder=1)
+        ax.annotate(f"// {label}", (x, 1.0), xycoords=("data", "axes fraction"), xytext=(0, 2),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=7, color="0.3")
+    if len(separators) > 1:
+        for x, label in separators:
+            ax.axvline(x, color="black", linewidth=1.2, zorder=1)
+            ax.annotate(label, (x, 0.0), xycoords=("data", "axes fraction"), xytext=(3, 3),
+                        textcoords="offset points", ha="left", va="bottom", fontsize=8, fontweight="bold")
     ax.set_yticks(range(len(rows)), rows)
-    ax.invert_yaxis()
-    _finish(ax, title, "seconds since the first checkpoint started", "", log=False)
+    ax.set_ylim(len(rows) - 0.5, -0.8)
+    if ticks:
+        ax.set_xticks([x for x, _ in ticks], [label for _, label in ticks], fontsize=7)
+    xlabel = "seconds since the first checkpoint started" + (" (idle stretches cut out)" if breaks else "")
+    _finish(ax, title, xlabel, "", log=False)
+    if breaks:
+        ax.set_title(title, fontsize=10, pad=16)  # room for the break labels above the axes
     return _save(fig, path)
 
 
@@ -71,7 +100,8 @@ def _finish(ax, title: str, xlabel: str, ylabel: str, log: bool) -> None:
     if log:
         ax.set_yscale("log")
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # outside the axes, so it never covers data
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
 
 
 def _save(fig, path: str) -> str:

@@ -4,19 +4,26 @@ Scenarios (each measured against the peers in the same run, so the ratios mean s
 though absolute figures drift on a shared machine):
 
 * **physical limits**: memcpy and single-thread O_DIRECT write, before and after the size sweep;
-* **sizes**: checkpoint throughput (size / time training is blocked) of the engine at several
-  state sizes vs ``torch.save`` + fsync (what DeepSpeed's default engine does) and DCP
-  ``async_save`` with the thread and the process executor (``engine_bench``'s measuring functions);
+* **sizes**: seconds training is blocked and seconds until the checkpoint is durable, of the engine
+  at several state sizes vs ``torch.save`` + fsync (what DeepSpeed's default engine does) and DCP
+  ``async_save`` with the thread and the process executor (``engine_bench``'s measuring functions),
+  each beside its limit: a memcpy of the state (what a blocking snapshot costs at least) and an
+  O_DIRECT write of it (the disk's time for those bytes);
 * **every iteration**: the reference trainer (megatron-core GPT) without checkpoints, with
   ``--use-datastates`` and with megatron-core's async ``dist_checkpointing`` save (``train_bench``);
 * **frequency**: the same, every 10, 5, 2, 1 iterations, end-to-end time until the last commit;
-* **data parallel**: DP 1, 2, 4 ranks, checkpoint every iteration;
+* **data parallel**: DP 1, 2, 4 ranks, checkpoint every iteration, seconds blocked per iteration;
 * **DeepSpeed**: its default engine vs ``datastates`` in the DeepSpeed harness (``deepspeed_bench``);
 * **GPU model**: the measured figures fed into ``gpu_model`` for 70B on 180 A100s.
 
 Outputs under ``--out``: ``results.json`` (every raw figure, rewritten after each scenario),
 ``results.md`` (tables), PNG plots, and ``telemetry/`` (``telemetry report`` of the
 every-iteration datastates run).
+
+Figures are seconds: blocked (what training loses) and until durable (how old the newest safe
+checkpoint is). "GB/s" appears only for real transfer rates (memcpy, the O_DIRECT write, the
+engine's flush, bytes made durable per second); size divided by time *blocked* is not one (it
+reaches hundreds of GB/s when the engine blocks for microseconds) and is not reported.
 """
 
 from __future__ import annotations
@@ -80,7 +87,8 @@ def measure_limits(base: str, nbytes: int) -> dict:
 
 
 def run_sizes(sizes_mb: tuple[int, ...], base: str, progress: Progress | None = None) -> list[dict]:
-    """Every approach at every size: time blocked, time until on disk, throughput = size / blocked."""
+    """Every approach at every size: seconds blocked, seconds until durable, and the rate at which the
+    bytes became durable (size / seconds until durable, a real transfer rate)."""
     os.makedirs(base, exist_ok=True)
     ensure_process_group(base)
     warm = make_state(4 << 20, 1 << 20)
@@ -98,8 +106,11 @@ def run_sizes(sizes_mb: tuple[int, ...], base: str, progress: Progress | None = 
             where = os.path.join(base, f"{''.join(c for c in approach.lower() if c.isalnum())}-{size_mb}")
             if approach == "datastates":
                 r = engine_bench.measure_datastates(state, where, compute_s=compute_s)
-                blocked, done = r["datastates_blocking_s"], r["datastates_persisted_s"]
-                extra = {"flush_gbps": r["datastates_flush_gbps"], "save_call_s": r["datastates_save_call_s"]}
+                # Durable when the flush ends (the engine's telemetry, from the save call); the commit
+                # here waits for the caller's compute_s first, so committed_s measures the benchmark.
+                blocked, done = r["datastates_blocking_s"], r["datastates_flush_s"]
+                extra = {"flush_gbps": r["datastates_flush_gbps"], "save_call_s": r["datastates_save_call_s"],
+                         "committed_s": r["datastates_persisted_s"], "compute_s": compute_s}
             elif approach == "torch.save":
                 blocked = done = engine_bench.measure_torch_save(state, where)
                 extra = {}
@@ -107,7 +118,7 @@ def run_sizes(sizes_mb: tuple[int, ...], base: str, progress: Progress | None = 
                 r = engine_bench.measure_dcp_async(state, where, DCP_EXECUTORS[approach])
                 blocked, done, extra = r["blocking_s"], r["done_s"], {}
             rows.append({"size_bytes": nbytes, "size_mb": size_mb, "approach": approach, "blocked_s": blocked,
-                         "done_s": done, "throughput_gbps": nbytes / blocked / 1e9, **extra})
+                         "done_s": done, "durable_gbps": nbytes / done / 1e9, **extra})
             fresh_dir(where)  # keep the disk free for the next approach
         del state
     return rows
@@ -138,8 +149,7 @@ def run_training(profile: Profile, base: str, progress: Progress) -> dict:
         ds = get("data parallel", "datastates", n, 1)
         for mode in ("datastates", "megatron_async"):
             r = get("data parallel", mode, n, 1)
-            dp.append({**r, "ckpt_bytes_total": ds["ckpt_bytes_total"],
-                       "throughput_gbps": ds["ckpt_bytes_total"] / max(r["blocked_s"], 1e-9) / 1e9})
+            dp.append({**r, "ckpt_bytes_total": ds["ckpt_bytes_total"]})
     return {"every_iteration": every, "frequency": frequency, "baseline_end_to_end_s": every["baseline"]["end_to_end_s"],
             "data_parallel": dp}
 
@@ -216,7 +226,7 @@ def write_outputs(results: dict, out: str) -> list[str]:
         json.dump(results, f, indent=1, sort_keys=True)
     files = ["results.json", "results.md"]
     if "sizes" in results:
-        files.append(_plot_sizes(results["sizes"], out))
+        files += _plot_sizes(results["sizes"], results.get("limits"), out)
     if "training" in results:
         files += [_plot_frequency(results["training"], out), _plot_dp(results["training"], out)]
     if "training" in results or "deepspeed" in results:
@@ -233,14 +243,34 @@ def _by_size(sizes: list[dict]) -> tuple[list[int], dict[str, list[dict | None]]
     return mbs, table
 
 
-def _plot_sizes(sizes: list[dict], out: str) -> str:
+def limit_seconds(size_bytes: int, limits: dict | None) -> dict:
+    """The physical limits for ``size_bytes``: a memcpy of them and an O_DIRECT write of them, in seconds."""
+    if not limits:
+        return {"memcpy_s": None, "direct_write_s": None}
+    return {"memcpy_s": size_bytes / (limits["memcpy_gbps"] * 1e9),
+            "direct_write_s": size_bytes / (limits["direct_write_gbps"] * 1e9)}
+
+
+MEMCPY_LIMIT, WRITE_LIMIT = "memcpy of the state (limit)", "O_DIRECT write of the state (limit)"
+
+
+def _plot_sizes(sizes: list[dict], limits: dict | None, out: str) -> list[str]:
+    """Two figures in seconds, each with its physical limit drawn beside the approaches."""
     mbs, table = _by_size(sizes)
-    plots.grouped_bars(os.path.join(out, "throughput_by_size.png"),
-                       "checkpoint throughput = size / time training is blocked (one process, CPU)",
-                       [f"{mb} MB" for mb in mbs],
-                       {a: [r["throughput_gbps"] if r else None for r in rows] for a, rows in table.items()},
-                       "GB/s (log)", "state size", log=True)
-    return "throughput_by_size.png"
+    nbytes = [next(r["size_bytes"] for r in sizes if r["size_mb"] == mb) for mb in mbs]
+    groups = [f"{mb} MB" for mb in mbs]
+    blocked = {a: [r["blocked_s"] if r else None for r in rows] for a, rows in table.items()}
+    durable = {a: [r["done_s"] if r else None for r in rows] for a, rows in table.items()}
+    if limits:
+        blocked[MEMCPY_LIMIT] = [limit_seconds(n, limits)["memcpy_s"] for n in nbytes]
+        durable[WRITE_LIMIT] = [limit_seconds(n, limits)["direct_write_s"] for n in nbytes]
+    plots.grouped_bars(os.path.join(out, "blocked_by_size.png"),
+                       "seconds training is blocked per checkpoint (one process, CPU; lower is better)",
+                       groups, blocked, "seconds blocked (log)", "state size", log=True)
+    plots.grouped_bars(os.path.join(out, "durable_by_size.png"),
+                       "seconds from the save until the checkpoint is durable (one process, CPU)",
+                       groups, durable, "seconds until durable (log)", "state size", log=True)
+    return ["blocked_by_size.png", "durable_by_size.png"]
 
 
 _TRAIN_NAMES = {"baseline": "no checkpoints", "datastates": "datastates", "megatron_async": "megatron-core async"}
@@ -260,11 +290,12 @@ def _plot_frequency(training: dict, out: str) -> str:
 
 def _plot_dp(training: dict, out: str) -> str:
     dps = sorted({r["nproc"] for r in training["data_parallel"]})
-    series = {_TRAIN_NAMES[mode]: [next(r["throughput_gbps"] for r in training["data_parallel"]
+    series = {_TRAIN_NAMES[mode]: [next(r["blocked_s"] for r in training["data_parallel"]
                                         if r["mode"] == mode and r["nproc"] == n) for n in dps]
               for mode in ("datastates", "megatron_async")}
-    plots.grouped_bars(os.path.join(out, "data_parallel.png"), "checkpoint throughput vs data-parallel degree "
-                       "(every iteration)", [f"DP {n}" for n in dps], series, "GB/s (log)", log=True)
+    plots.grouped_bars(os.path.join(out, "data_parallel.png"), "seconds training is blocked per iteration vs "
+                       "data-parallel degree (checkpoint every iteration, slowest rank)", [f"DP {n}" for n in dps],
+                       series, "seconds blocked (log)", log=True)
     return "data_parallel.png"
 
 
@@ -300,13 +331,24 @@ def format_markdown(results: dict) -> str:
                   f"(before {lim['before']['direct_write_gbps']:.2f}, after {lim['after']['direct_write_gbps']:.2f})", ""]
     if "sizes" in results:
         mbs, table = _by_size(results["sizes"])
-        lines += ["## Checkpoint throughput over state sizes (one process)", "",
-                  "GB/s = size / time blocked; in brackets: seconds blocked / seconds until on disk.", "",
-                  "| approach | " + " | ".join(f"{mb} MB" for mb in mbs) + " |", "|---|" + "---|" * len(mbs)]
+        nbytes = [next(r["size_bytes"] for r in results["sizes"] if r["size_mb"] == mb) for mb in mbs]
+        limit = [limit_seconds(n, results.get("limits")) for n in nbytes]
+        head = ["| approach | " + " | ".join(f"{mb} MB" for mb in mbs) + " |", "|---|" + "---|" * len(mbs)]
+        lines += ["## Seconds training is blocked per checkpoint (one process)", "",
+                  "The limit for a snapshot that blocks is a memcpy of the state; the engine copies while "
+                  "the caller computes, so it can block for less.", "", *head]
         for approach, rows in table.items():
-            cells = [f"{r['throughput_gbps']:.2f} ({r['blocked_s']:.4f} / {r['done_s']:.2f})" if r else "—"
-                     for r in rows]
-            lines.append(f"| {approach} | " + " | ".join(cells) + " |")
+            lines.append(f"| {approach} | " + " | ".join(f"{r['blocked_s']:.4f}" if r else "—" for r in rows) + " |")
+        if results.get("limits"):
+            lines.append(f"| *{MEMCPY_LIMIT}* | " + " | ".join(f"{x['memcpy_s']:.4f}" for x in limit) + " |")
+        lines += ["", "## Seconds from the save until the checkpoint is durable (one process)", "",
+                  "In brackets: bytes made durable per second (size / seconds until durable). The limit is an "
+                  "O_DIRECT write of the same bytes.", "", *head]
+        for approach, rows in table.items():
+            lines.append(f"| {approach} | " + " | ".join(
+                f"{r['done_s']:.3f} ({r['durable_gbps']:.2f} GB/s)" if r else "—" for r in rows) + " |")
+        if results.get("limits"):
+            lines.append(f"| *{WRITE_LIMIT}* | " + " | ".join(f"{x['direct_write_s']:.3f}" for x in limit) + " |")
         ds = table.get("datastates", [])
         lines += ["", "Time blocked, peer / datastates (same size, same run):", ""]
         for approach, rows in table.items():
@@ -333,14 +375,14 @@ def format_markdown(results: dict) -> str:
             m = next(r for r in tr["frequency"] if r["interval"] == k and r["mode"] == "megatron_async")
             lines.append(f"| {k} | {d['end_to_end_s']:.1f} | {m['end_to_end_s']:.1f} | "
                          f"{m['end_to_end_s'] / d['end_to_end_s']:.2f}x |")
-        lines += ["", "## Data-parallel degree (every iteration)", "",
-                  "| DP | checkpoint MB (all ranks) | datastates blocked s / GB/s | megatron-core async blocked s / GB/s |",
-                  "|---|---|---|---|"]
+        lines += ["", "## Data-parallel degree (every iteration): seconds blocked per iteration", "",
+                  "| DP | checkpoint MB (all ranks) | datastates | megatron-core async | megatron / datastates |",
+                  "|---|---|---|---|---|"]
         for n in sorted({r["nproc"] for r in tr["data_parallel"]}):
             d = next(r for r in tr["data_parallel"] if r["nproc"] == n and r["mode"] == "datastates")
             m = next(r for r in tr["data_parallel"] if r["nproc"] == n and r["mode"] == "megatron_async")
-            lines.append(f"| {n} | {d['ckpt_bytes_total'] / 1e6:.0f} | {d['blocked_s']:.4f} / {d['throughput_gbps']:.1f} | "
-                         f"{m['blocked_s']:.4f} / {m['throughput_gbps']:.2f} |")
+            lines.append(f"| {n} | {d['ckpt_bytes_total'] / 1e6:.0f} | {d['blocked_s']:.4f} | {m['blocked_s']:.4f} | "
+                         f"{m['blocked_s'] / max(d['blocked_s'], 1e-9):.0f}x |")
         lines.append("")
     if "deepspeed" in results:
         lines += ["## DeepSpeed (ZeRO-1, 2 ranks, checkpoint every step)", "", deepspeed_bench.format_table(results["deepspeed"]), ""]

@@ -285,7 +285,7 @@ class Committer:
         first = min(f.submitted_at for f in job.files) if job.files else job.committed_at
         if self.rank == 0:
             self.telemetry.emit("commit", job.checkpoint, "all", job.committed_bytes, job.committed_at - first,
-                                world_size=self.world_size)
+                                world_size=self.world_size, run=self.run_id)
         job.committed.set()
 
     def _write_reports(self, job: CheckpointJob) -> tuple[list, dict[str, bytes]]:
@@ -308,13 +308,15 @@ class Committer:
             return
         first = min(f.submitted_at for f in job.files)
         snap = max(f.snapshot_at or first for f in job.files)
+        # When training was blocked for it, as [seconds after the first save call, seconds blocked].
+        spans = [[round(start - first, 6), round(took, 6)] for start, took in job.blocked_spans]
         self.telemetry.emit("snapshot", job.checkpoint, LEVEL_HOST, job.nbytes, snap - first,
-                            blocked_s=job.blocked_s)
+                            blocked_s=job.blocked_s, blocked_spans=spans, run=self.run_id)
         for level in (LEVEL_LOCAL, LEVEL_SHARED):
             done = [f.durable_at[level] for f in job.files if level in f.durable_at]
             if len(done) == len(job.files):
                 self.telemetry.emit("flush", job.checkpoint, level, job.nbytes, max(done) - first,
-                                    blocked_s=job.blocked_s)
+                                    blocked_s=job.blocked_s, run=self.run_id)
 
     def _decide(self, job: CheckpointJob, key: str) -> dict:
         """Rank 0: every rank's status, then the manifest (if all are durable), then the decision.

@@ -191,8 +191,10 @@ class CheckpointEngine(OverloadMixin):
         self._files.append(fjob)
         faults.saved()
         self.scheduler.submit(fjob)
-        job.blocked_s += time.monotonic() - started
-        self.blocked_total_s += time.monotonic() - started
+        took = time.monotonic() - started
+        job.blocked_s += took
+        job.blocked_spans.append((started, took))
+        self.blocked_total_s += took
         return fjob
 
     def commit(self, checkpoint: str, *, root: str | None = None,
@@ -261,6 +263,7 @@ class CheckpointEngine(OverloadMixin):
         self.wait_total_s += blocked
         for job in {f.job for f in pending}:
             job.blocked_s += blocked
+            job.blocked_spans.append((started, blocked))
         self._files = [f for f in self._files if not f.snapshot_done.is_set()]
         return blocked
 
@@ -304,6 +307,7 @@ class CheckpointEngine(OverloadMixin):
         return self._reader(checkpoint, name, root, verify, level).state_into(template, allow_pickle)
 
     def _reader(self, checkpoint: str, name: str | None, root: str | None, verify: bool, level: str):
+        _require_checkpoint(checkpoint, self._root(root))
         committed = self.open_checkpoint(checkpoint, root=root, verify=verify)
         reader = committed.reader(f"rank{self.rank:05d}" if name is None else name, level)
         self.last_load_level = reader.level
@@ -315,6 +319,7 @@ class CheckpointEngine(OverloadMixin):
         With ``peer_replica`` this is a collective: ranks whose node-local copy is gone fetch
         their files from the peer holding their replica (``replica.py``).
         """
+        _require_checkpoint(checkpoint, self._root(root))
         return CommittedCheckpoint.open(self._root(root), checkpoint, self.config, self.rank, verify=verify,
                                         staging=self.cache, replicas=self.replicas, classes=self.classes)
 
@@ -420,6 +425,17 @@ def _open_gates(files: list[FileJob]) -> None:
     for fjob in files:
         if fjob.gate is not None and not fjob.snapshot_done.is_set():
             fjob.gate.settle_and_open()
+
+
+def _require_checkpoint(checkpoint: Any, root: str) -> None:
+    """A load names a checkpoint; ``latest()`` is None before the first commit, and says so here."""
+    if checkpoint is None:
+        raise CheckpointError(f"no checkpoint to load: none is committed under {root} yet (engine.latest() returned "
+                              "None). Resume only when there is one: `latest = engine.latest(); if latest is not "
+                              "None: state = engine.load(latest)`")
+    if not isinstance(checkpoint, str):
+        raise CheckpointError(f"checkpoint must be a checkpoint id (a directory name under {root}), "
+                              f"not {type(checkpoint).__name__}")
 
 
 def _check_names(checkpoint: str, name: str) -> None:

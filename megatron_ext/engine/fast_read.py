@@ -453,7 +453,8 @@ def read_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging:
         meta = metas[name]
         if torch_dtype(meta["dtype"]) != target.dtype or list(meta["shape"]) != list(target.shape):
             raise CheckpointError(f"{path}: tensor {name!r} is {meta['dtype']}{meta['shape']} in the checkpoint, "
-                                  f"the target is {target.dtype}{list(target.shape)}")
+                                  f"the target is {target.dtype}{list(target.shape)}: the template is not the model "
+                                  "that was saved (load() returns the state as saved)")
     strided = {n: t for n, t in targets.items() if not t.is_contiguous()}
     device = {n: t for n, t in targets.items() if n not in strided and t.device.type != "cpu"}
     if strided:  # rare: a fresh host buffer of just these tensors (pinned on a GPU node), then copies

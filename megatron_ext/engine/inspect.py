@@ -8,6 +8,7 @@ needs no knowledge of what they mean.
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 from .commit import MANIFEST, REPORTS, read_manifest
 from .jobs import CheckpointError
@@ -34,12 +35,19 @@ def common_layout(files: list[dict]) -> dict:
     return {k: v for k, v in layouts[0].items() if all(layout.get(k) == v for layout in layouts[1:])}
 
 
-def describe(root: str, local_dir: str | None = None, only: str | None = None) -> list[dict]:
-    """One record per checkpoint directory under ``root`` (ours: with a manifest or reports), or of ``only``."""
+def describe(root: str, local_dir: str | None = None, only: str | None = None,
+             classify: Callable[[dict], str] | None = None,
+             progress: Callable[[int, int], None] | None = None) -> list[dict]:
+    """One record per checkpoint directory under ``root`` (ours: with a manifest or reports), or of ``only``.
+
+    ``classify(manifest)`` names a committed checkpoint's kind (the row's ``kind``), e.g. which
+    framework wrote it; ``progress(nbytes, checkpoints)`` is called after each checkpoint.
+    """
     if not os.path.isdir(root):
         raise CheckpointError(f"{root} is not a directory")
     rows = []
-    for name in [only] if only is not None else sorted(os.listdir(root)):
+    names = [only] if only is not None else sorted(os.listdir(root))
+    for name in names:
         path = os.path.join(root, name)
         if name.startswith(".") or not os.path.isdir(path):
             continue
@@ -65,6 +73,8 @@ def describe(root: str, local_dir: str | None = None, only: str | None = None) -
                        committed_at=manifest.get("committed_at"),
                        bytes_by_rank={str(r): by_rank[r] for r in sorted(by_rank)},
                        layout=common_layout(files))
+            if classify is not None:
+                row["kind"] = classify(manifest)
             levels = ["shared"]
             if local_dir and os.path.isdir(os.path.join(local_dir, name, REPORTS)):
                 levels.append("local")
@@ -75,6 +85,8 @@ def describe(root: str, local_dir: str | None = None, only: str | None = None) -
             row["error_reports"] = len([r for r in reports if r.endswith(".error.json")])
             row["skip_reports"] = len([r for r in reports if r.endswith(".skipped.json")])
         rows.append(row)
+        if progress is not None:
+            progress(row.get("bytes", 0), 1)
     return rows
 
 
@@ -89,12 +101,12 @@ def _rank_spread(by_rank: dict) -> str:
 
 def format_rows(rows: list[dict]) -> str:
     lines = [f"{'checkpoint':<20} {'state':<12} {'version':>8} {'ranks':>5} {'files':>5} {'MB':>10} "
-             f"{'MB/rank':>13}  {'levels':<12} layout"]
+             f"{'MB/rank':>13}  {'levels':<12} {'kind':<10} layout"]
     for r in rows:
         if r["committed"]:
             lines.append(f"{r['checkpoint']:<20} {'committed':<12} {str(r['version']):>8} {r['ranks']:>5} "
                          f"{r['files']:>5} {r['bytes'] / 1e6:>10.1f} {_rank_spread(r['bytes_by_rank']):>13}  "
-                         f"{'+'.join(r['levels']):<12} {_layout_text(r['layout'])}")
+                         f"{'+'.join(r['levels']):<12} {r.get('kind', '-'):<10} {_layout_text(r['layout'])}")
         elif "error" in r:
             lines.append(f"{r['checkpoint']:<20} {'unreadable':<12} {r['error']}")
         else:

@@ -103,6 +103,8 @@ class CheckpointJob:
     committed: threading.Event = dataclasses.field(default_factory=threading.Event)
     manifest: dict | None = None
     blocked_s: float = 0.0  # time the training thread spent inside save/wait_snapshot for it
+    #: When it was blocked: (monotonic start, seconds) of each save/wait_snapshot call counted in ``blocked_s``.
+    blocked_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
     error: BaseException | None = None  # set when abandoned under on_failure="continue"
     committed_at: float | None = None
     #: Whether retention runs after this commit, and its own ``keep_last`` (None: the config's).

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Callable
 
 import xxhash
 
@@ -37,8 +38,12 @@ class Problem:
         return f"{self.path}: {self.what}" if self.path.startswith(self.checkpoint + "/") else f"{self.checkpoint}/{self.path}: {self.what}"
 
 
-def verify_checkpoint(root: str, checkpoint: str, deep: bool = True) -> list[Problem]:
-    """Every problem of one checkpoint (empty if it is committed and intact)."""
+def verify_checkpoint(root: str, checkpoint: str, deep: bool = True,
+                      progress: "Callable[[int, int], None] | None" = None) -> list[Problem]:
+    """Every problem of one checkpoint (empty if it is committed and intact).
+
+    ``progress(nbytes, files)`` is called as bytes are read and files finished (for a progress display).
+    """
     ckpt_dir = os.path.join(root, checkpoint)
     try:
         manifest = read_manifest(ckpt_dir)
@@ -63,17 +68,31 @@ def verify_checkpoint(root: str, checkpoint: str, deep: bool = True) -> list[Pro
         entry = index.entry(name)
         for check in (_check_tensor_file, _check_state_file):
             try:
-                check(root, entry, manifest["run_id"], deep)
+                check(root, entry, manifest["run_id"], deep, progress)
             except CheckpointError as exc:
                 rel = entry["tensor_file" if check is _check_tensor_file else "state_file"]
                 what = str(exc)
                 for prefix in (os.path.join(root, rel) + ": ", os.path.join(root, rel) + " "):
                     what = what.removeprefix(prefix)
                 problems.append(Problem(checkpoint, rel, f"{what} (rank {entry['rank']})"))
+        if progress is not None:
+            progress(0, 1)
     return problems
 
 
-def _check_tensor_file(root: str, entry: dict, run_id: str, deep: bool) -> None:
+def checkpoint_bytes(root: str, checkpoint: str) -> tuple[int, int]:
+    """(bytes, files) a deep verify of ``checkpoint`` reads, from its manifest; (0, 0) if it has none."""
+    try:
+        manifest = read_manifest(os.path.join(root, checkpoint))
+    except CheckpointError:
+        return 0, 0
+    if manifest is None:
+        return 0, 0
+    files = manifest["files"].values()
+    return sum(f["size"] + f["state_size"] for f in files), len(manifest["files"])
+
+
+def _check_tensor_file(root: str, entry: dict, run_id: str, deep: bool, progress=None) -> None:
     path = os.path.join(root, entry["tensor_file"])
     fd = open_regular(path)
     try:
@@ -86,12 +105,14 @@ def _check_tensor_file(root: str, entry: dict, run_id: str, deep: bool) -> None:
             raise CheckpointError(f"{path}: bad safetensors header: {exc}") from None
         check_tensor_file(entry, header, run_id, path)
         if deep:
-            _check_digests(fd, path, entry, header.data_start)
+            _check_digests(fd, path, entry, header.data_start, progress)
+        elif progress is not None:
+            progress(entry["size"], 0)
     finally:
         os.close(fd)
 
 
-def _check_digests(fd: int, path: str, entry: dict, data_start: int) -> None:
+def _check_digests(fd: int, path: str, entry: dict, data_start: int, progress=None) -> None:
     """One sequential pass: the whole file's xxh3-64 and every tensor's (tensors cover the data)."""
     whole = xxhash.xxh3_64()
     whole.update(_read(fd, path, 0, data_start))
@@ -102,6 +123,8 @@ def _check_digests(fd: int, path: str, entry: dict, data_start: int) -> None:
             block = _read(fd, path, lo, min(_BLOCK, end - lo))
             digest.update(block)
             whole.update(block)
+            if progress is not None:
+                progress(len(block), 0)
         if digest.hexdigest() != entry["tensors"][name]["xxh3_64"]:
             raise CheckpointError(f"{path}: checksum mismatch (xxh3-64) in tensor {name!r}: the bytes changed")
     if whole.hexdigest() != entry["xxh3_64"]:
@@ -115,9 +138,12 @@ def _read(fd: int, path: str, offset: int, length: int) -> bytes:
     return data
 
 
-def _check_state_file(root: str, entry: dict, run_id: str, deep: bool) -> None:
+def _check_state_file(root: str, entry: dict, run_id: str, deep: bool, progress=None) -> None:
     path = os.path.join(root, entry["state_file"])
-    codec.check(read_sidecar(path, entry, verify=deep), entry["tensors"], where=path)
+    state = read_sidecar(path, entry, verify=deep)
+    if progress is not None:
+        progress(entry["state_size"], 0)
+    codec.check(state, entry["tensors"], where=path)
 
 
 def problem_of(root: str, checkpoint: str, exc: CheckpointError) -> Problem:
@@ -141,7 +167,8 @@ def checkpoints_under(root: str) -> list[str]:
                   and os.path.lexists(os.path.join(root, n, MANIFEST)))
 
 
-def verify_root(root: str, iteration_checkpoint: str | None = None, deep: bool = True) -> tuple[list[str], list[Problem]]:
+def verify_root(root: str, iteration_checkpoint: str | None = None, deep: bool = True,
+                progress: "Callable[[int, int], None] | None" = None) -> tuple[list[str], list[Problem]]:
     """(checkpoints checked, problems): one checkpoint if named, else every committed one."""
     if not os.path.isdir(root):
         raise CheckpointError(f"{root} is not a directory")
@@ -150,5 +177,5 @@ def verify_root(root: str, iteration_checkpoint: str | None = None, deep: bool =
     names = [iteration_checkpoint] if iteration_checkpoint is not None else checkpoints_under(root)
     problems: list[Problem] = []
     for name in names:
-        problems += verify_checkpoint(root, name, deep)
+        problems += verify_checkpoint(root, name, deep, progress)
     return names, problems

@@ -67,6 +67,10 @@ from megatron_ext.megatron.shard_assembly import SavedShards
 log = logging.getLogger("megatron_ext.megatron")
 
 DP_RESHARDABLE = "dp_reshardable"
+DP_ZERO = "dp_zero_gather_scatter"
+#: megatron-core's own optimizer formats (checkpoints converted from torch_dist): megatron-core builds
+#: the state dict to load into, on the saved layout.
+NATIVE_FORMATS = (DP_RESHARDABLE, DP_ZERO)
 READER_CACHE_GB = 1 / 1024  # a load's own engine: rounded up to one chunk (staging for O_DIRECT reads)
 
 
@@ -280,14 +284,21 @@ class MegatronCheckpointer:
                                                        args, strict, skip_load_to_model_and_opt)
             except CheckpointError as exc:
                 error = exc
-            # On the world's device (CUDA under NCCL, which refuses host tensors).
-            if not all_reduce_int(0 if error is None else 1, torch.distributed.ReduceOp.MAX):
+            # On the world's device (CUDA under NCCL, which refuses host tensors): 0 loaded, 1 damaged,
+            # 2 saved from another model (every older checkpoint of the run would be too).
+            outcome = 0 if error is None else 2 if isinstance(error, ModelMismatch) else 1
+            outcome = all_reduce_int(outcome, torch.distributed.ReduceOp.MAX)
+            if not outcome:
                 log.warning("[datastates] loaded %s from %s (%s level) in %.2fs: iteration %d",
                             checkpoint_name(candidate), root, levels, time.monotonic() - started, result[0])
                 if getattr(args, "save", None):  # now, so its cache is ready before the first save's copies
                     self.get_engine(args, *self._loaded_bytes)
                 return tuple(result)
-            reason = str(error) if error is not None else "damaged on another rank"
+            reason = str(error) if error is not None else "it fails on another rank"
+            if outcome == 2:  # no older checkpoint of the same run fits this model better
+                raise CheckpointError(f"{checkpoint_name(candidate)} in {root} does not fit this model: {reason}. "
+                                      "Check the model and parallelism flags against the ones it was saved with "
+                                      "(`megatron-ext inspect` shows its layout)") from error
             if n + 1 < len(candidates):
                 log.warning("[datastates] %s cannot be loaded (%s); falling back to %s", checkpoint_name(candidate),
                             reason, checkpoint_name(candidates[n + 1]))
@@ -364,16 +375,17 @@ class MegatronCheckpointer:
             _carry_args(native, args, saved_args)
 
         common = ckpt.reader(zero_name).part(COMMON)
-        optimizer_format = (common.get("optimizer") or {}).get("param_state_sharding_type")
+        optimizer_format = _optimizer_format(common.get("optimizer"))
         with_optimizer = (optimizer is not None and not release and not finetune
                           and not getattr(args, "no_load_optim", False))
         if with_optimizer and "optimizer" not in common:
             raise CheckpointError(f"{ckpt.checkpoint} holds no optimizer state (saved with --no-save-optim); "
                                   "pass --no-load-optim or --finetune to load it without")
-        if with_optimizer and optimizer_format == DP_RESHARDABLE and saved_shards is not None:
-            raise CheckpointError(f"{ckpt.checkpoint} holds the optimizer in bucket space (dp_reshardable), which "
-                                  "loads on the saved TP/PP/DP layout only")
-        if with_optimizer and optimizer_format != DP_RESHARDABLE:  # before anything is read or allocated
+        if with_optimizer and optimizer_format in NATIVE_FORMATS and saved_shards is not None:
+            raise CheckpointError(f"{ckpt.checkpoint} holds the optimizer in megatron-core's {optimizer_format} format "
+                                  "(converted from torch_dist), which loads on the saved TP/PP/DP layout only; "
+                                  "torch_dist checkpoints in fully_reshardable convert to a reshardable one")
+        if with_optimizer and optimizer_format not in NATIVE_FORMATS:  # before anything is read or allocated
             optimizer_state.check_stored_form(optimizer, common.get("optimizer"), checkpoint=ckpt.checkpoint,
                                               resharding=saved_shards is not None)
         if with_optimizer and not optimizer_state.saved_before_first_step(common.get("optimizer")):
@@ -384,6 +396,9 @@ class MegatronCheckpointer:
         missing: list[str] = []
         prefetched = {} if saved_shards is not None else _read_own_shards(ckpt, tensor_index, sharded)
         object_sources: dict[int, str] = {}  # id of a loaded object -> its file and shard id
+        # Converted from fully_reshardable: the optimizer's boxes are whole, each rank's slices are cut from them.
+        boxes = (saved_shards or SavedShards(ckpt)) if with_optimizer and optimizer_state.whole_boxes(
+            common.get("optimizer")) else None
 
         def fill(leaf: Any) -> Any:
             if not isinstance(leaf, (ShardedTensor, ShardedObject)):
@@ -401,6 +416,8 @@ class MegatronCheckpointer:
             if saved_shards is not None:
                 return _same_kind(sid, _assemble(saved_shards, leaf), leaf)
             if sid not in prefetched:
+                if boxes is not None and leaf.key.startswith("optimizer.state."):
+                    return _same_kind(sid, _assemble(boxes, leaf), leaf)
                 missing.append(sid)
                 return None
             tensor = _same_kind(sid, prefetched[sid], leaf)
@@ -408,14 +425,14 @@ class MegatronCheckpointer:
             if tuple(tensor.shape) != expected:
                 # A shard converted from torch_dist keeps megatron-core's prepended axes of size 1.
                 if [n for n in tensor.shape if n != 1] != [n for n in expected if n != 1]:
-                    raise CheckpointError(f"shard {sid}: checkpoint has shape {tuple(tensor.shape)}, "
+                    raise ModelMismatch(f"shard {sid}: checkpoint has shape {tuple(tensor.shape)}, "
                                           f"the model {expected}")
                 tensor = tensor.view(expected)
             return tensor
 
         dict_list_map_inplace(fill, sharded)
         if missing:
-            raise CheckpointError(f"{len(missing)} shard(s) needed by this rank are not in the checkpoint, e.g. "
+            raise ModelMismatch(f"{len(missing)} shard(s) needed by this rank are not in the checkpoint, e.g. "
                                   f"{missing[:3]}; was it saved from a different model or parallel layout?")
         merge(common, nonpersistent)
         merge(common, sharded)
@@ -433,9 +450,12 @@ class MegatronCheckpointer:
                 _load_model_chunk(chunk, state[key], strict)
         if with_optimizer:
             if not skip_load_to_model_and_opt:
-                if optimizer_format == DP_RESHARDABLE:
-                    optimizer.load_state_dict(state["optimizer"])
-                    optimizer_state.sync_hybrid(optimizer)  # --optimizer-cpu-offload: its loader does not
+                if optimizer_format in NATIVE_FORMATS:
+                    with optimizer_state.steps_set_aside(optimizer):
+                        optimizer.load_state_dict(state["optimizer"])
+                    # --optimizer-cpu-offload: megatron-core's dp_reshardable and dp_zero_gather_scatter
+                    # readers set HDO.state without handing it to the sub-optimizers.
+                    optimizer_state.sync_hybrid(optimizer)
                     optimizer_state.restore_adam_steps(optimizer)
                 else:
                     optimizer_state.check_param_groups(optimizer, state["optimizer"])
@@ -456,6 +476,10 @@ class MegatronCheckpointer:
         # point, and a rank that failed is already waiting in it.
         levels = "/".join(sorted(ckpt.levels_used)) or "no"
         return loaded_iteration, meta.get("num_floating_point_operations_so_far", 0), levels
+
+
+class ModelMismatch(CheckpointError):
+    """The checkpoint is intact but was saved from another model (shapes, keys): not a damaged one."""
 
 
 # ---------------------------------------------------------------------------- the entry points Megatron-LM calls
@@ -626,18 +650,29 @@ def _sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_
                    is_loading: bool = False) -> dict:
     """The sharded state dict saved (model-space optimizer) or to load into (the checkpoint's optimizer format).
 
-    ``dp_reshardable`` (megatron-core's bucket-space format, which checkpoints converted from
-    torch_dist and those saved before the model-space format carry) is built by megatron-core.
+    megatron-core's own formats (``NATIVE_FORMATS``: bucket-space ``dp_reshardable`` and the gathered
+    ``dp_zero_gather_scatter``, which checkpoints converted from torch_dist carry, and
+    ``dp_reshardable`` those saved before the model-space format) are built by megatron-core.
     """
     metadata = _model_metadata()
     sharded = {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(_model_keys(model), model)}
     if with_optimizer and optimizer is not None:
-        if optimizer_format == DP_RESHARDABLE:
+        if optimizer_format in NATIVE_FORMATS:
             sharded["optimizer"] = optimizer.sharded_state_dict(
-                sharded, is_loading=True, metadata={**metadata, "distrib_optim_sharding_type": DP_RESHARDABLE})
+                sharded, is_loading=True, metadata={**metadata, "distrib_optim_sharding_type": optimizer_format})
         else:
             sharded["optimizer"] = optimizer_state.model_space_state_dict(optimizer, sharded, is_loading)
     return sharded
+
+
+def _optimizer_format(saved: Any) -> str | None:
+    """The optimizer format of a checkpoint's common ``optimizer`` state (chained optimizers: all the same)."""
+    states = [saved] if isinstance(saved, dict) and "param_state_sharding_type" in saved else \
+        [v for v in (saved or {}).values() if isinstance(v, dict)] if isinstance(saved, dict) else []
+    kinds = {s.get("param_state_sharding_type") for s in states if "param_state_sharding_type" in s}
+    if len(kinds) > 1:
+        raise CheckpointError(f"the chained optimizers were saved in different formats: {sorted(map(str, kinds))}")
+    return kinds.pop() if kinds else None
 
 
 def _parallel_layout() -> dict:
@@ -930,7 +965,7 @@ def _reshard_source(ckpt: Any, saved: dict, current: dict) -> SavedShards | None
 def _assemble(saved_shards: SavedShards, leaf: Any) -> torch.Tensor:
     """A ShardedTensor's data in this run's layout, from the saved shards of its key that overlap it."""
     if saved_shards.global_shape(leaf.key) != tuple(leaf.global_shape):
-        raise CheckpointError(f"{leaf.key}: checkpoint has global shape {saved_shards.global_shape(leaf.key)}, "
+        raise ModelMismatch(f"{leaf.key}: checkpoint has global shape {saved_shards.global_shape(leaf.key)}, "
                               f"the model {tuple(leaf.global_shape)}")
     return saved_shards.read_shard(leaf.key, leaf.global_offset, leaf.local_shape, leaf.prepend_axis_num,
                                    leaf.flattened_range)

@@ -1,21 +1,45 @@
 """``megatron-ext convert``: this project's checkpoints to megatron-core ``torch_dist`` and back.
 
 Both directions run in one process (a gloo world of 1) and keep Megatron's layout:
-``<out>/iter_NNNNNNN/`` plus ``<out>/latest_checkpointed_iteration.txt``.
+``<out>/iter_NNNNNNN/`` plus ``<out>/latest_checkpointed_iteration.txt``. Either side may be
+named by its save directory (the newest committed checkpoint, or the tracker's, unless
+``--iteration``/``--checkpoint`` says which) or by the checkpoint's own directory.
+
+Optimizer formats, every one megatron-core 0.16.1 writes for a distributed optimizer:
+
+=============================  =============================================  ==================================
+torch_dist format              to datastates                                   back to torch_dist
+=============================  =============================================  ==================================
+``dp_reshardable`` (default)   bucket-space tensors and objects as they are;  ``dp_reshardable``
+                               loads on the saved layout only
+``fully_reshardable``          whole parameter boxes, stored in this           ``fully_reshardable``
+(``--dist-ckpt-optim-fully-    project's model-space format (the loader cuts
+reshardable``, also its        each rank's flat slice out of them): loads on
+``mem_efficient`` variant)     any TP/PP/DP layout
+``dp_zero_gather_scatter``     data-parallel rank 0's gathered state as one    ``dp_zero_gather_scatter``
+(deprecated, still written     object; the loader scatters it as megatron-core
+on request)                    does; same TP x PP, any DP
+no distributed optimizer       per-parameter tensors as they are               the same
+=============================  =============================================  ==================================
+
+Refused, naming the format: ``fully_sharded_model_space`` (megatron-core 0.16.1 cannot write it:
+its ``ShardedTensor`` rejects ``flattened_range``), ``fsdp_dtensor`` (Megatron FSDP, which
+``--use-datastates`` does not support) and anything else.
 
 To ``torch_dist``: every saved shard becomes a ``ShardedTensor`` / ``ShardedObject`` with the
 metadata recorded at save time and is written by megatron-core's ``dist_checkpointing.save``.
 Optimizer state saved in model space (``optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>``, flat
-per-data-parallel slices) is joined into whole parameter boxes and written in megatron-core's ``fully_reshardable``
-format (``optimizer.state.param.<key>``), which megatron-core loads onto any layout; bucket-space
-``dp_reshardable`` state is written as it is. The checkpoint's ``content_metadata`` names the
-format, as Megatron-LM's checkpoints do, so a loader builds the matching state dict.
+per-data-parallel slices, or whole boxes after a conversion) is joined into whole parameter boxes
+and written in megatron-core's ``fully_reshardable`` format (``optimizer.state.param.<key>``), which
+megatron-core loads onto any layout; the other formats are written as they are. The checkpoint's
+``content_metadata`` names the format, as Megatron-LM's checkpoints do, so a loader builds the
+matching state dict.
 
 From ``torch_dist``: megatron-core's metadata (``load_sharded_metadata``) lists every tensor and
 object; the tensors are cut into the chunks the original ranks wrote (the DCP metadata's chunks),
 which are the shards of that layout, spread over as many rank files as the run had ranks and
 written by the engine itself (one engine per rank, one run id), so the result is a committed
-checkpoint with manifest and tracker that ``--use-datastates`` resumes from on the same layout.
+checkpoint with manifest and tracker that ``--use-datastates`` resumes from.
 
 The non-sharded state is mapped between the two containers: this adapter's ``meta`` (iteration,
 scheduler, args, layout) and per-rank ``rng`` vs the reference trainer's ``iteration``,
@@ -26,7 +50,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
+import math
 import os
+import re
 import uuid
 from typing import Any, Iterator
 
@@ -35,14 +62,36 @@ import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError
 from megatron_ext.megatron import checkpoint_layout as ckpt_layout
-from megatron_ext.megatron.export import open_iteration, saved_meta
+from megatron_ext.megatron.export import open_committed, saved_meta
 from megatron_ext.megatron.safe_classes import megatron_safe_classes
 from megatron_ext.megatron.shard_assembly import SavedShards
 
 MODEL_SPACE_STATE = "optimizer.state."  # + {fp32_param, exp_avg, exp_avg_sq}.<model key>
 MODEL_SPACE = "fully_sharded_model_space"
 FULLY_RESHARDABLE = "fully_reshardable"
+DP_RESHARDABLE = "dp_reshardable"
+DP_ZERO = "dp_zero_gather_scatter"
+#: megatron-core's torch_dist optimizer formats that convert to this project's format.
+CONVERTIBLE = (DP_RESHARDABLE, FULLY_RESHARDABLE, DP_ZERO)
 RNG_KEY = "rng_state"
+FP32_PARAM, PARAM = MODEL_SPACE_STATE + "fp32_param.", MODEL_SPACE_STATE + "param."
+
+
+def optimizer_states(saved: Any) -> list[dict]:
+    """Each (chained) distributed optimizer's part of a common ``optimizer`` state (the dicts themselves)."""
+    if not isinstance(saved, dict):
+        return []
+    if "param_state_sharding_type" in saved:
+        return [saved]
+    return [v for v in saved.values() if isinstance(v, dict) and "param_state_sharding_type" in v]
+
+
+def sharding_type_of(saved: Any) -> str | None:
+    """The one optimizer format of a common ``optimizer`` state (None: no distributed optimizer)."""
+    kinds = {state.get("param_state_sharding_type") for state in optimizer_states(saved)}
+    if len(kinds) > 1:
+        raise CheckpointError(f"the chained optimizers were saved in different formats: {sorted(map(str, kinds))}")
+    return kinds.pop() if kinds else None
 
 
 @contextlib.contextmanager
@@ -79,54 +128,107 @@ def _sharded_tensor(key: str, data: torch.Tensor, meta: dict) -> Any:
                          replica_id=0, prepend_axis_num=meta.get("prepend_axis_num", 0))
 
 
-def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
-    """Write iteration ``iteration`` of the datastates checkpoints under ``root`` as ``torch_dist`` in ``out``."""
+def _datastates_source(source: Any, iteration: int | None, checkpoint: str | None) -> Any:
+    """The committed Megatron checkpoint ``source`` names (a ``locate.Located`` or a path)."""
+    from megatron_ext import locate
+
+    located = source if isinstance(source, locate.Located) else locate.resolve(source, iteration, checkpoint)
+    if located.kind != locate.MEGATRON:
+        from megatron_ext.engine.verify import verify_checkpoint
+
+        # Damage first, as every tool reports it (reports, sizes, headers; no checksums): a damaged
+        # checkpoint is named as such, whatever its kind.
+        problems = verify_checkpoint(located.root, located.name, deep=False)
+        if problems:
+            raise CheckpointError(f"{located.root}/{problems[0]}")
+        hint = ("`megatron-ext export` gives its consolidated weights" if located.kind == locate.DEEPSPEED else
+                "only checkpoints saved by the Megatron adapter (--use-datastates) have a torch_dist form")
+        raise CheckpointError(f"{located.path} is {locate.describe_kind(located.kind)}, not one the Megatron adapter "
+                              f"saved (iter_*); {hint}")
+    return located
+
+
+def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = None, *,
+                  checkpoint: str | None = None, progress: Any = None) -> dict[str, Any]:
+    """Write a committed Megatron datastates checkpoint as ``torch_dist`` in ``out``.
+
+    ``source``: a save directory (with ``iteration``/``checkpoint``, else the newest committed
+    checkpoint) or one checkpoint's directory, or a ``locate.Located``. ``progress``: a
+    ``megatron_ext.progress.Progress`` (bytes of the shards read).
+    """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_ext.megatron.optimizer_state import describe, is_plain, saved_forms
+    from megatron_ext.megatron.optimizer_state import OWN_KEYS, describe, is_plain, saved_forms
 
-    committed = open_iteration(root, iteration)
+    if out is None:
+        raise ValueError("convert needs an output directory")
+    located = _datastates_source(source, iteration, checkpoint)
+    committed = open_committed(located.root, located.name, located.manifest)
     meta = saved_meta(committed)
+    iteration = meta["iteration"]
     common = committed.reader(ckpt_layout.file_of_rank(committed.manifest, 0)).part(ckpt_layout.COMMON)
     if not isinstance(common, dict):
         raise CheckpointError(f"{committed.checkpoint}: rank 0's common state is not a dict")
     stored = [form for form in saved_forms(common.get("optimizer")) if not is_plain(form)]
     if stored:  # megatron-core's torch_dist optimizer formats hold unscaled fp32 state
-        raise CheckpointError(f"{ckpt_layout.checkpoint_dir(root, iteration)}: its optimizer state is in the stored "
+        raise CheckpointError(f"{located.path}: its optimizer state is in the stored "
                               f"form of --use-precision-aware-optimizer ({describe(stored[0])}), which megatron-core's "
                               "torch_dist optimizer formats do not hold; convert does not support it (the model "
                               "weights export with `megatron-ext export`)")
     layout = meta["layout"]
+    optimizer = common.get("optimizer")
+    sharding_type = sharding_type_of(optimizer)
+    model_space = sharding_type == MODEL_SPACE
     shards = SavedShards(committed)
     shards.check()  # every shard's metadata and tensor, every key covered: before anything is written
     target = _new_checkpoint_dir(out, iteration)
 
+    def renamed(key: str) -> str:
+        # fully_reshardable names the fp32 main copy "param" where the model-space format says "fp32_param".
+        return PARAM + key[len(FP32_PARAM):] if model_space and key.startswith(FP32_PARAM) else key
+
+    pieces = shards.shard_meta()
+    if progress is not None:
+        progress.total_bytes = sum(_piece_bytes(piece) for _, _, piece in pieces)
+        progress.total_files = len(committed.manifest["files"])
     tensors: list[Any] = []
     objects: list[Any] = []
     boxes: dict[tuple, dict] = {}  # model-space optimizer state: one whole box per parameter shard
-    for name, sid, piece in shards.shard_meta():
+    files_done: set[str] = set()
+    for name, sid, piece in pieces:
         reader = committed.reader(name)
         if "local_shape" not in piece:
             objects.append(ShardedObject(piece["key"], reader.part("shards", "objects", sid),
                                          tuple(piece["global_shape"]), tuple(piece["global_offset"]), replica_id=0))
         elif piece.get("flattened_range") is None:
-            tensors.append(_sharded_tensor(piece["key"], reader.part("shards", "tensors", sid), piece))
+            tensors.append(_sharded_tensor(renamed(piece["key"]), reader.part("shards", "tensors", sid), piece))
         elif piece["key"].startswith(MODEL_SPACE_STATE):
             boxes.setdefault((piece["key"], tuple(piece["global_offset"]), tuple(piece["local_shape"])), piece)
+            continue  # read below, joined
         else:
             raise CheckpointError(f"shard {sid}: a flattened slice of {piece['key']}, which no torch_dist "
                                   "format of megatron-core 0.16.1 stores")
+        if progress is not None:
+            progress.update(_piece_bytes(piece), int(name not in files_done))
+            files_done.add(name)
     for (key, offset, local_shape), piece in sorted(boxes.items()):
         data = shards.read_shard(key, offset, local_shape, piece.get("prepend_axis_num", 0))
-        # fully_reshardable names the fp32 main copy "param" where the model-space format says "fp32_param".
-        tensors.append(_sharded_tensor(key.replace(MODEL_SPACE_STATE + "fp32_param.", MODEL_SPACE_STATE + "param.", 1),
-                                       data, piece))
+        tensors.append(_sharded_tensor(renamed(key), data, piece))
+        if progress is not None:
+            progress.update(data.numel() * data.element_size())
 
-    optimizer = dict(common.get("optimizer") or {})
-    sharding_type = optimizer.get("param_state_sharding_type")
-    if sharding_type == MODEL_SPACE:
-        sharding_type = optimizer["param_state_sharding_type"] = FULLY_RESHARDABLE
+    optimizer = copy.copy(optimizer)
+    if isinstance(optimizer, dict) and "param_state_sharding_type" not in optimizer:
+        optimizer = {k: copy.copy(v) if isinstance(v, dict) else v for k, v in optimizer.items()}
+    for state in optimizer_states(optimizer):
+        for own in OWN_KEYS:  # this project's records; megatron-core's formats do not have them
+            if own != "param_state_sharding_type":
+                state.pop(own, None)
+        if model_space:
+            state["param_state_sharding_type"] = FULLY_RESHARDABLE
+    if model_space:
+        sharding_type = FULLY_RESHARDABLE
     rng_objects = []
     for name, entry in sorted(committed.manifest["files"].items()):
         rank_layout = ckpt_layout.rank_layout_of(entry, name)
@@ -150,26 +252,65 @@ def to_torch_dist(root: str, iteration: int, out: str) -> dict[str, Any]:
         "num_floating_point_operations_so_far": meta.get("num_floating_point_operations_so_far", 0),
     }
     content = {"distrib_optim_sharding_type": sharding_type} if sharding_type else None
+    if progress is not None:
+        progress.note(f"writing {len(tensors)} tensors and {len(objects)} objects with megatron-core's "
+                      "dist_checkpointing.save")
     with single_process_group():
         os.makedirs(target)
         dist_checkpointing.save(state, target, sharded_strategy=("torch_dist", 1), content_metadata=content)
     ckpt_layout.write_tracker(out, iteration)
-    return {"out": target, "iteration": iteration, "tensors": len(tensors), "objects": len(objects),
-            "rng_states": len(rng_objects), "optimizer_format": sharding_type}
+    return {"source": located.path, "out": target, "iteration": iteration, "tensors": len(tensors),
+            "objects": len(objects), "rng_states": len(rng_objects), "optimizer_format": sharding_type}
+
+
+def _piece_bytes(piece: dict) -> int:
+    if "local_shape" not in piece:
+        return 0
+    from megatron_ext.megatron.shard_assembly import SHARD_DTYPES
+
+    numel = math.prod(piece["local_shape"])
+    if piece.get("flattened_range") is not None:
+        start, stop = piece["flattened_range"]
+        numel = stop - start
+    return numel * SHARD_DTYPES[piece["dtype"]].itemsize  # validated by SavedShards
 
 
 # ------------------------------------------------------------------------------ from torch_dist
-def _source_checkpoint(source: str, iteration: int | None) -> tuple[str, int]:
-    """(checkpoint directory, iteration): the one asked for, else the one the Megatron tracker names."""
-    if iteration is None:
-        iteration = ckpt_layout.read_tracker(source)
+TORCH_DIST_METADATA = "metadata.json"
+
+
+def _source_checkpoint(source: str, iteration: int | None, checkpoint: str | None = None) -> tuple[str, int | None]:
+    """(checkpoint directory, iteration or None when only the checkpoint's common state says it).
+
+    ``source`` is a torch_dist save directory (then ``iteration`` or ``checkpoint`` names one,
+    else the Megatron tracker does) or one checkpoint's own directory (it holds ``metadata.json``).
+    """
+    source = os.path.normpath(source)
+    if os.path.isfile(os.path.join(source, TORCH_DIST_METADATA)):
+        name = os.path.basename(os.path.abspath(source))
+        match = re.fullmatch(r"iter_(\d+)", name)
+        own = int(match.group(1)) if match else None
+        if (iteration is not None and iteration != own) or (checkpoint is not None and checkpoint != name):
+            raise CheckpointError(f"{source} is checkpoint {name}, but --iteration/--checkpoint asks for another")
+        return source, own
+    if not os.path.isdir(source):
+        raise CheckpointError(f"{source} is not a directory")
+    if checkpoint is not None:
+        path = os.path.join(source, checkpoint)
+        match = re.fullmatch(r"iter_(\d+)", checkpoint)
+        iteration = int(match.group(1)) if match else None
+    else:
         if iteration is None:
-            raise CheckpointError(f"{source} has no {ckpt_layout.TRACKER_FILE}; pass --iteration N or the save "
-                                  "directory of a torch_dist run")
-    path = ckpt_layout.checkpoint_dir(source, iteration)
-    if not os.path.exists(os.path.join(path, "metadata.json")):
-        raise CheckpointError(f"{path} is not a megatron-core distributed checkpoint (no metadata.json)")
-    return path, iteration
+            iteration = ckpt_layout.read_tracker(source)
+            if iteration is None:
+                raise CheckpointError(f"{source} has no {ckpt_layout.TRACKER_FILE}; pass --iteration N, or the "
+                                      "save directory of a torch_dist run, or one iter_* directory of it")
+        path = ckpt_layout.checkpoint_dir(source, iteration)
+    if not os.path.exists(os.path.join(path, TORCH_DIST_METADATA)):
+        why = "a datastates checkpoint: convert it --to torch_dist" if ckpt_layout.is_datastates_checkpoint(path) \
+            else "no metadata.json"
+        raise CheckpointError(f"{path} is not a megatron-core distributed checkpoint ({why})")
+    return path, (None if iteration == ckpt_layout.RELEASE else iteration)
 
 
 def _rank_of(tp_rank: int, pp_rank: int, dp_rank: int, layout: dict) -> int:
@@ -178,15 +319,21 @@ def _rank_of(tp_rank: int, pp_rank: int, dp_rank: int, layout: dict) -> int:
 
 
 def from_torch_dist(source: str, out: str, iteration: int | None = None,
-                    host_cache_gib: float = 0.25) -> dict[str, Any]:
-    """Write a torch_dist checkpoint under ``source`` (default: the tracker's) as a committed datastates one in ``out``."""
+                    host_cache_gib: float = 0.25, *, checkpoint: str | None = None,
+                    progress: Any = None) -> dict[str, Any]:
+    """Write a torch_dist checkpoint (``source``: its save directory, default the tracker's, or its own
+    directory) as a committed datastates one in ``out``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    ckpt, iteration = _source_checkpoint(source, iteration)
+    from megatron_ext.megatron.optimizer_state import BOXES, PLAIN_FORM, STORED_FORM
+
+    ckpt, iteration = _source_checkpoint(source, iteration, checkpoint)
+    if progress is not None:
+        progress.note(f"reading {ckpt} with megatron-core's dist_checkpointing.load")
     with single_process_group():
         common = dist_checkpointing.load_common_state_dict(ckpt)
         template = load_sharded_metadata(ckpt)
@@ -201,21 +348,42 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
     args = argparse.Namespace(**args) if isinstance(args, dict) else args
     if args is None:
         raise CheckpointError(f"{ckpt} has no args in its common state: its parallel layout is unknown")
+    if iteration is None:
+        iteration = common.get("iteration")
+        if not isinstance(iteration, int):
+            raise CheckpointError(f"{ckpt}: its common state names no iteration")
     layout = {"tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
               "dp": getattr(args, "data_parallel_size", None)}
     if layout["dp"] is None:
         layout["dp"] = args.world_size // (layout["tp"] * layout["pp"])
     world = layout["tp"] * layout["pp"] * layout["dp"]
     content = dist_checkpointing.load_content_metadata(preloaded_state_dict=common) or {}
-    optimizer_common = dict(common.get("optimizer") or {})
-    sharding_type = optimizer_common.get("param_state_sharding_type", content.get("distrib_optim_sharding_type"))
-    if sharding_type not in (None, "dp_reshardable"):
-        raise CheckpointError(f"{ckpt}: optimizer format {sharding_type!r}; only dp_reshardable (Megatron-LM's "
-                              "default) converts to this project's format on the same layout")
+    optimizer_common = copy.deepcopy(common.get("optimizer") or {})
+    sharding_type = sharding_type_of(optimizer_common) or (
+        content.get("distrib_optim_sharding_type") if optimizer_states(optimizer_common) else None)
+    if sharding_type not in (None, *CONVERTIBLE):
+        why = {MODEL_SPACE: "megatron-core 0.16.1 can neither write nor read it (its ShardedTensor rejects "
+                            "flattened_range); load it with the megatron-core that wrote it and save it again in "
+                            "fully_reshardable",
+               "fsdp_dtensor": "Megatron FSDP's format; --use-datastates does not support FSDP"}.get(
+            sharding_type, "not a format megatron-core 0.16.1 writes")
+        raise CheckpointError(f"{ckpt}: optimizer format {sharding_type!r}: {why}. convert takes "
+                              f"{', '.join(CONVERTIBLE)} and checkpoints without a distributed optimizer")
+    fully_reshardable = sharding_type == FULLY_RESHARDABLE
+    if fully_reshardable:
+        # Whole parameter boxes: this project's model-space format, whose loader cuts each rank's
+        # flat slice out of them (BOXES), on any layout. "param" is the model-space "fp32_param".
+        for state in optimizer_states(optimizer_common):
+            state.pop("param_state", None)
+            state.update({"param_state_sharding_type": MODEL_SPACE, STORED_FORM: dict(PLAIN_FORM), BOXES: True})
 
     per_rank = [{"tensors": {}, "objects": {}, "meta": {}} for _ in range(world)]
     load = [0] * world
     rngs: dict[int, dict] = {}
+    if progress is not None:
+        progress.total_bytes = sum(loaded[k].numel() * loaded[k].element_size() * 2 for k, d in described.items()
+                                   if not d[3] and isinstance(loaded.get(k), torch.Tensor))
+        progress.total_files = world
     for key, (object_key, object_offset, object_shape, is_object) in sorted(described.items()):
         value = loaded[key]
         if is_object:
@@ -233,16 +401,22 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
                                            "global_offset": list(object_offset)}
             load[owner] += 64
             continue
+        saved_key = key
+        if fully_reshardable and key.startswith(PARAM):
+            saved_key = FP32_PARAM + key[len(PARAM):]
         for chunk in chunks[key]:
             offset, size = tuple(chunk.offsets), tuple(chunk.sizes)
             data = value[tuple(slice(o, o + s) for o, s in zip(offset, size))].clone()
-            sid = f"{key}@{','.join(str(o) for o in offset)}"
+            sid = f"{saved_key}@{','.join(str(o) for o in offset)}"
             owner = min(range(world), key=lambda r: (load[r], r))
             per_rank[owner]["tensors"][sid] = data
-            per_rank[owner]["meta"][sid] = {"key": key, "global_shape": list(value.shape), "global_offset": list(offset),
-                                           "local_shape": list(size), "dtype": str(data.dtype).removeprefix("torch."),
+            per_rank[owner]["meta"][sid] = {"key": saved_key, "global_shape": list(value.shape),
+                                           "global_offset": list(offset), "local_shape": list(size),
+                                           "dtype": str(data.dtype).removeprefix("torch."),
                                            "axis_fragmentations": [], "prepend_axis_num": 0}
             load[owner] += data.numel() * data.element_size()
+            if progress is not None:
+                progress.update(data.numel() * data.element_size())
     missing = sorted(set(range(world)) - set(rngs))
     if missing:
         raise CheckpointError(f"{ckpt}: no rng_state for rank(s) {missing[:8]} of the {world}-rank layout {layout}")
@@ -275,10 +449,13 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
             engine.save(state, name, ckpt_layout.rank_file_name(rank), version=iteration,
                         extra=ckpt_layout.rank_extra(per_rank[rank]["objects"], rank_layout))
             engine.commit(name, on_committed=ckpt_layout.tracker_writer(out, iteration, rank))
-        for engine in engines:
+        for rank, engine in enumerate(engines):
             engine.wait_persisted()
+            if progress is not None:
+                progress.update(sum(t.numel() * t.element_size() for t in per_rank[rank]["tensors"].values()), 1)
     finally:
         for engine in engines:
             engine.shutdown()
-    return {"out": os.path.join(out, name), "iteration": iteration, "ranks": world,
-            "shards": sum(len(p["meta"]) for p in per_rank), "layout": layout}
+    return {"source": ckpt, "out": os.path.join(out, name), "iteration": iteration, "ranks": world,
+            "shards": sum(len(p["meta"]) for p in per_rank), "layout": layout,
+            "optimizer_format": sharding_type, "loads_as": MODEL_SPACE if fully_reshardable else sharding_type}

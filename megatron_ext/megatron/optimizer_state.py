@@ -95,8 +95,12 @@ from megatron_ext.megatron import sharding
 MODEL_SPACE = "fully_sharded_model_space"
 BEFORE_FIRST_STEP = "saved_before_first_step"
 STORED_FORM = "datastates_stored_form"
+#: Set by ``megatron-ext convert`` from megatron-core's ``fully_reshardable``: the model-space state
+#: is held as whole parameter boxes, and each rank's flat slices are cut out of them at the load.
+BOXES = "datastates_whole_boxes"
 #: Keys of a distributed optimizer's common state that only this module reads.
-_OWN_KEYS = ("param_state", "param_state_sharding_type", BEFORE_FIRST_STEP, STORED_FORM)
+_OWN_KEYS = ("param_state", "param_state_sharding_type", BEFORE_FIRST_STEP, STORED_FORM, BOXES)
+OWN_KEYS = _OWN_KEYS
 
 _KINDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "fp8"}
 REMAINDERS = "bf16 + int16 remainders"  # fp32 main params as the bf16 model params plus their low 16 bits
@@ -140,7 +144,8 @@ def _sync_hybrid(opt: Any) -> None:
 def sync_hybrid(optimizer: Any) -> None:
     """``_sync_hybrid`` for each distributed optimizer: after a load by megatron-core's own ``load_state_dict``.
 
-    Its ``dp_reshardable`` reader sets ``HDO.state`` without passing it on to the sub-optimizers.
+    Its ``dp_reshardable`` and ``dp_zero_gather_scatter`` readers set ``HDO.state`` without passing
+    it on to the sub-optimizers (its ``fully_reshardable`` one does; a second sync is harmless).
     """
     for opt in _distributed(optimizer):
         _sync_hybrid(opt)
@@ -520,6 +525,11 @@ def check_stored_form(optimizer: Any, saved_common: Any, *, checkpoint: str, res
                 "load it on the layout it was saved with (or pass --no-load-optim)")
 
 
+def whole_boxes(saved_common: Any) -> bool:
+    """Whether a checkpoint's model-space optimizer state is held as whole parameter boxes (``BOXES``)."""
+    return any(isinstance(s, dict) and s.get(BOXES) for s in _common_states(saved_common))
+
+
 def saved_before_first_step(saved_common: Any) -> bool:
     """Whether a checkpoint's optimizer (its common part) was saved before the first step."""
     return any(isinstance(s, dict) and s.get(BEFORE_FIRST_STEP) for s in _common_states(saved_common))
@@ -641,6 +651,43 @@ def allocate_state(optimizer: Any) -> None:
                 inner.state[param] = {"step": torch.tensor(0.0, dtype=torch.float32),
                                       "exp_avg": torch.empty_like(param, memory_format=torch.preserve_format),
                                       "exp_avg_sq": torch.empty_like(param, memory_format=torch.preserve_format)}
+
+
+@contextlib.contextmanager
+def steps_set_aside(optimizer: Any) -> Iterator[None]:
+    """Within the block megatron-core's per-parameter state setter leaves torch Adam's ``step`` alone.
+
+    megatron-core 0.16.1 copies every entry of a parameter's optimizer state from the loaded
+    tensors (``_set_main_param_and_optimizer_states``), but its ``dp_zero_gather_scatter`` and
+    ``fully_reshardable`` loads hand it no ``step``, which only torch's Adam keeps per parameter
+    (a fused Adam on GPUs has none): it would fail with ``KeyError: 'step'``. ``restore_adam_steps``
+    sets ``step`` from the param groups afterwards.
+    """
+    patched = []
+    for opt in _distributed(optimizer):
+        setter = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if setter is None or not hasattr(opt, "model_param_group_index_map"):
+            continue
+
+        def set_states(model_param, tensors, opt=opt, setter=setter):
+            if "step" in tensors or getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+                return setter(model_param, tensors)
+            group_index, group_order = opt.model_param_group_index_map[model_param]
+            state = opt.optimizer.state.get(opt.optimizer.param_groups[group_index]["params"][group_order], {})
+            step = state.pop("step", None)
+            try:
+                return setter(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
 
 
 def restore_adam_steps(optimizer: Any) -> None:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from megatron_ext.engine import CheckpointEngine
+from megatron_ext.engine import CheckpointEngine, list_committed
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +59,16 @@ def main(args) -> int:
 
     model, optimizer = _model_and_optimizer()
     reference = train(range(args.steps), model, optimizer, None)
+    print(f"[demo] reference: trained steps 1-{args.steps} without checkpoints")
 
     model, optimizer = _model_and_optimizer()
     start = time.perf_counter()
     with CheckpointEngine(cfg, rank=0, world_size=1) as engine:
         first = train(range(half), model, optimizer, engine)
         blocked = sum(r.get("blocked_s", 0) for r in engine.telemetry.records if r["event"] == "snapshot")
-    print(f"[demo] trained {half} steps with a checkpoint every step in {time.perf_counter() - start:.2f}s, "
-          f"training blocked {blocked:.4f}s in all")
+    print(f"[demo] run 1: trained steps 1-{half} of {args.steps} with a checkpoint after every step "
+          f"(step_0000001 ... step_{half:07d} in {out}) in {time.perf_counter() - start:.2f}s, training blocked "
+          f"{blocked:.4f}s in all; then it stops, as a job that is killed or ends its allocation")
 
     model, optimizer = _model_and_optimizer(seed=999)  # different init: the checkpoint must overwrite it
     with CheckpointEngine(cfg, rank=0, world_size=1) as engine:
@@ -74,9 +76,13 @@ def main(args) -> int:
         state = engine.load(latest)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        print(f"[demo] resumed from {latest} (step {state['step']}) loaded from the {engine.last_load_level} level")
+        print(f"[demo] run 2: resumed from {os.path.join(out, latest)} (step {state['step']}, read from the "
+              f"{engine.last_load_level} level), training steps {state['step'] + 1}-{args.steps}")
         rest = train(range(state["step"], args.steps), model, optimizer, engine)
+    newest = list_committed(out)[-1][0]  # the engine's exit committed the last ones
     resumed = first + rest
     same = [a.hex() == b.hex() for a, b in zip(reference, resumed)]
-    print(f"[demo] losses of the resumed run equal the uninterrupted run's bit for bit: {all(same)}")
+    print(f"[demo] losses of runs 1 + 2 equal the uninterrupted run's bit for bit: {all(same)}")
+    print(f"[demo] checkpoints: {out} (step_0000001 ... {newest}); look at them with `megatron-ext inspect {out}`, "
+          f"`megatron-ext verify {out}`, `megatron-ext export {out} --to safetensors {out}-weights`")
     return 0 if all(same) and len(resumed) == len(reference) else 1

@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--megatron-async-save", action="store_true",
                    help="baseline for benchmarks: megatron-core's async torch_dist save (as --async-save)")
+    g.add_argument("--torch-dist-optimizer-format", default="dp_reshardable",
+                   choices=("dp_reshardable", "fully_reshardable", "dp_zero_gather_scatter"),
+                   help="test aid: the distributed optimizer's format in this trainer's torch_dist saves "
+                        "(megatron-core's distrib_optim_sharding_type; default dp_reshardable, Megatron-LM's)")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM or SIGUSR1: finish the iteration, checkpoint it, wait until every "
                         "checkpoint is committed, exit 0 (as Megatron-LM's flag)")
@@ -305,18 +309,24 @@ def rng_state_object(args: argparse.Namespace, rng: Optional[dict] = None):
     return megatron_lm_rng_object(rng, layout)
 
 
+def optimizer_metadata(args: argparse.Namespace) -> dict:
+    """The content metadata of this trainer's torch_dist saves: the optimizer format it writes."""
+    fmt = getattr(args, "torch_dist_optimizer_format", None)
+    return {"distrib_optim_sharding_type": fmt} if fmt else dict(OPTIMIZER_SHARDING_METADATA)
+
+
 def build_sharded_state_dict(model, optimizer, scheduler, args, iteration: int,
                              is_loading: bool, content_metadata: Optional[dict] = None) -> dict:
     """Megatron's checkpoint content: model, optimizer, scheduler, RNG, iteration and args.
 
     ``content_metadata`` says how the optimizer state is laid out (default: this trainer's
-    ``OPTIMIZER_SHARDING_METADATA``); loading passes the checkpoint's own, as Megatron-LM does.
+    ``--torch-dist-optimizer-format``); loading passes the checkpoint's own, as Megatron-LM does.
     """
     model_sd = unwrap_model(model).sharded_state_dict()
     return {
         "model": model_sd,
         "optimizer": optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=dict(content_metadata or OPTIMIZER_SHARDING_METADATA)),
+            model_sd, is_loading=is_loading, metadata=dict(content_metadata or optimizer_metadata(args))),
         "opt_param_scheduler": scheduler.state_dict(),
         "rng_state": rng_state_object(args, None if is_loading else capture_rng_state()),
         "iteration": iteration,
@@ -337,7 +347,7 @@ def save_checkpoint_torch_dist(iteration: int, model, optimizer, scheduler,
     state = build_sharded_state_dict(model, optimizer, scheduler, args, iteration,
                                      is_loading=False)
     dist_checkpointing.save(state, ckpt, sharded_strategy=("torch_dist", 1),
-                            content_metadata=dict(OPTIMIZER_SHARDING_METADATA))
+                            content_metadata=optimizer_metadata(args))
     dist.barrier()
     if dist.get_rank() == 0:
         write_tracker(args.save, iteration)
@@ -362,7 +372,8 @@ def load_checkpoint_torch_dist(model, optimizer, scheduler, args: argparse.Names
     if (content_metadata or {}).get("distrib_optim_sharding_type") == "fully_reshardable":
         optimizer_state.load_fully_reshardable_state_dict(optimizer, state["optimizer"])
     else:
-        optimizer.load_state_dict(state["optimizer"])
+        with optimizer_state.steps_set_aside(optimizer):  # dp_zero_gather_scatter hands over no "step"
+            optimizer.load_state_dict(state["optimizer"])
         optimizer_state.restore_adam_steps(optimizer)
     scheduler.load_state_dict(state["opt_param_scheduler"])
     restore_rng_state(from_megatron_lm_rng(state["rng_state"]))
@@ -410,7 +421,7 @@ def save_checkpoint_megatron_async(iteration: int, model, optimizer, scheduler, 
     dist.barrier()
     state = build_sharded_state_dict(model, optimizer, scheduler, args, iteration, is_loading=False)
     request = dist_checkpointing.save(state, ckpt, sharded_strategy=("torch_dist", 1), async_sharded_save=True,
-                                      content_metadata=dict(OPTIMIZER_SHARDING_METADATA))
+                                      content_metadata=optimizer_metadata(args))
     rank = dist.get_rank()
     request.add_finalize_fn(lambda: write_tracker(args.save, iteration) if rank == 0 else None)
     _async_queue.schedule_async_request(request)

@@ -7,7 +7,12 @@
   trainer's torch_dist path, whose checkpoint converted back is resumed by ``--use-datastates``;
   every resumed loss equals the uninterrupted run's bit for bit; converting the result to torch_dist
   again gives exactly the tensors the trainer wrote.
+* ``convert`` of megatron-core's other optimizer formats (``fully_reshardable``,
+  ``dp_zero_gather_scatter``), written by the trainer's own torch_dist save: to datastates and resumed
+  bit-exactly by ``--use-datastates``, and back to the same torch_dist format.
 * ``inspect``: layout, per-rank sizes and commit state of what these runs wrote.
+* the path forms every checkpoint tool takes: a root, a root plus ``--iteration``/``--checkpoint``,
+  one checkpoint's own directory.
 """
 
 from __future__ import annotations
@@ -63,13 +68,19 @@ def test_export_hf_gpt2_matches_megatron_logits_and_megatron_names_are_consolida
     reference = torch.load(logits_file)
 
     hf_dir = tmp_path / "hf"
-    summary = json.loads(cli("export", str(ckpt), "--iteration", "2", "--to", "safetensors", str(hf_dir),
-                             "--names", "hf", "--max-shard-size", "100KB").stdout)
+    export = cli("export", str(ckpt), "--iteration", "2", "--to", "safetensors", str(hf_dir),
+                 "--names", "hf", "--max-shard-size", "100KB", "--json")
+    summary = json.loads(export.stdout)
+    assert "export: done: " in export.stderr and " files, " in export.stderr  # progress on stderr
+    # Megatron pads the vocabulary: said, with where the tokenizer is, since none is exported.
+    assert summary["vocab_size"] == 256 and "padding" in summary["note"] and "tokenizer" in summary["note"]
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in hf_dir.glob("*.safetensors"))
     assert summary["files"] == len(files) > 1 and set(index["weight_map"].values()) == set(files)
     total = 0
+    index_mode = (hf_dir / "model.safetensors.index.json").stat().st_mode & 0o777
     for name in files:
+        assert (hf_dir / name).stat().st_mode & 0o777 == index_mode  # not safetensors' own 0600
         tensors = load_file(hf_dir / name)
         assert all(index["weight_map"][k] == name for k in tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -93,9 +104,11 @@ def test_export_hf_gpt2_matches_megatron_logits_and_megatron_names_are_consolida
         wrong = model(reference["tokens"]).logits
     assert (wrong - reference["logits"]).abs().max().item() > 100 * LOGITS_ATOL
 
-    # Megatron names: one global tensor per key, equal to the GPT-2 export's (same assembly).
+    # Megatron names: one global tensor per key, equal to the GPT-2 export's (same assembly); the
+    # checkpoint's own directory, the newest one taken when none is named.
     mg_dir = tmp_path / "megatron"
-    cli("export", str(ckpt), "--iteration", "2", "--to", "safetensors", str(mg_dir), "--dtype", "bf16")
+    plain = cli("export", str(ckpt / "iter_0000002"), "--to", "safetensors", str(mg_dir), "--dtype", "bf16")
+    assert plain.stdout.startswith("exported ") and "megatron checkpoint" in plain.stdout
     mg = {}
     for name in json.loads((mg_dir / "model.safetensors.index.json").read_text())["weight_map"].values():
         mg.update(load_file(mg_dir / name))
@@ -125,7 +138,7 @@ def test_convert_to_torch_dist_and_back_resumes_bit_exact(tmp_path):
     assert sorted(reference) == [1, 2, 3, 4]
 
     td = tmp_path / "torch_dist"
-    summary = json.loads(cli("convert", str(ds), "--iteration", "2", "--to", "torch_dist", str(td)).stdout.splitlines()[-1])
+    summary = json.loads(cli("convert", str(ds), "--iteration", "2", "--to", "torch_dist", str(td), "--json").stdout)
     assert summary["rng_states"] == 1  # as Megatron-LM: data-parallel rank 0's per (pp, tp) coordinate
     assert (td / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert (td / "iter_0000002" / "metadata.json").exists()
@@ -136,7 +149,7 @@ def test_convert_to_torch_dist_and_back_resumes_bit_exact(tmp_path):
     assert resumed == {3: reference[3], 4: reference[4]}
 
     back = tmp_path / "back"
-    summary = json.loads(cli("convert", str(td), "--iteration", "3", "--to", "datastates", str(back)).stdout.splitlines()[-1])
+    summary = json.loads(cli("convert", str(td), "--iteration", "3", "--to", "datastates", str(back), "--json").stdout)
     assert summary["ranks"] == 2
     rows = json.loads(cli("inspect", str(back), "--json").stdout)
     assert [(r["checkpoint"], r["committed"], r["version"], r["ranks"]) for r in rows] == [("iter_0000003", True, 3, 2)]
@@ -164,6 +177,96 @@ def test_convert_to_torch_dist_and_back_resumes_bit_exact(tmp_path):
     resumed = _losses(run_trainer(2, [*common_args, "--load", str(back), "--save", str(back), "--use-datastates",
                                       "--datastates-host-cache-size", "0.05"], tmp_path / "back.jsonl"))
     assert resumed == {4: reference[4]}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("fmt", ["fully_reshardable", "dp_zero_gather_scatter"])
+def test_convert_other_megatron_core_optimizer_formats_both_ways(tmp_path, fmt):
+    """A torch_dist checkpoint in ``fmt`` (the trainer's own megatron-core save) converts to datastates,
+    which ``--use-datastates`` resumes bit-exactly, and back to torch_dist in the same format, which
+    megatron-core's loader resumes bit-exactly too."""
+    common_args = ["--train-iters", "4"]
+    td = tmp_path / "torch_dist"
+    reference = _losses(run_trainer(2, [*common_args, "--save", str(td), "--save-interval", "2",
+                                        "--torch-dist-optimizer-format", fmt], tmp_path / "reference.jsonl"))
+    assert sorted(reference) == [1, 2, 3, 4]
+
+    ds = tmp_path / "datastates"  # from the checkpoint's own directory
+    summary = json.loads(cli("convert", str(td / "iter_0000002"), "--to", "datastates", str(ds), "--json").stdout)
+    assert summary["optimizer_format"] == fmt and summary["iteration"] == 2
+    assert cli("verify", str(ds)).returncode == 0
+    resumed = _losses(run_trainer(2, [*common_args, "--load", str(ds), "--save", str(tmp_path / "after"),
+                                      "--use-datastates", "--datastates-host-cache-size", "0.05"],
+                                  tmp_path / "resumed.jsonl"))
+    assert resumed == {3: reference[3], 4: reference[4]}
+
+    again = tmp_path / "again"  # from the save directory: its newest committed checkpoint
+    summary = json.loads(cli("convert", str(ds), "--to", "torch_dist", str(again), "--json").stdout)
+    assert summary["optimizer_format"] == fmt and summary["iteration"] == 2
+    compare = (
+        "import sys, torch\n"
+        "from megatron.core import dist_checkpointing\n"
+        "from megatron.core.dist_checkpointing.serialization import load_plain_tensors\n"
+        "from megatron_ext.megatron.convert import single_process_group\n"
+        "with single_process_group():\n"
+        "    a, b = (load_plain_tensors(p) for p in sys.argv[1:3])\n"
+        "    ma, mb = (dist_checkpointing.load_content_metadata(p) for p in sys.argv[1:3])\n"
+        "assert ma == mb and ma['distrib_optim_sharding_type'] == sys.argv[3], (ma, mb)\n"
+        "a, b = ({k: v for k, v in d.items() if isinstance(v, torch.Tensor)} for d in (a, b))\n"
+        "assert sorted(a) == sorted(b) and len(a) > 10, (sorted(a), sorted(b))\n"
+        "assert all(torch.equal(a[k], b[k]) for k in a)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", compare, str(td / "iter_0000002"), str(again / "iter_0000002"), fmt],
+                          cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    if fmt == "fully_reshardable":  # megatron-core's own loader takes it back (the trainer's torch_dist path)
+        native = _losses(run_trainer(2, [*common_args, "--load", str(again), "--save", str(again),
+                                         "--save-interval", "9", "--torch-dist-optimizer-format", fmt],
+                                     tmp_path / "native.jsonl"))
+        assert native == {3: reference[3], 4: reference[4]}
+
+
+def test_checkpoint_tools_take_a_root_a_name_or_a_checkpoint_directory(tmp_path, capsys):
+    """Engine API names (step_*), as the demo writes them: every tool, every path form."""
+    import torch
+    from safetensors.torch import load_file
+
+    from megatron_ext.engine import CheckpointEngine
+    from megatron_ext.locate import resolve
+
+    root = tmp_path / "runs"
+    model = torch.nn.Linear(4, 3)
+    with CheckpointEngine({"save_dir": str(root), "host_cache_size": 0.001}, rank=0, world_size=1) as engine:
+        for step in (1, 2):
+            engine.save({"model": model.state_dict(), "step": step}, f"step_{step:07d}", version=step)
+            engine.commit(f"step_{step:07d}")
+    assert resolve(str(root)).name == "step_0000002"  # the newest committed
+    assert resolve(str(root), iteration=1).name == "step_0000001"  # by version
+    assert resolve(str(root), checkpoint="step_0000001").name == "step_0000001"
+    assert resolve(str(root / "step_0000001")).kind == "engine"
+    from megatron_ext import cli as megatron_ext_cli
+
+    def run(*args: str):
+        capsys.readouterr()
+        code = megatron_ext_cli.main(list(args))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    for form in ([str(root)], [str(root), "--iteration", "1"], [str(root / "step_0000001")]):
+        code, out, _ = run("verify", *form)
+        assert code == 0 and "OK" in out, (form, out)
+        code, out, _ = run("inspect", *form, "--json")
+        assert code == 0 and all(r["kind"] == "engine" for r in json.loads(out))
+    code, out, err = run("export", str(root / "step_0000001"), "--to", "safetensors", str(tmp_path / "w"), "--json")
+    assert code == 0, err
+    summary = json.loads(out)
+    assert summary["kind"] == "engine" and summary["checkpoint"].endswith("step_0000001")
+    weights = load_file(tmp_path / "w" / "model-00001-of-00001.safetensors")
+    assert sorted(weights) == ["bias", "weight"] and torch.equal(weights["weight"], model.weight.detach())
+    code, _, err = run("convert", str(root), "--to", "torch_dist", str(tmp_path / "td"))
+    assert code == 2 and "is an engine API checkpoint, not one the Megatron adapter saved" in err
+    code, _, err = run("verify", str(root / "step_0000001"), "--iteration", "2")
+    assert code == 2 and "is checkpoint step_0000001, but --iteration/--checkpoint asks for step_0000002" in err
 
 
 def test_inspect_reports_layout_sizes_and_uncommitted(tmp_path):
@@ -234,9 +337,12 @@ def test_max_shard_size_parsing_and_packing():
     from megatron_ext.megatron.hf_gpt2 import OutputTensor
 
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30 and parse_size("100KB") == 100_000
+    assert parse_size("100B") == 100 and parse_size("1.5 MB") == 1_500_000
     for bad in ("five", "5XB", "0MB"):
         with pytest.raises(ValueError):
             parse_size(bad)
+    with pytest.raises(ValueError, match="a bare number is ambiguous; write 100B for bytes"):
+        parse_size("100")  # not 100 bytes, silently
     plan = [OutputTensor(f"t{i}", (n,), torch.float32, lambda: None) for i, n in enumerate([10, 10, 30, 5, 5])]
     files = group_into_files(plan, 80)  # bytes: 40, 40, 120 (alone), 20, 20
     assert [[t.name for t in f] for f in files] == [["t0", "t1"], ["t2"], ["t3", "t4"]]

@@ -9,6 +9,8 @@ run without checkpoints. Run with ``--run-slow`` (about 20-40 minutes on 2 cores
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 import subprocess
 import sys
 
@@ -169,34 +171,86 @@ def test_load_into_another_tensor_parallel_layout(checkout, tmp_path):
         assert abs(record["loss"] - expected) < 0.02, (record, expected)
 
 
+def _convert(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "megatron_ext", "convert", *args, "--json"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
 def test_convert_cli_round_trip_resumes_in_megatron(checkout, tmp_path):
-    """``megatron-ext convert --to torch_dist``: Megatron-LM resumes it natively; and back to ours."""
+    """``megatron-ext convert --to torch_dist``: Megatron-LM resumes it natively; converted back to
+    ours (datastates -> torch_dist -> datastates), Megatron-LM resumes that bit-exactly against the
+    original; and Megatron-LM's own checkpoint converted to ours resumes too."""
     common = [*BF16_DIST, *ITERS, "--save-interval", "1"]
     ours_dir = tmp_path / "ours"
     base = run_scenario(checkout, 2, [Phase(["--exit-interval", "3"])], ours_dir, DATASTATES, common)
     reference = run(checkout, 2, [*common, "--save", str(copy_checkpoints(base.save_dir, tmp_path / "ref")),
                                   "--load", str(tmp_path / "ref"), *DATASTATES], tmp_path, "datastates_resume")
-
-    def convert(*args: str) -> None:
-        proc = subprocess.run([sys.executable, "-m", "megatron_ext", "convert", *args], capture_output=True,
-                              text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
+    convert = _convert
 
     native_dir = tmp_path / "native"
-    convert(str(base.save_dir), str(native_dir), "--to", "torch_dist", "--iteration", "3")
+    summary = convert(str(base.save_dir), str(native_dir), "--to", "torch_dist", "--iteration", "3")
+    assert summary["optimizer_format"] == "fully_reshardable"
     assert read_tracker(native_dir) == "3"
+
+    # The full round trip: our checkpoint, through torch_dist, back to ours, resumed by Megatron-LM.
+    round_trip = tmp_path / "round_trip"
+    summary = convert(str(native_dir / "iter_0000003"), str(round_trip), "--to", "datastates")
+    assert summary["optimizer_format"] == "fully_reshardable" and summary["iteration"] == 3
+    again = run(checkout, 2, [*common, "--save", str(round_trip), "--load", str(round_trip), *DATASTATES], tmp_path,
+                "round_trip_resume")
+    assert_same_trajectory(trajectory(again), {k: v for k, v in trajectory(reference).items() if k > 3},
+                           "datastates -> torch_dist -> datastates, resumed by Megatron-LM")
     # Megatron-LM resumes the converted checkpoint natively and writes iteration 4 itself.
     native = run(checkout, 2, [*common, "--save", str(native_dir), "--load", str(native_dir), *NATIVE,
                                "--exit-interval", "4"], tmp_path, "native_resume")
     assert_same_trajectory(trajectory(native), {4: trajectory(reference)[4]},
                            "Megatron resuming the converted checkpoint")
 
-    back_dir = tmp_path / "back"  # Megatron-LM's own iteration 4, converted to ours
-    convert(str(native_dir), str(back_dir), "--to", "datastates", "--iteration", "4")
+    back_dir = tmp_path / "back"  # Megatron-LM's own iteration 4 (dp_reshardable), converted to ours
+    assert convert(str(native_dir), str(back_dir), "--to", "datastates", "--iteration", "4")["optimizer_format"] == \
+        "dp_reshardable"
     back = run(checkout, 2, [*common, "--save", str(back_dir), "--load", str(back_dir), *DATASTATES], tmp_path,
                "back_resume")
     assert_same_trajectory(trajectory(back), {k: v for k, v in trajectory(reference).items() if k > 4},
                            "--use-datastates resuming Megatron's checkpoint converted to ours")
+
+
+@pytest.mark.parametrize("variant", [["--dist-ckpt-optim-fully-reshardable"],
+                                     ["--dist-ckpt-optim-fully-reshardable",
+                                      "--distrib-optim-fully-reshardable-mem-efficient"]],
+                         ids=["fully_reshardable", "fully_reshardable_mem_efficient"])
+def test_megatron_fully_reshardable_converts_both_ways(checkout, tmp_path, variant):
+    """Megatron-LM's own ``fully_reshardable`` saves (both variants): converted to ours, resumed with
+    ``--use-datastates`` bit-exactly against Megatron-LM's native resume, and also at another data-parallel
+    size (the format reshards); converted back, Megatron-LM resumes it natively."""
+    common = [*BF16_DIST, *ITERS, "--save-interval", "1"]
+    native = run_scenario(checkout, 2, [Phase(["--exit-interval", "3", *variant])], tmp_path / "native", NATIVE, common)
+    reference = run(checkout, 2, [*common, "--save", str(copy_checkpoints(native.save_dir, tmp_path / "ref")),
+                                  "--load", str(tmp_path / "ref"), *NATIVE, *variant], tmp_path, "native_resume")
+    ours = tmp_path / "ours"
+    summary = _convert(str(native.save_dir), str(ours), "--to", "datastates")
+    assert summary["optimizer_format"] == "fully_reshardable" and summary["iteration"] == 3
+    resumed = run(checkout, 2, [*common, "--save", str(ours), "--load", str(ours), *DATASTATES], tmp_path,
+                  "datastates_resume")
+    assert_same_trajectory(trajectory(resumed), {k: v for k, v in trajectory(reference).items() if k > 3},
+                           "Megatron-LM's fully_reshardable converted to ours vs Megatron-LM's own resume")
+    wider = tmp_path / "wider"  # the converted optimizer is reshardable: DP 2 -> DP 4 loads
+    copy_checkpoints(ours, wider)
+    for it in (4, 5, 6):  # back to the converted iteration 3
+        shutil.rmtree(wider / f"iter_{it:07d}", ignore_errors=True)
+    (wider / "latest_checkpointed_iteration.txt").write_text("3")
+    four = run(checkout, 4, [*common, "--save", str(wider), "--load", str(wider), *DATASTATES, "--exit-interval", "4"],
+               tmp_path, "datastates_dp4")
+    assert "resharding iter_0000003" in four.log and [r["iteration"] for r in four.records] == [4]
+    back = tmp_path / "back"
+    assert _convert(str(ours), str(back), "--to", "torch_dist", "--iteration", "3")["optimizer_format"] == \
+        "fully_reshardable"
+    again = run(checkout, 2, [*common, "--save", str(back), "--load", str(back), *NATIVE, *variant], tmp_path,
+                "native_again")
+    assert_same_trajectory(trajectory(again), {k: v for k, v in trajectory(reference).items() if k > 3},
+                           "ours converted back to fully_reshardable, resumed by Megatron-LM")
 
 
 def test_llama_style_reshard_tp2_pp2_to_tp1_pp2_dp2(checkout, tmp_path):

@@ -57,3 +57,19 @@ def test_damaged_newest_checkpoint_falls_back_only_when_asked(tmp_path):
     assert "iter_0000004" in failed.stderr and "--datastates-load-fallback" in failed.stderr
     records = run_trainer(2, [*resume, "--datastates-load-fallback"], tmp_path / "resumed.jsonl")
     assert [r["iteration"] for r in records] == [4, 5, 6]  # resumed from iteration 3
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_of_another_model_is_named_as_such_not_as_damage(tmp_path):
+    """Loading a checkpoint into a model of other shapes says so and does not suggest
+    --datastates-load-fallback (every older checkpoint of that run would not fit either)."""
+    root = tmp_path / "ckpt"
+    run_trainer(2, ["--train-iters", "2", *_datastates(root)], tmp_path / "first.jsonl")
+    for extra in ([], ["--datastates-load-fallback"]):
+        failed = subprocess.run(trainer_command(2, *COMMON, "--train-iters", "4", "--hidden-size", "128",
+                                                *_datastates(tmp_path / "other"), "--load", str(root), *extra),
+                                cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=300)
+        assert failed.returncode != 0
+        assert "iter_0000002" in failed.stderr and "does not fit this model" in failed.stderr, failed.stderr[-3000:]
+        assert "loads the previous one instead" not in failed.stderr
+        assert "falling back to" not in failed.stderr  # iteration 1 would not fit either: not tried

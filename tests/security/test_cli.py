@@ -19,6 +19,24 @@ def test_verify_and_inspect_accept_one_checkpoint_directory(genuine, capsys):
     assert both.returncode == 0 and f"2 checkpoint(s) verified: {C1}, {C2}" in both.stdout
 
 
+def test_progress_on_stderr_and_json_on_stdout(genuine, capsys):
+    """Commands that read many files report files, bytes, rate and time on stderr (not a terminal
+    here: a plain last line), ``-q`` silences it, ``--json`` keeps stdout machine-readable."""
+    done = cli_in_process(capsys, "verify", str(genuine), "--json")
+    assert done.returncode == 0
+    report = json.loads(done.stdout)
+    assert report["ok"] and report["checked"] == [C1, C2] and report["problems"] == []
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("verify: done: 2/2 files, ") and " MB" in line and "/s, elapsed " in line
+    quiet = cli_in_process(capsys, "verify", str(genuine), "-q")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    assert cli_in_process(capsys, "-q", "verify", str(genuine)).stderr == ""
+    manifest_path(genuine, C2).write_text("{}")
+    bad = cli_in_process(capsys, "verify", str(genuine), "--json")
+    report = json.loads(bad.stdout)
+    assert bad.returncode == 1 and not report["ok"] and report["problems"][0]["checkpoint"] == C2
+
+
 def test_bad_input_real_processes(genuine, tmp_path):
     """Spawned as a user would run them (two: each start costs seconds; the rest run in-process below)."""
     manifest_path(genuine, C2).write_text('{"format": "megatron_ext.datastates", "files": ')
@@ -36,7 +54,17 @@ def test_bad_input_real_processes(genuine, tmp_path):
     (["export", "{root}", "--iteration", "7", "--to", "safetensors", "{tmp}/out"], "is not a committed datastates"),
     (["export", "{root}", "--iteration", "2", "--to", "safetensors", "{tmp}/out", "--max-shard-size", "lots"],
      "size 'lots'"),
+    (["export", "{root}", "--iteration", "2", "--to", "safetensors", "{tmp}/out", "--max-shard-size", "100"],
+     "a bare number is ambiguous; write 100B for bytes"),
     (["export", "{root}", "--iteration", "2", "--to", "safetensors", "{sidecar}"], "exists and is not an empty directory"),
+    # A mistyped flag is named, not reported as a missing one.
+    (["export", "{root}", "--iteraton", "2", "{tmp}/out"], "unrecognized arguments: --iteraton"),
+    (["verify", "{root}", "--chekpoint", "x"], "unrecognized arguments: --chekpoint"),
+    (["export", "{root}", "--checkpoint", "iter_0000002", "--to", "safetensors", "{tmp}/out", "--names", "hf"],
+     "--names hf maps Megatron GPT weights"),
+    (["export", "{root}/iter_0000001", "--iteration", "2", "--to", "safetensors", "{tmp}/out"],
+     "is checkpoint iter_0000001, but --iteration/--checkpoint asks for iter_0000002"),
+    (["convert", "{root}", "--iteration", "2", "--to", "torch_dist", "{tmp}/out"], "not one the Megatron adapter saved"),
     (["convert", "{root}", "--to", "datastates", "{tmp}/out"], "no latest_checkpointed_iteration.txt"),
     (["convert", "{root}", "--iteration", "2", "--to", "datastates", "{tmp}/out"], "not a megatron-core distributed"),
     (["telemetry", "report", "{tmp}/nowhere.jsonl"], "no telemetry log"),

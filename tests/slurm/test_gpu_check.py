@@ -6,6 +6,7 @@ ranks in tests/megatron/test_main_job.py.
 """
 
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -14,7 +15,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 
 def _run(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=120,
-                          env={"PATH": "/usr/bin:/bin", "PYTHON": str(ROOT / ".venv" / "bin" / "python"),
+                          env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable,  # the tests' own: a worktree has no .venv
                                "SITE_ENV": str(tmp_path / "none.env"), "HOME": str(tmp_path)})
 
 
