@@ -39,6 +39,7 @@ def main() -> None:
     dist.all_gather(pieces, local, group=group)
     if dist.get_rank() == 0:
         torch.save({"tokens": tokens, "logits": torch.cat(pieces, dim=-1), "iteration": iteration}, out)
+    trainer.finish_checkpointing(args)  # the run's engine, started by the load (--save is set), stops here
     dist.barrier()
     dist.destroy_process_group()
 
