@@ -647,6 +647,9 @@ def train(args: argparse.Namespace) -> List[float]:
                     load_s = None
                     log.flush()
             if args.crash_at_iteration == iteration:
+                # Every rank is past this iteration's record first: the rank that dies first would
+                # otherwise have torchrun stop the logging rank before it wrote the record.
+                dist.barrier()
                 os.kill(os.getpid(), signal.SIGKILL)
             if stop_signal is not None and _any_rank(stop_signal[0]):
                 if args.save and not (checkpointing_on and iteration % args.save_interval == 0):
