@@ -72,6 +72,26 @@ def mutation_right_after_wait_snapshot_stays_out(directory: Path, device: str) -
         assert_bits(x, torch.full((4 << 20,), 2.0, device=device), "the live tensor")
 
 
+def gated_copy_is_ordered_after_the_kernel_queued_before_open(directory: Path, device: str) -> None:
+    """A save's ``CopyGate`` opened after a queued kernel (an all-gather) fills the tensor: the copy
+    holds the filled values (CUDA: the mark is taken at ``open()``, not at ``save``)."""
+    from megatron_ext.engine import CopyGate
+
+    with engine(directory, host_cache_size=0.05) as e:
+        x = torch.zeros(4 << 20, device=device)
+        gate = CopyGate(settle=lambda: None)
+        e.save({"x": x}, "A", version=1, gate=gate)
+        late_fill(x[1 << 20:], 3.0)  # queued after the save returned, before the gate opens
+        gate.open()
+        e.wait_snapshot()
+        x.fill_(4.0)  # the next optimizer step
+        e.commit("A")
+        e.wait_persisted()
+        want = torch.zeros(4 << 20)
+        want[1 << 20:] = 3.0
+        assert_bits(e.load("A")["x"], want, "a gated snapshot of a tensor filled in after the save")
+
+
 def non_contiguous_tensors_round_trip(directory: Path, device: str) -> None:
     """Strided views of every common kind, through a tiny cache, the caller dropping its references early."""
     g = torch.Generator().manual_seed(7)
@@ -159,4 +179,4 @@ def restore_into_device_tensors(directory: Path, device: str) -> None:
 
 
 SCENARIOS = [copy_is_ordered_after_the_kernel_that_wrote_the_tensor, mutation_right_after_wait_snapshot_stays_out,
-             non_contiguous_tensors_round_trip, abandoned_copy_lets_training_go_on, restore_into_device_tensors]
+             gated_copy_is_ordered_after_the_kernel_queued_before_open, non_contiguous_tensors_round_trip, abandoned_copy_lets_training_go_on, restore_into_device_tensors]
