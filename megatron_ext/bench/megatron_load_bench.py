@@ -117,11 +117,14 @@ def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = M
     seconds: dict[str, list[float]] = {f"{fmt}_{temp}": [] for fmt in FORMATS for temp in ("cold", "warm")}
     ceiling: list[float] = []
     fresh_ceiling: list[float] = []
+    needed_ceiling: list[float] = []
     for rep in range(repeats):
         _progress(f"round {rep + 1}/{repeats}: plain cold read of the datastates checkpoint's files by {nproc} processes")
         ceiling.append(min(plain_read_s(saved["datastates"], ITERS, nproc, streams) for streams in (1, READ_STREAMS)))
         fresh_ceiling.append(min(plain_read_s(saved["datastates"], ITERS, nproc, streams, fresh=MOMENTS)
                                  for streams in (1, READ_STREAMS)))
+        needed_ceiling.append(min(plain_read_s(saved["datastates"], ITERS, nproc, streams, fresh=MOMENTS,
+                                               replicas=True) for streams in (1, READ_STREAMS)))
         for fmt in (list(FORMATS) if rep % 2 == 0 else list(FORMATS)[::-1]):
             for temp in ("cold", "warm"):
                 _progress(f"round {rep + 1}/{repeats}: Megatron-LM load_checkpoint of the {fmt} checkpoint ({temp})")
@@ -156,21 +159,35 @@ def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = M
     result["megatron_fresh_read_ceiling_s_runs"] = fresh_ceiling
     result["megatron_load_speedup_fresh_bound"] = (result["megatron_load_s_torch_dist"]
                                                    / result["megatron_fresh_read_ceiling_s"])
+    result["megatron_load_vs_fresh_ceiling"] = (result["megatron_fresh_read_ceiling_s"]
+                                                / result["megatron_load_s_datastates"])
+    result["megatron_needed_read_ceiling_s"] = statistics.median(needed_ceiling)
+    result["megatron_needed_read_ceiling_s_runs"] = needed_ceiling
+    result["megatron_load_vs_needed_ceiling"] = (result["megatron_needed_read_ceiling_s"]
+                                                 / result["megatron_load_s_datastates"])
     return result
 
 
-def plain_read_s(root: str, iteration: int, nproc: int, streams: int, fresh: tuple[str, ...] = ()) -> float:
+def plain_read_s(root: str, iteration: int, nproc: int, streams: int, fresh: tuple[str, ...] = (),
+                 replicas: bool = False) -> float:
     """Seconds for ``nproc`` processes, started together, to read cold each its rank's tensor files of
     checkpoint ``iteration`` under ``root`` (``streams`` read-ahead streams each, no work on the bytes).
 
     With ``fresh`` (parts of tensor names), the streams read only the tensors' bytes, those of tensors so
     named into one fresh anonymous mapping (first touched by the read), the others into reused buffers.
+    With ``replicas`` each process also reads what its load needs from the other ranks' files: the
+    model's shards written by another data-parallel rank of its (TP, PP) position (weights are
+    replicated over data parallelism and written once, so every other rank reads them from there).
     """
     checkpoint = os.path.join(root, f"iter_{iteration:07d}")
     manifest = read_manifest(checkpoint)
     index = TensorIndex(checkpoint, manifest)
     per_rank = [[(os.path.join(root, e["tensor_file"]), _segments(index.tensors(name), fresh))
                  for name, e in manifest["files"].items() if e["rank"] == r] for r in range(nproc)]
+    if replicas:
+        for r in range(nproc):
+            per_rank[r] += [(os.path.join(root, e["tensor_file"]), _segments(_replicated(index.tensors(name)), fresh))
+                            for name, e in manifest["files"].items() if _same_position(e, manifest["files"], r)]
     if fresh and not any(into_fresh for plans in per_rank for _, segs in plans for _, _, into_fresh in segs):
         raise RuntimeError(f"{checkpoint}: no tensor name holds {' or '.join(fresh)}: nothing would land in fresh memory")
     drop_page_cache(checkpoint)
@@ -196,6 +213,22 @@ def plain_read_s(root: str, iteration: int, nproc: int, streams: int, fresh: tup
             if proc.is_alive():
                 proc.kill()
     return max(took)
+
+
+def _replicated(tensors: dict) -> dict:
+    """The model's shards in a file (replicated over data parallelism; the optimizer's are not)."""
+    return {name: meta for name, meta in tensors.items()
+            if name.startswith("shards/tensors/") and ".optimizer." not in name and not name.startswith(
+                "shards/tensors/optimizer.")}
+
+
+def _same_position(entry: dict, files: dict, rank: int) -> bool:
+    """``entry`` is another rank's file at ``rank``'s (TP, PP) position."""
+    mine = [e["extra"]["layout"] for e in files.values() if e["rank"] == rank]
+    if entry["rank"] == rank or not mine:
+        return False
+    theirs = entry["extra"]["layout"]
+    return (theirs["tp_rank"], theirs["pp_rank"]) == (mine[0]["tp_rank"], mine[0]["pp_rank"])
 
 
 def _segments(tensors: dict, fresh: tuple[str, ...]) -> list[tuple[int, int, bool]]:

@@ -309,7 +309,11 @@ def format_table(r: dict) -> str:
                      f" no loader can beat torch_dist by more than {r['megatron_load_speedup_bound']:.2f}x here")
         lines.append(f"  + fresh moments     the same read with the Adam moments landing in fresh pages"
                      f" {r['megatron_fresh_read_ceiling_s']:.2f}s: no loader that allocates them can beat torch_dist"
-                     f" by more than {r['megatron_load_speedup_fresh_bound']:.2f}x here")
+                     f" by more than {r['megatron_load_speedup_fresh_bound']:.2f}x here; datastates at"
+                     f" {r['megatron_load_vs_fresh_ceiling']:.2f} of it")
+        lines.append(f"  + replicated model  and each process also reading the model shards another data-parallel"
+                     f" rank wrote (every load needs them) {r['megatron_needed_read_ceiling_s']:.2f}s:"
+                     f" datastates at {r['megatron_load_vs_needed_ceiling']:.2f} of it")
     elif "megatron_load_skipped" in r:
         lines.append(f"  Megatron-LM load    skipped: {r['megatron_load_skipped']}")
     return "\n".join(lines)

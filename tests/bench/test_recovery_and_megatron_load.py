@@ -77,6 +77,20 @@ def test_fresh_read_plan_sends_only_the_moments_to_fresh_memory():
     assert megatron_load_bench._segments(index, ()) == [(0, 160, False), (200, 208, False)]
 
 
+def test_needed_read_adds_the_model_shards_another_data_parallel_rank_wrote():
+    """What a rank's load needs beyond its own files: the replicated model shards of its (TP, PP) position."""
+    def entry(rank, tp, dp):
+        return {"rank": rank, "extra": {"layout": {"tp_rank": tp, "pp_rank": 0, "dp_rank": dp}}}
+
+    files = {"rank00000": entry(0, 0, 0), "rank00001": entry(1, 1, 0), "rank00002": entry(2, 0, 1),
+             "rank00003": entry(3, 1, 1)}
+    assert [name for name, e in files.items() if megatron_load_bench._same_position(e, files, 0)] == ["rank00002"]
+    assert [name for name, e in files.items() if megatron_load_bench._same_position(e, files, 3)] == ["rank00001"]
+    tensors = {"rng/torch": {}, "shards/tensors/decoder.w@0": {}, "shards/tensors/optimizer.state.exp_avg.w@0#0:8": {},
+               "shards/objects/x": {}}
+    assert list(megatron_load_bench._replicated(tensors)) == ["shards/tensors/decoder.w@0"]
+
+
 @pytest.mark.slow
 def test_recovery_run_reports_both_ways(tmp_path):
     r = recovery_bench.run(iters=4, warmup=1, workdir=str(tmp_path), model=TINY_TRAINER, max_interval=3, repeats=1)
@@ -103,7 +117,8 @@ def test_megatron_load_cold_and_warm(tmp_path):
     for key in ("megatron_load_s_datastates", "megatron_load_s_torch_dist", "megatron_load_s_datastates_warm",
                 "megatron_load_s_torch_dist_warm", "megatron_load_speedup", "megatron_load_speedup_warm",
                 "megatron_read_ceiling_s", "megatron_load_vs_ceiling", "megatron_load_speedup_bound",
-                "megatron_fresh_read_ceiling_s", "megatron_load_speedup_fresh_bound"):
+                "megatron_fresh_read_ceiling_s", "megatron_load_speedup_fresh_bound", "megatron_load_vs_fresh_ceiling",
+                "megatron_needed_read_ceiling_s", "megatron_load_vs_needed_ceiling"):
         assert r[key] > 0, key
     assert r["megatron_same_training"] is True and len(r["megatron_load_s_datastates_runs"]) == 1
     json.dumps(r)
