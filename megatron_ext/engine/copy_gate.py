@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from .jobs import CheckpointError
 
@@ -29,17 +29,16 @@ class CopyGate:
     def __init__(self, settle: Callable[[], None], what: str = "the saved tensors"):
         self.settle = settle  # run on the training thread by a wait that finds the gate shut
         self.what = what  # for messages: what the gate waits for
-        self.mark: Any = None  # the copier's stream mark taken at open(), or None (CPU)
         self.cancelled = False
         self._opened = threading.Event()
-        self._take_mark: Callable[[], Any] = lambda: None
+        self._on_open: Callable[[], None] = lambda: None
         self._bound = False
 
-    def bind(self, take_mark: Callable[[], Any]) -> None:
-        """The engine's save: how to mark the current stream when the gate opens."""
+    def bind(self, on_open: Callable[[], None]) -> None:
+        """The engine's save: what to do on the opening thread when the gate opens (mark its stream)."""
         if self._bound:
             raise CheckpointError("a CopyGate holds the copies of one save only")
-        self._take_mark, self._bound = take_mark, True
+        self._on_open, self._bound = on_open, True
 
     @property
     def is_open(self) -> bool:
@@ -48,7 +47,7 @@ class CopyGate:
     def open(self) -> None:
         """The tensors hold their final values (in stream order, on a device): copy them."""
         if not self._opened.is_set():
-            self.mark = self._take_mark()
+            self._on_open()
             self._opened.set()
 
     def settle_and_open(self) -> None:

@@ -181,12 +181,15 @@ class CheckpointEngine(OverloadMixin):
             job = self._new_job(root, checkpoint, version, tag)  # overload.py: its policy under a full cache
             self.committer.track(self.jobs.add(job))
         base = f"{checkpoint}/{name}.{tag}"
-        if gate is not None:
-            gate.bind(lambda: self.scheduler.copier.mark([t for _, t in encoder.tensors]))
+        tensors = [t for _, t in encoder.tensors]
+        copier = self.scheduler.copier
+        # A gated save's copies follow what the stream has queued when the gate opens, not now.
         fjob = FileJob(job=job, name=name, layout=plan, sidecar=sidecar,
-                       cuda_mark=self.scheduler.copier.mark([t for _, t in encoder.tensors]),
+                       cuda_mark=copier.mark(tensors) if gate is None else None,
                        tensor_rel=base + ".safetensors", sidecar_rel=base + ".state.json",
                        extra=json.loads(json.dumps(extra)) if extra is not None else None, gate=gate)
+        if gate is not None:
+            gate.bind(lambda: setattr(fjob, "cuda_mark", copier.mark(tensors)))
         job.files.append(fjob)
         self._files.append(fjob)
         faults.saved()

@@ -38,7 +38,7 @@ class FileJob:
     name: str
     layout: FileLayout
     sidecar: bytes
-    cuda_mark: Any
+    cuda_mark: Any  # the copier's stream point (CUDA) the copies follow; a gated save's is set when its gate opens
     tensor_rel: str  # paths relative to the level's root directory
     sidecar_rel: str
     extra: dict | None = None  # caller's JSON-able index, copied into the report and manifest

@@ -116,8 +116,7 @@ class SnapshotScheduler(QueueWorker):
         """The file's chunks in runs of neighbouring slots: one batched copy and one writer item per run."""
         layout = fjob.layout
         chunk = self.cache.chunk_bytes
-        gate = fjob.gate
-        self.copier.begin(gate.mark if gate is not None and gate.mark is not None else fjob.cuda_mark)
+        self.copier.begin(fjob.cuda_mark)  # a gated file's mark is taken when its gate opens
         sources = []
         for s in layout.spans:
             src = self.copier.prepare(s.tensor)
