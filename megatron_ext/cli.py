@@ -319,7 +319,7 @@ def _verify(sub) -> None:
 
     def run(args) -> int:
         from megatron_ext import locate
-        from megatron_ext.engine.verify import checkpoint_bytes, checkpoints_under, verify_root
+        from megatron_ext.engine.read.verify import checkpoint_bytes, checkpoints_under, verify_root
         from megatron_ext.megatron.shard_assembly import shard_problems
         from megatron_ext.progress import Progress
 
@@ -360,7 +360,7 @@ def _inspect(sub) -> None:
         import os
 
         from megatron_ext import locate
-        from megatron_ext.engine.inspect import describe, format_rows
+        from megatron_ext.engine.read.inspect import describe, format_rows
         from megatron_ext.progress import Progress
 
         root, only = locate.resolve_many(args.dir, args.iteration, args.checkpoint)

@@ -39,9 +39,9 @@ from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed, read_manifest
-from megatron_ext.engine.config import ConfigError, EngineConfig
+from megatron_ext.engine.config import EngineConfig
+from megatron_ext.engine.errors import ConfigError
 from megatron_ext.engine.files import atomic_write
 from megatron_ext.megatron.te_extra_state import check_extra_state
 

@@ -20,8 +20,8 @@ import dataclasses
 import os
 
 from megatron_ext.engine import CheckpointError
-from megatron_ext.engine.commit import REPORTS
-from megatron_ext.engine.manifest import MANIFEST, list_committed, read_manifest, valid_name
+from megatron_ext.engine.format.catalog import list_committed, read_manifest
+from megatron_ext.engine.format.names import MANIFEST, REPORTS, valid_name
 
 MEGATRON, DEEPSPEED, ENGINE = "megatron", "deepspeed", "engine"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"

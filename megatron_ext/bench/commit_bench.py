@@ -41,11 +41,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_ext.engine.commit import Committer, durable_status, encode_json, job_key, rank_report, report_name, REPORTS
-from megatron_ext.engine.context import SaveContext
-from megatron_ext.engine.coordination import CommitChannel
-from megatron_ext.engine.jobs import CheckpointJob, LEVEL_SHARED
-from megatron_ext.engine.manifest import read_manifest
+from megatron_ext.engine.format.catalog import read_manifest
+from megatron_ext.engine.format.manifest import encode_json
+from megatron_ext.engine.format.names import LEVEL_SHARED, REPORTS, report_name
+from megatron_ext.engine.save.commit import Committer, durable_status, job_key, rank_report
+from megatron_ext.engine.save.context import SaveContext
+from megatron_ext.engine.save.coordination import CommitChannel
+from megatron_ext.engine.save.jobs import CheckpointJob
 from megatron_ext.engine.telemetry import Telemetry
 
 RANKS = (8, 64, 512, 4096)

@@ -50,7 +50,7 @@ from pathlib import Path
 from megatron_ext.bench.common import drop_page_cache
 from megatron_ext.bench.restore_bench import read_seconds
 from megatron_ext.engine import read_manifest
-from megatron_ext.engine.manifest import TensorIndex
+from megatron_ext.engine.format.manifest import TensorIndex
 from megatron_ext.procs import run_logged
 from megatron_ext.testing import megatron_lm
 

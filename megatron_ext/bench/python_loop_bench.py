@@ -96,7 +96,8 @@ def _switch_off(stage: str | None) -> None:
     """For the GIL account: run the engine with one stage doing nothing (the checkpoint is then not valid)."""
     if stage is None:
         return
-    from megatron_ext.engine import copier, files, flush
+    from megatron_ext.engine import files
+    from megatron_ext.engine.save import copier, flush
 
     if stage == "copy":
         copier.CpuCopier.copy_many = lambda self, parts: None

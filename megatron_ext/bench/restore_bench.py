@@ -31,7 +31,8 @@ import time
 import torch
 
 from megatron_ext.bench.common import drop_page_cache, ensure_process_group, fresh_dir, make_state, state_bytes
-from megatron_ext.engine import CheckpointEngine, fast_read
+from megatron_ext.engine import CheckpointEngine
+from megatron_ext.engine.read import fast_read
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 FILE = "rank00000"  # the one file of a single-rank save

@@ -1,35 +1,57 @@
 """The checkpoint engine: tensors in, durable committed files out. Knows nothing of Megatron.
 
-A save goes one way through these steps, each stage handed the next one and one shared
-``SaveContext`` (context.py):
+Three rooms (docs/ARCHITECTURE.md):
 
-1. ``CheckpointEngine.save`` (engine.py), on the training thread: encode the state's non-tensor
-   part, plan the safetensors layout from shapes and dtypes, queue a ``FileJob``. Nothing is copied.
-2. ``SnapshotScheduler`` (snapshot.py): copy each file chunk by chunk into host-cache slots and
-   hand every filled slot (a ``Chunk``, messages.py) to the writer at once. A save given a
-   ``CopyGate`` (copy_gate.py) is copied only once the caller opens it.
-   ``CheckpointEngine.wait_snapshot`` returns when the copies are done.
-3. ``RankWriter`` (flush.py): checksum and write each chunk to the first level (node-local if
-   configured, else shared), fsync, and pass the durable file on.
-4. ``LevelStager`` (flush.py), only with a node-local level: copy the file to the shared level.
-5. ``Committer`` (commit.py), after ``CheckpointEngine.commit``: rank report and status
-   (coordination.py); rank 0 joins the ranks' shares into the manifest, the commit marker, and
-   decides; then the commit's callbacks.
-6. ``RetentionStage`` (retention.py): delete what the keep policy no longer keeps, only where
-   this job holds the directory's lock (ownership.py).
+- ``format/``: what is on disk. Names, the manifest and its validation, the catalog of committed
+  checkpoints, the safetensors files and the sidecar codec.
+- ``save/``: the save pipeline that ``CheckpointEngine`` (engine.py) drives: snapshot into the
+  host cache, flush to each level, commit, overload skips, failures, retention, peer replicas.
+- ``read/``: ``open_committed`` and the file readers, verify and inspect. Reading needs no engine
+  and imports nothing of ``save/``.
 
-Overload decisions (overload.py) may drop a checkpoint between steps 2 and 5; its ``Discard``
-follows its chunks through steps 3 and 4. The read side is ``CommittedCheckpoint`` (committed.py).
+Shared by both: errors.py, config.py, files.py, host_cache.py, device.py, collectives.py,
+telemetry.py, faults.py.
+
+The public names below resolve lazily (PEP 562), so that importing the read side through this
+package does not import the save pipeline.
 """
 
-from .codec import EncodeError, UnsafeCheckpointError, add_safe_classes, safe_classes
-from .commit import list_committed, read_manifest
-from .config import ConfigError, EngineConfig, OnFailure, OverloadPolicy
-from .copy_gate import CopyGate
-from .engine import CheckpointEngine
-from .jobs import CheckpointError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_PUBLIC = {
+    "CheckpointEngine": "engine", "CheckpointError": "errors", "ConfigError": "errors", "CopyGate": "save.copy_gate",
+    "EncodeError": "errors", "EngineConfig": "config", "OnFailure": "config", "OverloadPolicy": "config",
+    "UnsafeCheckpointError": "errors", "add_safe_classes": "format.codec", "list_committed": "format.catalog",
+    "open_committed": "read.committed", "read_manifest": "format.catalog", "safe_classes": "format.codec",
+}
 
 __all__ = [
     "CheckpointEngine", "CheckpointError", "ConfigError", "CopyGate", "EncodeError", "EngineConfig", "OnFailure",
-    "OverloadPolicy", "UnsafeCheckpointError", "add_safe_classes", "list_committed", "read_manifest", "safe_classes",
+    "OverloadPolicy", "UnsafeCheckpointError", "add_safe_classes", "list_committed", "open_committed", "read_manifest",
+    "safe_classes",
 ]
+
+if TYPE_CHECKING:
+    from .config import EngineConfig, OnFailure, OverloadPolicy
+    from .engine import CheckpointEngine
+    from .errors import CheckpointError, ConfigError, EncodeError, UnsafeCheckpointError
+    from .format.catalog import list_committed, read_manifest
+    from .format.codec import add_safe_classes, safe_classes
+    from .read.committed import open_committed
+    from .save.copy_gate import CopyGate
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -13,8 +13,8 @@ import math
 import os
 from typing import Any, Mapping
 
+from .errors import CheckpointError, ConfigError
 from .files import private_dir, probe_write
-from .jobs import CheckpointError
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -41,10 +41,6 @@ class OnFailure(enum.StrEnum):
 #: Bounds checked before any conversion (a size in bytes, a deadline): beyond them nothing works anyway.
 _MAX_CACHE_GB = float(1 << 20)
 _MAX_TIMEOUT_S = 1e7  # about 116 days
-
-
-class ConfigError(ValueError):
-    """A bad engine configuration, reported before any checkpoint is taken."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +245,7 @@ class EngineConfig:
 
     def allowed_classes(self) -> dict:
         """The ``safe_classes`` as classes (imports their modules: a configuration is trusted input)."""
-        from .codec import resolve_class_names
+        from .format.codec import resolve_class_names
 
         try:
             return resolve_class_names(self.safe_classes)

@@ -23,26 +23,31 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from . import codec, faults, layout as file_layout
-from .commit import Committer
-from .committed import CommittedCheckpoint
-from .config import ConfigError, EngineConfig, check_retention_count, check_writable_dir
-from .context import SaveContext
-from .coordination import CommitChannel, open_stores
-from .copy_gate import CopyGate
-from .copier import make_copier
+from . import faults
+from .config import EngineConfig, check_retention_count, check_writable_dir
 from .device import rank_device
-from .failure import FailureHandler
-from .flush import LevelStager, RankWriter
+from .errors import CheckpointError, ConfigError
+from .format import codec
+from .format import safetensors as file_layout
+from .format.catalog import list_committed
+from .format.names import RUN_ID, valid_name
+from .format.sidecar import check_sidecar_volume
 from .host_cache import HostCache
-from .job_table import JobTable
-from .jobs import CheckpointError, CheckpointJob, FileJob
-from .manifest import RUN_ID, check_sidecar_volume, list_committed, valid_name
-from .overload import OverloadMixin
-from .ownership import DirectoryOwnership
-from .replica import PeerReplicas, default_replica_dir
-from .retention import RetentionStage
-from .snapshot import SnapshotScheduler
+from .read.committed import CommittedCheckpoint, ReadOptions, open_committed
+from .save.commit import Committer
+from .save.context import SaveContext
+from .save.coordination import CommitChannel, open_stores
+from .save.copier import make_copier
+from .save.copy_gate import CopyGate
+from .save.failure import FailureHandler
+from .save.flush import LevelStager, RankWriter
+from .save.job_table import JobTable
+from .save.jobs import CheckpointJob, FileJob
+from .save.ownership import DirectoryOwnership
+from .save.replica import PeerReplicas, default_replica_dir
+from .save.retention import RetentionStage
+from .save.skips import OverloadMixin
+from .save.snapshot import SnapshotScheduler
 from .telemetry import Telemetry
 
 log = logging.getLogger("megatron_ext.engine")
@@ -323,8 +328,9 @@ class CheckpointEngine(OverloadMixin):
         their files from the peer holding their replica (``replica.py``).
         """
         _require_checkpoint(checkpoint, self._root(root))
-        return CommittedCheckpoint.open(self._root(root), checkpoint, self.config, self.rank, verify=verify,
-                                        staging=self.cache, replicas=self.replicas, classes=self.classes)
+        options = ReadOptions.from_config(self.config, verify=verify, rank=self.rank, staging=self.cache,
+                                          classes=self.classes, peers=self.replicas)
+        return open_committed(self._root(root), checkpoint, options)
 
     def agree_load_level(self, committed: "CommittedCheckpoint") -> str:
         """Collective over all ranks: read node-local only if every rank's own files are complete there.

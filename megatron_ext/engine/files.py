@@ -18,8 +18,8 @@ import tempfile
 import threading
 from typing import Any
 
-from .jobs import CheckpointError
-from .layout import ALIGN
+from .errors import CheckpointError
+from .format.safetensors import ALIGN
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _probe_lock = threading.Lock()
@@ -192,3 +192,22 @@ def probe_write(directory: str) -> None:
     with tempfile.NamedTemporaryFile(dir=directory, prefix=".datastates-probe-") as f:
         f.write(b"\0")
         f.flush()
+
+
+def open_regular(path: str, missing_ok: bool = False) -> int | None:
+    """A read-only fd of the regular file ``path`` (not a link, FIFO or device), else CheckpointError
+    (None for a missing file if ``missing_ok``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise CheckpointError(f"{path}: missing") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: a symbolic link (a checkpoint's files must be its own)") from None
+        raise CheckpointError(f"{path}: cannot be opened: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(f"{path}: not a regular file")
+    return fd

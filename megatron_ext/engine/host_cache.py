@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from .device import bind_thread
-from .layout import ALIGN
+from .errors import CacheError
+from .format.safetensors import ALIGN
 
 _PAGE = 4096
 
@@ -37,10 +38,6 @@ def _lowest_cpu_priority() -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except OSError:
             pass  # a sandbox may refuse it: the cache is then touched at normal priority
-
-
-class CacheError(RuntimeError):
-    """The host cache could not be allocated or a slot was not freed in time."""
 
 
 class HostCache:

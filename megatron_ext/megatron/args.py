@@ -12,7 +12,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ext.engine.config import ConfigError, EngineConfig
+from megatron_ext.engine.config import EngineConfig
+from megatron_ext.engine.errors import ConfigError
 from megatron_ext.megatron.host_cache_size import AUTO
 
 

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from megatron_ext.engine import CheckpointError
-from megatron_ext.engine.commit import MANIFEST
 from megatron_ext.engine.files import atomic_write
+from megatron_ext.engine.format.names import MANIFEST
 from megatron_ext.megatron.safe_classes import megatron_classes
 
 log = logging.getLogger("megatron_ext.megatron")
@@ -180,7 +180,8 @@ def is_megatron_checkpoint(manifest: dict) -> bool:
 
 def storable_args(args: Any) -> argparse.Namespace:
     """A copy of args whose values the safe sidecar can hold; others become their repr()."""
-    from megatron_ext.engine.codec import EncodeError, Encoder
+    from megatron_ext.engine.errors import EncodeError
+    from megatron_ext.engine.format.codec import Encoder
 
     plain = argparse.Namespace()
     for key, value in vars(args).items():

@@ -49,17 +49,34 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
 from megatron_ext.engine.collectives import all_reduce_int
-from megatron_ext.engine.commit import MANIFEST
-from megatron_ext.engine.manifest import read_manifest
-from megatron_ext.engine.layout import torch_dtype
+from megatron_ext.engine.format.catalog import read_manifest
+from megatron_ext.engine.format.names import MANIFEST
+from megatron_ext.engine.format.safetensors import torch_dtype
 from megatron_ext.megatron import optimizer_state, param_gather, sharding, te_extra_state
 from megatron_ext.megatron.args import MegatronAdapterOptions, engine_config_from_args
-from megatron_ext.megatron.checkpoint_layout import (CHECKPOINT_VERSION, COMMON, NON_PERSISTENT_SUBDIR, RELEASE,
-                                                     RERUN_STATE, RNG, TRACKER_FILE, capture_rng_state, checkpoint_dir,
-                                                     checkpoint_name, file_of_rank, is_datastates_checkpoint,
-                                                     is_megatron_lm_format, rank_extra, rank_file_name, rank_state,
-                                                     read_run_meta, read_tracker, restore_rng_state, run_meta,
-                                                     tracker_writer)
+from megatron_ext.megatron.checkpoint_layout import (
+    CHECKPOINT_VERSION,
+    COMMON,
+    NON_PERSISTENT_SUBDIR,
+    RELEASE,
+    RERUN_STATE,
+    RNG,
+    TRACKER_FILE,
+    capture_rng_state,
+    checkpoint_dir,
+    checkpoint_name,
+    file_of_rank,
+    is_datastates_checkpoint,
+    is_megatron_lm_format,
+    rank_extra,
+    rank_file_name,
+    rank_state,
+    read_run_meta,
+    read_tracker,
+    restore_rng_state,
+    run_meta,
+    tracker_writer,
+)
 from megatron_ext.megatron.host_cache_size import AUTO, auto_host_cache, checkpoint_rank_bytes, tensor_bytes
 from megatron_ext.megatron.safe_classes import megatron_safe_classes
 from megatron_ext.megatron.shard_assembly import SavedShards

@@ -134,7 +134,7 @@ def _datastates_source(source: Any, iteration: int | None, checkpoint: str | Non
 
     located = source if isinstance(source, locate.Located) else locate.resolve(source, iteration, checkpoint)
     if located.kind != locate.MEGATRON:
-        from megatron_ext.engine.verify import verify_checkpoint
+        from megatron_ext.engine.read.verify import verify_checkpoint
 
         # Damage first, as every tool reports it (reports, sizes, headers; no checksums): a damaged
         # checkpoint is named as such, whatever its kind.

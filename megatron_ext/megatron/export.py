@@ -26,8 +26,8 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_ext.engine import CheckpointError
-from megatron_ext.engine.commit import read_manifest
-from megatron_ext.engine.engine import CommittedCheckpoint
+from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions
+from megatron_ext.engine.format.catalog import read_manifest
 from megatron_ext.megatron import hf_gpt2
 from megatron_ext.megatron.checkpoint_layout import checkpoint_dir, file_of_rank, read_run_meta
 from megatron_ext.megatron.safe_classes import megatron_classes
@@ -62,7 +62,7 @@ def open_committed(root: str, name: str, manifest: dict | None = None) -> Commit
     if manifest is None:
         raise CheckpointError(f"{path} is not a committed datastates checkpoint (no manifest.json); "
                               f"`megatron-ext inspect {root}` lists the committed ones")
-    return CommittedCheckpoint(os.path.abspath(root), None, name, manifest, True, classes=megatron_classes())
+    return CommittedCheckpoint(root, name, manifest, ReadOptions(classes=megatron_classes()))
 
 
 def open_iteration(root: str, iteration: int) -> CommittedCheckpoint:
@@ -268,6 +268,6 @@ def engine_plan(committed: CommittedCheckpoint, dtype: torch.dtype | None) -> li
 
 
 def _dtype_of(name: str) -> torch.dtype | None:
-    from megatron_ext.engine.layout import TORCH_DTYPES
+    from megatron_ext.engine.format.safetensors import TORCH_DTYPES
 
     return TORCH_DTYPES.get(str(name))

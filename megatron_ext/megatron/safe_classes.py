@@ -42,6 +42,6 @@ def megatron_safe_classes() -> tuple[str, ...]:
 @functools.lru_cache(maxsize=1)
 def megatron_classes() -> dict:
     """``megatron_safe_classes()`` as the codec's ``(module, qualname) -> class`` mapping."""
-    from megatron_ext.engine.codec import resolve_class_names
+    from megatron_ext.engine.format.codec import resolve_class_names
 
     return resolve_class_names(megatron_safe_classes())

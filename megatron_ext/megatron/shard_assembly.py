@@ -45,10 +45,10 @@ from typing import Sequence
 import torch
 
 from megatron_ext.engine import CheckpointError
-from megatron_ext.engine.engine import CommittedCheckpoint
-from megatron_ext.engine.layout import INT64_MAX, TORCH_DTYPES, shape_elements
-from megatron_ext.engine.manifest import read_manifest
-from megatron_ext.engine.verify import Problem, problem_of
+from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions
+from megatron_ext.engine.format.catalog import read_manifest
+from megatron_ext.engine.format.safetensors import INT64_MAX, TORCH_DTYPES, shape_elements
+from megatron_ext.engine.read.verify import Problem, problem_of
 from megatron_ext.megatron.checkpoint_layout import is_megatron_checkpoint
 
 #: The dtypes shard metadata may name (``str(dtype)`` without ``torch.``): a fixed table, no
@@ -391,7 +391,7 @@ def shard_problems(root: str, checkpoint: str) -> list[Problem]:
     manifest = read_manifest(os.path.join(root, checkpoint))
     if manifest is None or not is_megatron_checkpoint(manifest):
         return []
-    committed = CommittedCheckpoint(os.path.abspath(root), None, checkpoint, manifest, verify=False)
+    committed = CommittedCheckpoint(root, checkpoint, manifest, ReadOptions(verify=False))
     try:
         SavedShards(committed).check()
     except CheckpointError as exc:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_ext.bench.commit_bench import OpCounter
 from megatron_ext.engine import CheckpointEngine, CheckpointError
-from megatron_ext.engine.commit import job_key
+from megatron_ext.engine.save.commit import job_key
 
 from helpers.states import FAST, TINY
 

@@ -14,11 +14,11 @@ import torch
 import xxhash
 
 from megatron_ext.engine import CheckpointError, read_manifest
-from megatron_ext.engine.commit import encode_json
-from megatron_ext.engine.inspect import describe
-from megatron_ext.engine.manifest import (FORMAT_VERSION, TensorIndex, build_manifest, file_tensors,
-                                          summarize_report, validate_manifest)
-from megatron_ext.engine.verify import verify_checkpoint
+from megatron_ext.engine.format.manifest import TensorIndex, build_manifest, encode_json, file_tensors, summarize_report
+from megatron_ext.engine.format.safetensors import FORMAT_VERSION
+from megatron_ext.engine.format.validation import validate_manifest
+from megatron_ext.engine.read.inspect import describe
+from megatron_ext.engine.read.verify import verify_checkpoint
 
 from helpers.states import TINY, assert_same
 

@@ -12,7 +12,6 @@ import json
 import subprocess
 import threading
 import time
-
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, ConfigError, EngineConfig
-from megatron_ext.engine.inspect import describe
-from megatron_ext.engine.verify import verify_root
+from megatron_ext.engine.read.inspect import describe
+from megatron_ext.engine.read.verify import verify_root
 
 from helpers.procs import REPO, child_env, torchrun_command
 from helpers.states import FAST, TINY, assert_same, committed_names, step_state

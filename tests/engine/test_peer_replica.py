@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_ext.engine import ConfigError, EngineConfig, read_manifest
-from megatron_ext.engine.replica import ReplicaStore, holder_of, resolve_ranks_per_node, source_of
+from megatron_ext.engine.save.replica import ReplicaStore, holder_of, resolve_ranks_per_node, source_of
 
 from helpers.procs import REPO, child_env, torchrun_command
 from helpers.states import TINY

@@ -7,16 +7,15 @@ import json
 import os
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, ConfigError, EngineConfig
-from megatron_ext.engine import fast_read
 from megatron_ext.engine.files import supports_o_direct
 from megatron_ext.engine.host_cache import HostCache
+from megatron_ext.engine.read import fast_read
 
 from helpers.damage import cut_tail, flip_bits, overwrite
 from helpers.procs import REPO, child_env, torchrun_command

@@ -46,12 +46,12 @@ def test_keep_last_and_keep_every(make_engine, tmp_path):
 
 
 def test_retention_lists_without_reading_back_the_manifest_it_just_committed(make_engine, tmp_path, monkeypatch):
-    from megatron_ext.engine import manifest as manifest_module
+    from megatron_ext.engine.format import catalog as catalog_module
 
     engine = make_engine(**TINY, keep_last=1)
     reads = []
-    real = manifest_module.read_manifest
-    monkeypatch.setattr(manifest_module, "read_manifest", lambda path: reads.append(path) or real(path))
+    real = catalog_module.read_manifest
+    monkeypatch.setattr(catalog_module, "read_manifest", lambda path: reads.append(path) or real(path))
     for step in range(1, 4):
         engine.save(_state(step), f"s{step}", version=step)
         engine.commit(f"s{step}")

@@ -13,9 +13,11 @@ import threading
 import pytest
 import torch
 
-from megatron_ext.engine import copier, faults
-from megatron_ext.engine.host_cache import CacheError, HostCache
-from megatron_ext.engine.snapshot import run_slots
+from megatron_ext.engine import faults
+from megatron_ext.engine.errors import CacheError
+from megatron_ext.engine.host_cache import HostCache
+from megatron_ext.engine.save import copier
+from megatron_ext.engine.save.snapshot import run_slots
 
 from helpers.states import assert_same, clone_state
 

@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import device_scenarios
-from megatron_ext.engine import fast_read, restore
-from megatron_ext.engine.copier import CudaCopier, CudaMark
+from megatron_ext.engine.read import fast_read
+from megatron_ext.engine.read import file_reader as restore
+from megatron_ext.engine.save.copier import CudaCopier, CudaMark
 from megatron_ext.procs import torchrun_command
+
+from helpers import device_scenarios
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,8 +110,9 @@ def test_graph_safe_cuda_generators_round_trip_through_a_checkpoint(tmp_path):
     pytest.importorskip("megatron.core")
     from megatron.core import tensor_parallel
 
-    from helpers.states import through_a_checkpoint
     from megatron_ext.megatron import checkpoint_layout as layout
+
+    from helpers.states import through_a_checkpoint
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
     kept = tracker.get_states()

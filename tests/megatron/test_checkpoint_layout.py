@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_ext.engine import CheckpointError
-from megatron_ext.engine.config import ConfigError
+from megatron_ext.engine.errors import ConfigError
 from megatron_ext.megatron import checkpoint_layout as layout
 from megatron_ext.megatron.args import MegatronAdapterOptions
 

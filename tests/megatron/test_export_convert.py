@@ -275,7 +275,7 @@ def test_inspect_reports_layout_sizes_and_uncommitted(tmp_path):
     import torch
 
     from megatron_ext.engine import CheckpointEngine
-    from megatron_ext.engine.inspect import describe, format_rows
+    from megatron_ext.engine.read.inspect import describe, format_rows
 
     with CheckpointEngine({"save_dir": str(tmp_path), "host_cache_size": 0.001}, rank=0, world_size=1) as engine:
         engine.save({"w": torch.ones(1000)}, "iter_0000005", version=5,

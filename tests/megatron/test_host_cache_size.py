@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_ext.engine.config import GIB, MIB
-from megatron_ext.engine.jobs import CheckpointError
+from megatron_ext.engine.errors import CheckpointError
 from megatron_ext.megatron import host_cache_size as hcs
 from megatron_ext.megatron.args import add_datastates_args, engine_config_from_args, validate_datastates_args
 

@@ -26,7 +26,7 @@ MAX_AGE = 3  # the age bound forces a commit at least every few iterations, howe
 
 @pytest.mark.multiproc
 def test_supersede_under_throttled_writes_resumes_bit_exact(tmp_path: Path):
-    from megatron_ext.engine.verify import verify_root
+    from megatron_ext.engine.read.verify import verify_root
 
     ckpt = tmp_path / "ckpt"
     common = ["--train-iters", str(ITERS)]

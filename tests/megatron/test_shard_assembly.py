@@ -14,7 +14,7 @@ pytest.importorskip("megatron.core")
 from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError  # noqa: E402
-from megatron_ext.engine.restore import FileReader  # noqa: E402
+from megatron_ext.engine.read.file_reader import FileReader  # noqa: E402
 from megatron_ext.megatron import sharding  # noqa: E402
 from megatron_ext.megatron.shard_assembly import SavedShards  # noqa: E402
 

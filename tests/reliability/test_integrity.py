@@ -129,7 +129,8 @@ def test_loading_never_runs_code_from_the_checkpoint(saved):
     with CheckpointEngine({"save_dir": str(saved), "host_cache_size": 0.001}, rank=0, world_size=1) as engine:
         with pytest.raises(CheckpointError, match="bytes, the manifest says"):  # its size changed, so no checksum
             engine.load("iter_0000001", "rank0")
-        from megatron_ext.engine.codec import UnsafeCheckpointError, decode
+        from megatron_ext.engine.errors import UnsafeCheckpointError
+        from megatron_ext.engine.format.codec import decode
 
         with pytest.raises(UnsafeCheckpointError):
             decode(doc["state"], lambda name: torch.zeros(1))

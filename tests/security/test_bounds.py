@@ -21,13 +21,29 @@ import torch
 import xxhash
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError
-from megatron_ext.engine import manifest as manifest_module
-from megatron_ext.engine.inspect import describe
-from megatron_ext.engine.verify import verify_checkpoint
+from megatron_ext.engine.format import catalog
+from megatron_ext.engine.format import sidecar as sidecar_module
+from megatron_ext.engine.read.inspect import describe
+from megatron_ext.engine.read.verify import verify_checkpoint
 
-from helpers.hostile import (C1, C2, SHARD_ID, SMALL, assert_one_line_error, cli_in_process, files_of, genuine_state,
-                             manifest_path, read_json, report_path, reseal, rewrite_sidecar, save_megatron_like,
-                             seal_report, write_json)
+from helpers.hostile import (
+    C1,
+    C2,
+    SHARD_ID,
+    SMALL,
+    assert_one_line_error,
+    cli_in_process,
+    files_of,
+    genuine_state,
+    manifest_path,
+    read_json,
+    report_path,
+    reseal,
+    rewrite_sidecar,
+    save_megatron_like,
+    seal_report,
+    write_json,
+)
 
 INT64_MAX = (1 << 63) - 1
 
@@ -101,7 +117,7 @@ def test_a_manifest_claiming_more_ranks_than_it_lists_is_refused_without_countin
     doc["world_size"] = 10 ** 6
     write_json(manifest_path(genuine, C2), doc)
     with pytest.raises(CheckpointError, match="reports must list exactly ranks"):
-        manifest_module.read_manifest(str(genuine / C2))
+        catalog.read_manifest(str(genuine / C2))
 
 
 # ------------------------------------------------------------------------------ shapes
@@ -152,7 +168,7 @@ def test_a_sidecar_of_millions_of_values_is_refused_before_it_is_parsed(genuine)
 
 
 def test_save_refuses_a_sidecar_the_loader_would_refuse(tmp_path, monkeypatch):
-    monkeypatch.setattr(manifest_module, "SIDECAR_VALUES", 1000)
+    monkeypatch.setattr(sidecar_module, "SIDECAR_VALUES", 1000)
     with CheckpointEngine({"save_dir": str(tmp_path / "ckpt"), **SMALL}) as engine:
         with pytest.raises(CheckpointError, match="JSON values"):
             engine.save({"w": torch.ones(2), "indices": list(range(5000))}, C1, version=1)

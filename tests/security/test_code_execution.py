@@ -25,7 +25,7 @@ import deepspeed.launcher.runner  # noqa: E402,F401  (a DeepSpeed module that im
 
 from megatron_ext.deepspeed_adapter import DEEPSPEED_SAFE_CLASSES  # noqa: E402
 from megatron_ext.engine import CheckpointEngine, CheckpointError, UnsafeCheckpointError, add_safe_classes  # noqa: E402
-from megatron_ext.engine import codec  # noqa: E402
+from megatron_ext.engine.format import codec  # noqa: E402
 
 from helpers.hostile import C1, C2, SMALL, files_of, genuine_state, reseal, rewrite_sidecar  # noqa: E402
 from helpers.procs import REPO  # noqa: E402

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, ConfigError, list_committed
-from megatron_ext.engine import commit as commit_module
+from megatron_ext.engine.save import commit as commit_module
 
 from helpers.hostile import C1, C2, SMALL, genuine_state, name_of
 

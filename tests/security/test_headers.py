@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError
-from megatron_ext.engine.verify import verify_checkpoint
+from megatron_ext.engine.read.verify import verify_checkpoint
 
 from helpers.hostile import C2, SMALL, files_of, reseal
 

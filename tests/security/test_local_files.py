@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, ConfigError, EngineConfig
-from megatron_ext.engine import lock as dir_lock
 from megatron_ext.engine.files import private_dir
-from megatron_ext.engine.replica import ReplicaStore, default_replica_dir
+from megatron_ext.engine.save import lock as dir_lock
+from megatron_ext.engine.save.replica import ReplicaStore, default_replica_dir
 
 from helpers.hostile import SMALL
 

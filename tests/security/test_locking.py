@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 import torch
+import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
-from megatron_ext.engine import lock as dir_lock
+from megatron_ext.engine.save import lock as dir_lock
+
 from helpers.hostile import SMALL
 from helpers.procs import REPO, child_env, torchrun_command
 
@@ -200,7 +201,7 @@ def test_a_sibling_rank_waits_for_its_run_to_show_up_in_a_stale_lock_file(tmp_pa
 def test_a_forked_child_does_not_keep_the_lock_after_the_engine_releases_it(tmp_path):
     """DataLoader workers fork while the engine holds its lock; Megatron-LM shuts the engine down after
     training and saves once more with a new one, in the same process, with the workers still alive."""
-    from megatron_ext.engine import lock as dir_lock
+    from megatron_ext.engine.save import lock as dir_lock
 
     first = dir_lock.acquire(str(tmp_path), "aaaaaaaaaaaa", "save_dir")
     child = os.fork()

@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from megatron_ext.engine import CheckpointEngine, CheckpointError, codec
-from megatron_ext.engine.verify import verify_checkpoint
+from megatron_ext.engine import CheckpointEngine, CheckpointError
+from megatron_ext.engine.format import codec
+from megatron_ext.engine.read.verify import verify_checkpoint
 
 from helpers.hostile import C2, SMALL, files_of, genuine_state, manifest_path, report_path, reseal
 

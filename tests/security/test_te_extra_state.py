@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import te_shapes
 from megatron_ext.engine import CheckpointEngine, CheckpointError, UnsafeCheckpointError
 from megatron_ext.megatron import te_extra_state as tes
+
+from helpers import te_shapes
 
 RECIPES = te_shapes.all_recipes()
 FILE = "/ckpt/iter_0000003/rank00000.0123456789ab.safetensors"
@@ -291,7 +292,7 @@ def test_engine_round_trip_keeps_the_blob_bit_for_bit(tmp_path):
 def test_the_flag_is_an_adapter_option():
     import argparse
 
-    from megatron_ext.engine.config import ConfigError
+    from megatron_ext.engine.errors import ConfigError
     from megatron_ext.megatron.args import MegatronAdapterOptions, add_datastates_args
 
     parser = add_datastates_args(argparse.ArgumentParser())

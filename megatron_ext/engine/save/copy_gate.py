@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Callable
 
-from .jobs import CheckpointError
+from ..errors import CheckpointError
 
 
 class CopyGate:

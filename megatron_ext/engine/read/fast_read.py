@@ -31,7 +31,6 @@ import dataclasses
 import errno
 import mmap
 import os
-import stat
 import threading
 import time
 from typing import Any, Callable, Iterable, Protocol
@@ -39,10 +38,11 @@ from typing import Any, Callable, Iterable, Protocol
 import torch
 import xxhash
 
-from .device import bind_thread, cuda_device_of, rank_device
-from .host_cache import CacheError, HostCache
-from .jobs import CheckpointError
-from .layout import ALIGN, round_up, torch_dtype
+from ..device import bind_thread, cuda_device_of, rank_device
+from ..errors import CacheError, CheckpointError
+from ..files import open_regular
+from ..format.safetensors import ALIGN, round_up, torch_dtype
+from ..host_cache import HostCache
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: Bytes one thread reads per request: large enough to stream, small enough to spread over threads.
@@ -112,25 +112,6 @@ def open_for_read(path: str, o_direct: bool | str) -> tuple[int, bool]:
         return direct, True
     finally:
         os.close(fd)
-
-
-def open_regular(path: str, missing_ok: bool = False) -> int | None:
-    """A read-only fd of the regular file ``path`` (not a link, FIFO or device), else CheckpointError
-    (None for a missing file if ``missing_ok``)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if missing_ok:
-            return None
-        raise CheckpointError(f"{path}: missing") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise CheckpointError(f"{path}: a symbolic link (a checkpoint's files must be its own)") from None
-        raise CheckpointError(f"{path}: cannot be opened: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(f"{path}: not a regular file")
-    return fd
 
 
 def _spans(ranges: list[tuple[int, int]], size: int, align: bool = True) -> list[tuple[int, int]]:

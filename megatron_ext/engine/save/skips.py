@@ -15,10 +15,12 @@ from __future__ import annotations
 import os
 import time
 
-from .commit import REPORTS, job_key, skip_report_name
-from .config import OverloadPolicy
-from .files import atomic_write_json
-from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped
+from ..config import OverloadPolicy
+from ..errors import CheckpointError, CheckpointSkipped
+from ..files import atomic_write_json
+from ..format.names import REPORTS
+from .commit import job_key, skip_report_name
+from .jobs import CheckpointJob
 from .messages import Discard
 
 _POLL_S = 0.05  # how often a wait re-checks for failures

@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING, Callable
 
 import xxhash
 
-from . import faults
+from .. import faults
+from ..device import bind_thread
+from ..errors import CheckpointError
+from ..files import ChunkFile, fsync_dir, supports_o_direct, write_durable
+from ..format.names import LEVEL_LOCAL, LEVEL_SHARED
+from ..format.safetensors import round_up
+from ..host_cache import HostCache
 from .context import SaveContext
-from .device import bind_thread
-from .files import ChunkFile, fsync_dir, supports_o_direct, write_durable
-from .host_cache import HostCache
-from .jobs import CheckpointError, CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_SHARED
-from .layout import round_up
+from .jobs import CheckpointJob, FileJob
 from .messages import Chunk, Discard
 from .worker import QueueWorker
 

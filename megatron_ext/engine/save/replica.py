@@ -36,12 +36,13 @@ from typing import Any, Callable, Iterator
 import torch
 import xxhash
 
-from .commit import read_manifest
-from .manifest import valid_name
-from .config import ConfigError, check_writable_dir
-from .files import atomic_write_json, private_dir
-from .jobs import CheckpointError, CheckpointJob
-from .telemetry import Telemetry
+from ..config import check_writable_dir
+from ..errors import CheckpointError, ConfigError
+from ..files import atomic_write_json, private_dir
+from ..format.catalog import read_manifest
+from ..format.names import valid_name
+from ..telemetry import Telemetry
+from .jobs import CheckpointJob
 from .worker import QueueWorker
 
 log = logging.getLogger("megatron_ext.engine")

@@ -11,8 +11,9 @@ import dataclasses
 import threading
 from typing import Any, Callable
 
-from .jobs import CheckpointJob, FileJob, LEVEL_LOCAL, LEVEL_SHARED
-from .telemetry import Telemetry
+from ..format.names import LEVEL_LOCAL, LEVEL_SHARED
+from ..telemetry import Telemetry
+from .jobs import CheckpointJob, FileJob
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

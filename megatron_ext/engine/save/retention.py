@@ -23,9 +23,10 @@ import os
 import shutil
 from typing import Callable
 
-from .commit import REPORTS
-from .jobs import CheckpointError, CheckpointJob
-from .manifest import MANIFEST, list_committed, read_manifest, remember_committed, run_of
+from ..errors import CheckpointError
+from ..format.catalog import list_committed, read_manifest, remember_committed, run_of
+from ..format.names import MANIFEST, REPORTS
+from .jobs import CheckpointJob
 from .worker import QueueWorker
 
 log = logging.getLogger("megatron_ext.engine")

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import struct
-
 from typing import Any
 
 import torch

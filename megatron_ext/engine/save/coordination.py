@@ -36,7 +36,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from .jobs import CheckpointError
+from ..errors import CheckpointError
 
 #: What a rank says about a checkpoint it will not commit (else it posts a durable head), and what
 #: rank 0 decides.

@@ -33,8 +33,8 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from .jobs import CheckpointError
-from .layout import shape_elements
+from ..errors import CheckpointError, EncodeError, UnsafeCheckpointError
+from .safetensors import shape_elements
 
 TAG = "$"  # dicts whose only key starts with TAG are tagged values
 
@@ -45,14 +45,6 @@ _TORCH_DTYPES: dict[str, torch.dtype] = {
 #: numpy dtypes a sidecar may hold: numbers, booleans and fixed-width strings (never objects).
 _NP_KINDS = "biufcSU"
 _NP_DTYPE = re.compile(r"[<>|=]?[biufcSU][0-9]{1,6}")
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """The checkpoint holds a pickle, or a class the loader does not allow; nothing was run."""
-
-
-class EncodeError(TypeError):
-    """A value of the state cannot be stored safely."""
 
 
 # ------------------------------------------------------------------------------------ allow-list

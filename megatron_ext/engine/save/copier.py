@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from .device import bind_thread, cuda_device_of, thread_device
+from ..device import bind_thread, cuda_device_of, thread_device
 
 
 def _noop() -> None:

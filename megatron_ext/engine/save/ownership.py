@@ -15,10 +15,11 @@ import logging
 import os
 import uuid
 
-from . import lock as dir_lock, retention
-from .collectives import all_reduce_int
-from .config import EngineConfig
-from .jobs import CheckpointError
+from ..collectives import all_reduce_int
+from ..config import EngineConfig
+from ..errors import CheckpointError
+from . import lock as dir_lock
+from . import retention
 
 log = logging.getLogger("megatron_ext.engine")
 

@@ -9,25 +9,11 @@ from typing import Any, Callable
 
 import torch
 
-from .layout import FileLayout
+from ..errors import CheckpointError
+from ..format.names import LEVEL_SHARED
+from ..format.safetensors import FileLayout
 
-LEVEL_HOST = "host"
-LEVEL_LOCAL = "local"
-LEVEL_SHARED = "shared"
-LEVEL_PEER = "peer"  # a replica in another node's host memory (replica.py)
 _POLL_S = 0.05  # how often a wait re-checks for background failures
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be taken, persisted, committed or loaded."""
-
-
-class CheckpointSkipped(CheckpointError):
-    """A rank skipped this checkpoint under ``overload_policy="supersede"``: abandon it, not an error."""
-
-    def __init__(self, message: str, report: dict):
-        super().__init__(message)
-        self.report = report  # the skip report that rank wrote
 
 
 @dataclasses.dataclass(eq=False)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from .commit import MANIFEST, REPORTS, read_manifest
-from .jobs import CheckpointError
-from .manifest import TensorIndex, commit_order
+from ..errors import CheckpointError
+from ..format.catalog import commit_order, read_manifest
+from ..format.manifest import TensorIndex
+from ..format.names import MANIFEST, REPORTS
 
 
 def _dir_bytes(path: str) -> int:

@@ -14,12 +14,14 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from . import codec
-from .commit import REPORTS, report_name
-from .fast_read import MIN_STAGING_CHUNK, Staging, default_staging, open_regular, read_into, read_tensors, to_device
-from .jobs import CheckpointError
-from .layout import read_header
-from .manifest import check_tensor_file, read_sidecar
+from ..errors import CheckpointError
+from ..files import open_regular
+from ..format import codec
+from ..format.names import REPORTS, report_name
+from ..format.safetensors import read_header
+from ..format.sidecar import read_sidecar
+from ..format.validation import check_tensor_file
+from .fast_read import MIN_STAGING_CHUNK, Staging, default_staging, read_into, read_tensors, to_device
 
 
 def local_copy_complete(local_root: str, checkpoint: str, manifest: dict, rank: int) -> bool:

@@ -19,11 +19,15 @@ from typing import Callable
 
 import xxhash
 
-from . import codec
-from .fast_read import open_regular
-from .jobs import CheckpointError
-from .layout import read_header
-from .manifest import MANIFEST, TensorIndex, check_tensor_file, read_manifest, read_sidecar, valid_name
+from ..errors import CheckpointError
+from ..files import open_regular
+from ..format import codec
+from ..format.catalog import read_manifest
+from ..format.manifest import TensorIndex
+from ..format.names import MANIFEST, valid_name
+from ..format.safetensors import read_header
+from ..format.sidecar import read_sidecar
+from ..format.validation import check_tensor_file
 
 _BLOCK = 16 << 20
 

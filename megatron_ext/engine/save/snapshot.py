@@ -20,12 +20,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from . import faults
-from .config import OverloadPolicy
+from .. import faults
+from ..config import OverloadPolicy
+from ..device import bind_thread
+from ..host_cache import HostCache
 from .context import SaveContext
 from .copier import CpuCopier
-from .device import bind_thread
-from .host_cache import HostCache
 from .jobs import CheckpointJob, FileJob
 from .messages import Chunk
 from .worker import QueueWorker

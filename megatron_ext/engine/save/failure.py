@@ -14,12 +14,13 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
-from .commit import REPORTS, report_name
-from .config import OnFailure
-from .files import atomic_write_json
+from ..config import OnFailure
+from ..errors import CheckpointError
+from ..files import atomic_write_json
+from ..format.names import REPORTS, report_name
+from ..telemetry import Telemetry
 from .job_table import JobTable
-from .jobs import CheckpointError, CheckpointJob
-from .telemetry import Telemetry
+from .jobs import CheckpointJob
 
 if TYPE_CHECKING:
     from .commit import Committer

@@ -34,13 +34,23 @@ import threading
 import time
 from typing import Callable
 
+from ..errors import CheckpointError, CheckpointSkipped
+from ..files import atomic_write
+from ..format.catalog import read_manifest
+from ..format.manifest import (
+    MANIFEST_SHARES,
+    assemble_manifest,
+    check_assembled,
+    encode_json,
+    manifest_part,
+    summary_of,
+)
+from ..format.names import FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, MANIFEST, REPORTS, report_name
+from ..format.safetensors import FORMAT_VERSION
+from ..format.validation import check_report
 from .context import SaveContext
 from .coordination import COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, checkpoint_key
-from .files import atomic_write
-from .jobs import CheckpointError, CheckpointJob, CheckpointSkipped, FileJob, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED
-from .manifest import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, REPORTS, assemble_manifest, check_assembled,  # noqa: F401
-                       check_report, encode_json, list_committed, manifest_part, MANIFEST_SHARES, read_manifest,
-                       report_name, summary_of)  # (re-exported)
+from .jobs import CheckpointJob, FileJob
 from .messages import Discard
 
 #: Ranks other than 0 wait this much longer than rank 0 for the decision, so that when a rank is

@@ -1,0 +1,51 @@
+"""Names of the on-disk format: the files a checkpoint holds, the storage levels, and which
+checkpoint and run names are acceptable. Shared by the save and the read side."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+#: The commit marker and index of a checkpoint (format.manifest).
+
+
+MANIFEST = "manifest.json"
+
+
+FORMAT_NAME = "megatron_ext.datastates"
+
+
+#: Rank reports (each rank's tensor index in format 2) live in ``<checkpoint>/.reports``.
+REPORTS = ".reports"
+
+
+#: Run ids: 12 lowercase hex digits (rank 0 draws them); they appear in every file name.
+RUN_ID = re.compile(r"[0-9a-f]{12}")
+
+
+def valid_name(name: Any) -> bool:
+    """A single path component the engine may create: not empty, no '/', not hidden, no NUL, UTF-8."""
+    if type(name) is not str:
+        return False
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:  # an unpaired surrogate would become arbitrary bytes in the file name
+        return False
+    return 0 < size <= 255 and "/" not in name and "\0" not in name and not name.startswith(".")
+
+
+def report_name(rank: int, run_id: str, error: bool = False) -> str:
+    """A rank report's file name (``.error`` for a failure report)."""
+    return f"rank-{rank:05d}.{run_id}{'.error' if error else ''}.json"
+
+
+LEVEL_HOST = "host"
+
+
+LEVEL_LOCAL = "local"
+
+
+LEVEL_SHARED = "shared"
+
+
+LEVEL_PEER = "peer"  # a replica in another node's host memory (replica.py)

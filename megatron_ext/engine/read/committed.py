@@ -1,0 +1,157 @@
+"""Opening a committed checkpoint: its validated manifest and a reader per file, from the best
+level that has it. One way for every reader (the engine's ``load``, the Megatron-LM load, export,
+convert, verify, inspect), with no engine and nothing of the save pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Protocol
+
+from ..collectives import all_reduce_int
+from ..config import EngineConfig
+from ..errors import CheckpointError
+from ..format import codec
+from ..format.catalog import read_manifest
+from ..format.manifest import TensorIndex
+from ..format.names import LEVEL_LOCAL, LEVEL_PEER, LEVEL_SHARED
+from ..host_cache import HostCache
+from . import file_reader
+
+
+class PeerSource(Protocol):
+    """Where a rank whose node-local copy is gone fetches its files (the save side's peer replicas).
+
+    ``recover`` is a collective: every rank calls it once per open, even one that cannot load."""
+
+    def recover(self, checkpoint: str, manifest: dict | None, local_complete: bool) -> dict[str, str]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOptions:
+    """How to read: checksums, parallel reads, ``O_DIRECT`` staging, the node-local level, the
+    classes the sidecar may name beyond the built-in allow-list, and peers to recover from."""
+
+    verify: bool = True
+    threads: int = EngineConfig.restore_threads
+    o_direct: bool | str = EngineConfig.o_direct
+    timeout_s: float = EngineConfig.persist_timeout_s
+    local_dir: str | None = None
+    rank: int = 0
+    staging: HostCache | None = None
+    classes: Mapping[codec.ClassKey, type] | None = None
+    peers: PeerSource | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, **overrides) -> "ReadOptions":
+        """The options a run with ``config`` reads with (its threads, ``O_DIRECT``, timeout, node-local level)."""
+        base = dict(threads=config.restore_threads, o_direct=config.o_direct, timeout_s=config.persist_timeout_s,
+                    local_dir=config.local_dir)
+        return cls(**{**base, **overrides})
+
+
+def open_committed(root: str, name: str, options: ReadOptions | None = None) -> "CommittedCheckpoint":
+    """Checkpoint ``name`` under ``root``, validated; ``CheckpointError`` naming the manifest if it is
+    not committed or malformed.
+
+    With ``options.peers`` this is a collective: every rank takes part, even one that cannot load,
+    and ranks whose node-local copy is gone fetch their files from the peer holding them.
+    """
+    options = options or ReadOptions()
+    path = os.path.join(root, name)
+    problem: CheckpointError | None = None
+    try:
+        manifest = read_manifest(path)
+        if manifest is None:
+            problem = CheckpointError(f"{path} is not a committed checkpoint (no manifest)")
+    except CheckpointError as exc:
+        manifest, problem = None, exc
+    recovered: dict[str, str] = {}
+    if options.peers is not None:
+        have_local = bool(options.local_dir) and manifest is not None and file_reader.local_copy_complete(
+            options.local_dir, name, manifest, options.rank)
+        recovered = options.peers.recover(name, manifest, have_local)
+    if problem is not None:
+        raise problem
+    return CommittedCheckpoint(root, name, manifest, options, recovered)
+
+
+class CommittedCheckpoint:
+    """Read side of one committed checkpoint: each file from the node-local level when complete
+    there, else from a peer's replica when one was recovered, else from the shared level.
+
+    A multi-rank job should agree on node-local or shared for all ranks (``local_copy_complete``
+    on every rank, reduced with MIN, then ``use_level``): a mix would read some ranks' files from a
+    node-local copy that another rank may never have finished. Peer copies were verified against
+    the manifest when recovered and are used under either choice.
+    """
+
+    def __init__(self, root: str, checkpoint: str, manifest: dict, options: ReadOptions | None = None,
+                 recovered: dict[str, str] | None = None):
+        """``manifest`` must come from ``read_manifest`` (validated); ``open_committed`` builds this."""
+        options = options or ReadOptions()
+        self.root, self.checkpoint, self.manifest, self.options = os.path.abspath(root), checkpoint, manifest, options
+        self.local_dir, self.verify, self.classes = options.local_dir, options.verify, options.classes
+        self.recovered = recovered or {}  # file name -> directory of its verified peer copy
+        self.index = TensorIndex(os.path.join(self.root, checkpoint), manifest)  # each rank report read once
+        self._readers: dict[str, file_reader.FileReader] = {}
+        self.levels_used: set[str] = set()
+        self.default_level = "auto"
+
+    def local_copy_complete(self, rank: int) -> bool:
+        """Whether ``rank``'s files of this checkpoint are all on this node's local level."""
+        return bool(self.local_dir) and file_reader.local_copy_complete(self.local_dir, self.checkpoint,
+                                                                    self.manifest, rank)
+
+    def agree_level(self, rank: int, world_size: int) -> str:
+        """Collective over all ranks: read node-local only if every rank's own files are complete there.
+
+        One all_reduce (MIN) of "my files are on my node-local level"; returns the level chosen
+        ("local" or "shared") and makes the readers use it.
+        """
+        local = int(self.local_copy_complete(rank))
+        if world_size > 1:
+            import torch.distributed as dist
+
+            local = all_reduce_int(local, dist.ReduceOp.MIN)
+        self.use_level("auto" if local else LEVEL_SHARED)
+        return LEVEL_LOCAL if local else LEVEL_SHARED
+
+    def use_level(self, level: str) -> None:
+        """Level for readers created from now on: "shared" always, "auto" node-local where complete."""
+        if level not in ("auto", LEVEL_SHARED):
+            raise ValueError(f"level must be \"auto\" or \"shared\", got {level!r}")
+        self.default_level = level
+
+    def entry(self, name: str) -> dict:
+        """File ``name``'s manifest entry with its tensors (from its rank's report in format 2)."""
+        return self.index.entry(name)
+
+    def reader(self, name: str, level: str = "auto") -> file_reader.FileReader:
+        """The reader of file ``name``: node-local when complete there (``level="local"`` requires it)."""
+        if name not in self._readers:
+            entry = self.manifest["files"].get(name)
+            if entry is None:
+                raise CheckpointError(f"checkpoint {self.checkpoint} has no file {name!r}; "
+                                      f"it has {sorted(self.manifest['files'])[:8]}")
+            asked = level
+            if level == "auto":
+                level = self.default_level
+            base, chosen = self.root, LEVEL_SHARED
+            if level in ("auto", LEVEL_LOCAL) and self.local_copy_complete(entry["rank"]):
+                base, chosen = self.local_dir, LEVEL_LOCAL
+            elif level == LEVEL_LOCAL:
+                raise CheckpointError(f"checkpoint {self.checkpoint} is not complete on the node-local level")
+            elif name in self.recovered and asked in ("auto", LEVEL_PEER):
+                base, chosen = self.recovered[name], LEVEL_PEER
+            self.levels_used.add(chosen)
+            entry = self.index.entry(name)
+            options = self.options
+            self._readers[name] = file_reader.FileReader(
+                base, entry, options.verify, level=chosen, run_id=self.manifest["run_id"], classes=options.classes,
+                threads=options.threads, o_direct=options.o_direct, timeout_s=options.timeout_s, staging=options.staging)
+        return self._readers[name]
+
+
+__all__ = ["CommittedCheckpoint", "PeerSource", "ReadOptions", "open_committed"]
