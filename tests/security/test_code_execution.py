@@ -147,7 +147,7 @@ def test_decoding_imports_nothing(tmp_path):
     """In a fresh interpreter: a sidecar naming lazy torch modules and unimported classes imports nothing."""
     code = """
 import sys, torch
-from megatron_ext.engine import codec
+from megatron_ext.engine.format import codec
 lazy = sorted(n for n in torch._lazy_modules if f"torch.{n}" not in sys.modules)
 before = set(sys.modules)
 for value in [{"$dtype": n} for n in lazy] + [{"$enum": ["json.tool", "X", 1]}, {"$obj": ["http.server", "HTTPServer", {}]},

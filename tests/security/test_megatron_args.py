@@ -36,7 +36,8 @@ from megatron.training.arguments import parse_args, validate_args
 args = parse_args()
 args.rank, args.world_size = 0, 1
 validate_args(args, {})
-from megatron_ext.engine import codec, UnsafeCheckpointError
+from megatron_ext.engine import UnsafeCheckpointError
+from megatron_ext.engine.format import codec
 from megatron_ext.megatron.checkpoint_layout import storable_args
 from megatron_ext.megatron.safe_classes import megatron_classes
 stored = storable_args(args)
