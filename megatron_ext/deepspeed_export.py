@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from megatron_ext.engine import CheckpointError
+from megatron_ext.engine.read.committed import CommittedCheckpoint
 from megatron_ext.megatron.hf_gpt2 import OutputTensor
 
 MODEL_SUFFIX, OPTIM_SUFFIX = "_model_states.pt", "_optim_states.pt"
@@ -65,9 +66,9 @@ def _numel(shape: Any) -> int:
     return math.prod(tuple(shape))
 
 
-def plan(committed: Any, dtype: torch.dtype | None) -> tuple[list[OutputTensor], dict]:
+def plan(committed: CommittedCheckpoint, dtype: torch.dtype | None) -> tuple[list[OutputTensor], dict]:
     """The output tensors of a DeepSpeed checkpoint and a summary of what they are."""
-    names = sorted(committed.manifest["files"], key=_natural)
+    names = sorted((file.name for file in committed.files()), key=_natural)
     bad = [n for n in names if re.search(r"mp_rank_(?!00_)\d+", n) or n.startswith("layer_")]
     if bad:
         raise CheckpointError(f"{committed.checkpoint}: {bad[0]} belongs to a model-parallel or pipeline DeepSpeed "

@@ -32,7 +32,7 @@ import torch
 
 from megatron_ext.bench.common import drop_page_cache, ensure_process_group, fresh_dir, make_state, state_bytes
 from megatron_ext.engine import CheckpointEngine
-from megatron_ext.engine.read import fast_read
+from megatron_ext.engine.read import staged_read
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 FILE = "rank00000"  # the one file of a single-rank save
@@ -121,7 +121,7 @@ CEILING_READS = {"direct_1": (False, True), "direct_threads": (True, True),
 
 
 def _stream(reader, template: dict, staging) -> None:
-    fast_read.stream_into(reader.tensor_path, reader.entry, template, staging, threads=reader.threads)
+    staged_read.stream_into(reader.tensor_path, reader.entry, template, staging, threads=reader.threads)
 
 
 def _fresh_buffer(reader, template: dict, staging) -> None:
@@ -142,7 +142,7 @@ def measure_rounds(engine: CheckpointEngine, checkpoint: str, template: dict, ex
     kinds = [*CEILING_READS, "datastates", *GPU_PATHS]
     nbytes = state_bytes(expected)
     reader = engine.open_checkpoint(checkpoint).reader(FILE)
-    staging = fast_read.default_staging(threads)
+    staging = staged_read.default_staging(threads)
     staging.wait_allocated(600)
     rounds = []
     for r in range(repeats):

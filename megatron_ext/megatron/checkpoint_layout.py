@@ -29,7 +29,7 @@ import argparse
 import logging
 import os
 import random
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -37,6 +37,8 @@ import torch
 from megatron_ext.engine import CheckpointError
 from megatron_ext.engine.files import atomic_write
 from megatron_ext.engine.format.names import MANIFEST
+from megatron_ext.engine.read.committed import ReadOptions
+from megatron_ext.engine.read.entries import FileEntry
 from megatron_ext.megatron.safe_classes import megatron_classes
 
 log = logging.getLogger("megatron_ext.megatron")
@@ -68,6 +70,12 @@ def rank_file_name(rank: int) -> str:
 def file_of_rank(manifest: dict, rank: int) -> str | None:
     """The manifest's file written by global rank ``rank``, or None."""
     return next((name for name, entry in manifest["files"].items() if entry["rank"] == rank), None)
+
+
+def read_options(**overrides: Any) -> ReadOptions:
+    """How this adapter's tools open a checkpoint (``engine.read.committed.open_committed``):
+    checksums verified, the sidecar allowed the classes a Megatron run saves (``safe_classes``)."""
+    return ReadOptions(**{"classes": megatron_classes(), **overrides})
 
 
 def is_datastates_checkpoint(directory: str) -> bool:
@@ -156,26 +164,25 @@ def rank_extra(objects: Any, layout: dict) -> dict:
     return {"objects": sorted(objects), "layout": layout}
 
 
-def rank_layout_of(entry: dict, name: str) -> dict | None:
+def rank_layout_of(file: FileEntry) -> dict | None:
     """A file's parallel layout from its manifest ``extra`` (``rank_extra``), None if it records
     none; the ranks in it are whole numbers, else ``CheckpointError`` (``extra`` is not validated
     with the manifest: it is the adapter's)."""
-    extra = entry.get("extra")
-    layout = extra.get("layout") if isinstance(extra, dict) else None
+    layout = file.extra.get("layout") if isinstance(file.extra, dict) else None
     if layout is None:
         return None
     if not isinstance(layout, dict) or not all(type(layout.get(k)) is int and layout[k] >= 0
                                                for k in ("tp_rank", "pp_rank", "dp_rank")):
-        raise CheckpointError(f"file {name!r}: its manifest entry's layout {str(layout)[:120]} lacks whole-number "
-                              "tp_rank, pp_rank and dp_rank")
+        raise CheckpointError(f"file {file.name!r}: its manifest entry's layout {str(layout)[:120]} lacks "
+                              "whole-number tp_rank, pp_rank and dp_rank")
     return layout
 
 
-def is_megatron_checkpoint(manifest: dict) -> bool:
-    """Whether every file of a committed checkpoint was written by this adapter (``rank_extra``)."""
-    files = manifest["files"].values()
-    return bool(files) and all(isinstance(e.get("extra"), dict) and {"objects", "layout"} <= set(e["extra"])
-                               for e in files)
+def is_megatron_checkpoint(files: Iterable[FileEntry]) -> bool:
+    """Whether every file of a committed checkpoint (``CommittedCheckpoint.files()``) was written by
+    this adapter (``rank_extra``)."""
+    files = list(files)
+    return bool(files) and all(isinstance(f.extra, dict) and {"objects", "layout"} <= set(f.extra) for f in files)
 
 
 def storable_args(args: Any) -> argparse.Namespace:

@@ -61,8 +61,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError
+from megatron_ext.engine.read.committed import open_committed
 from megatron_ext.megatron import checkpoint_layout as ckpt_layout
-from megatron_ext.megatron.export import open_committed, saved_meta
+from megatron_ext.megatron.export import rank_zero_file, saved_meta
 from megatron_ext.megatron.safe_classes import megatron_safe_classes
 from megatron_ext.megatron.shard_assembly import SavedShards
 
@@ -164,10 +165,10 @@ def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = N
     if out is None:
         raise ValueError("convert needs an output directory")
     located = _datastates_source(source, iteration, checkpoint)
-    committed = open_committed(located.root, located.name, located.manifest)
+    committed = open_committed(located.root, located.name, ckpt_layout.read_options(), manifest=located.manifest)
     meta = saved_meta(committed)
     iteration = meta["iteration"]
-    common = committed.reader(ckpt_layout.file_of_rank(committed.manifest, 0)).part(ckpt_layout.COMMON)
+    common = committed.reader(rank_zero_file(committed)).part(ckpt_layout.COMMON)
     if not isinstance(common, dict):
         raise CheckpointError(f"{committed.checkpoint}: rank 0's common state is not a dict")
     stored = [form for form in saved_forms(common.get("optimizer")) if not is_plain(form)]
@@ -191,7 +192,7 @@ def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = N
     pieces = shards.shard_meta()
     if progress is not None:
         progress.total_bytes = sum(_piece_bytes(piece) for _, _, piece in pieces)
-        progress.total_files = len(committed.manifest["files"])
+        progress.total_files = len(committed.files())
     tensors: list[Any] = []
     objects: list[Any] = []
     boxes: dict[tuple, dict] = {}  # model-space optimizer state: one whole box per parameter shard
@@ -230,13 +231,13 @@ def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = N
     if model_space:
         sharding_type = FULLY_RESHARDABLE
     rng_objects = []
-    for name, entry in sorted(committed.manifest["files"].items()):
-        rank_layout = ckpt_layout.rank_layout_of(entry, name)
-        skeleton = committed.reader(name).skeleton()
+    for file in committed.files():
+        rank_layout = ckpt_layout.rank_layout_of(file)
+        skeleton = committed.reader(file.name).skeleton()
         if rank_layout is None or not (isinstance(skeleton, dict) and ckpt_layout.RNG in skeleton):
             continue
         if rank_layout["dp_rank"] == 0:  # Megatron-LM keeps data-parallel rank 0's per (pp, tp)
-            rng_objects.append(ckpt_layout.megatron_lm_rng_object(committed.reader(name).part(ckpt_layout.RNG),
+            rng_objects.append(ckpt_layout.megatron_lm_rng_object(committed.reader(file.name).part(ckpt_layout.RNG),
                                                                   {**layout, **rank_layout}))
     args = meta.get("args")
     state = {

@@ -26,11 +26,9 @@ import torch
 from safetensors.torch import save_file
 
 from megatron_ext.engine import CheckpointError
-from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions
-from megatron_ext.engine.format.catalog import read_manifest
+from megatron_ext.engine.read.committed import CommittedCheckpoint, open_committed
 from megatron_ext.megatron import hf_gpt2
-from megatron_ext.megatron.checkpoint_layout import checkpoint_dir, file_of_rank, read_run_meta
-from megatron_ext.megatron.safe_classes import megatron_classes
+from megatron_ext.megatron.checkpoint_layout import checkpoint_name, read_options, read_run_meta
 from megatron_ext.megatron.shard_assembly import SavedShards
 
 INDEX = "model.safetensors.index.json"
@@ -54,28 +52,22 @@ def parse_size(text: str) -> int:
     return size
 
 
-def open_committed(root: str, name: str, manifest: dict | None = None) -> CommittedCheckpoint:
-    """The committed checkpoint ``root/name`` (checksums verified on read)."""
-    path = os.path.join(root, name)
-    if manifest is None:
-        manifest = read_manifest(path) if os.path.isdir(path) else None
-    if manifest is None:
-        raise CheckpointError(f"{path} is not a committed datastates checkpoint (no manifest.json); "
-                              f"`megatron-ext inspect {root}` lists the committed ones")
-    return CommittedCheckpoint(root, name, manifest, ReadOptions(classes=megatron_classes()))
-
-
-def open_iteration(root: str, iteration: int) -> CommittedCheckpoint:
+def open_iteration(root: str, iteration: int | str) -> CommittedCheckpoint:
     """The committed checkpoint ``iter_NNNNNNN`` under a Megatron save directory (checksums verified on read)."""
-    return open_committed(root, os.path.basename(checkpoint_dir(root, iteration)))
+    return open_committed(root, checkpoint_name(iteration), read_options())
+
+
+def rank_zero_file(committed: CommittedCheckpoint) -> str:
+    """The name of global rank 0's file (it holds ``common`` and ``meta``)."""
+    zero = committed.files_of_rank(0)
+    if not zero:
+        raise CheckpointError(f"{committed.checkpoint} has no file of rank 0")
+    return zero[0].name
 
 
 def saved_meta(committed: CommittedCheckpoint) -> dict:
     """Rank 0's ``meta``: iteration, args, parallel layout, scheduler."""
-    zero = file_of_rank(committed.manifest, 0)
-    if zero is None:
-        raise CheckpointError(f"{committed.checkpoint} has no file of rank 0")
-    return read_run_meta(committed.reader(zero))
+    return read_run_meta(committed.reader(rank_zero_file(committed)))
 
 
 def model_keys(shards: SavedShards) -> list[str]:
@@ -187,11 +179,10 @@ def export_safetensors(source: Any, iteration: int | None = None, out: str | Non
     located = source if isinstance(source, locate.Located) else locate.resolve(source, iteration, checkpoint)
     if names == "hf" and located.kind != locate.MEGATRON:
         raise ValueError(f"--names hf maps Megatron GPT weights; {located.path} is {locate.describe_kind(located.kind)}")
-    committed = open_committed(located.root, located.name, located.manifest)
+    committed = open_committed(located.root, located.name, read_options(), manifest=located.manifest)
     cast = DTYPES[dtype]
     config = None
-    summary: dict[str, Any] = {"checkpoint": located.path, "kind": located.kind,
-                               "version": located.manifest.get("version")}
+    summary: dict[str, Any] = {"checkpoint": located.path, "kind": located.kind, "version": committed.version}
     if located.kind == locate.DEEPSPEED:
         from megatron_ext import deepspeed_export
 
@@ -245,29 +236,21 @@ def engine_plan(committed: CommittedCheckpoint, dtype: torch.dtype | None) -> li
     the engine does not know how the ranks' tensors would join.
     """
     plan: list[hf_gpt2.OutputTensor] = []
-    files = sorted(committed.manifest["files"])
-    for file_name in files:
-        reader = committed.reader(file_name)
+    files = committed.files()
+    for file in files:
+        reader = committed.reader(file.name)
         skeleton = reader.skeleton()
         part = next((k for k in WEIGHT_PARTS if type(skeleton) is dict and k in skeleton), None)
-        tensors = committed.entry(file_name)["tensors"]
-        for ref, meta in tensors.items():
+        for ref, tensor in committed.tensors(file.name).items():
             if part is not None and not ref.startswith(part + "/"):
                 continue
             name = (ref[len(part) + 1:] if part is not None else ref).replace("/", ".")
             if len(files) > 1:
-                name = f"{file_name}/{name}"
-            saved = _dtype_of(meta["dtype"])  # the manifest was validated: a known safetensors dtype
-            out_dtype = dtype if dtype is not None and saved.is_floating_point else saved
+                name = f"{file.name}/{name}"
+            out_dtype = dtype if dtype is not None and tensor.dtype.is_floating_point else tensor.dtype
 
             def produce(reader=reader, ref=ref, out_dtype=out_dtype) -> torch.Tensor:
                 return reader.tensor(ref).to(out_dtype).contiguous()
 
-            plan.append(hf_gpt2.OutputTensor(name, tuple(meta["shape"]), out_dtype, produce))
+            plan.append(hf_gpt2.OutputTensor(name, tensor.shape, out_dtype, produce))
     return plan
-
-
-def _dtype_of(name: str) -> torch.dtype | None:
-    from megatron_ext.engine.format.safetensors import TORCH_DTYPES
-
-    return TORCH_DTYPES.get(str(name))

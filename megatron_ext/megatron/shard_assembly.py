@@ -45,11 +45,10 @@ from typing import Sequence
 import torch
 
 from megatron_ext.engine import CheckpointError
-from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions
-from megatron_ext.engine.format.catalog import read_manifest
 from megatron_ext.engine.format.safetensors import INT64_MAX, TORCH_DTYPES, shape_elements
+from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions, open_committed
 from megatron_ext.engine.read.verify import Problem, problem_of
-from megatron_ext.megatron.checkpoint_layout import is_megatron_checkpoint
+from megatron_ext.megatron.checkpoint_layout import is_datastates_checkpoint, is_megatron_checkpoint
 
 #: The dtypes shard metadata may name (``str(dtype)`` without ``torch.``): a fixed table, no
 #: attribute of ``torch`` is looked up by a name from the checkpoint.
@@ -198,7 +197,7 @@ class SavedShards:
         self._keys: dict[str, _Key] = {}
         self._meta: list[tuple[str, str, dict]] = []  # (file, shard id, validated metadata), tensors and objects
         self._checked: set[_Piece] = set()  # pieces whose saved tensor matches their metadata
-        for file_name in sorted(committed.manifest["files"]):
+        for file_name in (file.name for file in committed.files()):
             reader = committed.reader(file_name)
             skeleton = reader.skeleton()
             shards = skeleton.get("shards") if isinstance(skeleton, dict) else None
@@ -326,17 +325,16 @@ class SavedShards:
         """The saved tensor is what the metadata says: its dtype and element count (from the tensor index)."""
         if piece in self._checked:
             return
-        meta = self.committed.entry(piece.file)["tensors"].get(piece.tensor)
-        if meta is None:
+        saved = self.committed.tensors(piece.file).get(piece.tensor)
+        if saved is None:
             raise CheckpointError(f"{piece.where}: shard {piece.sid!r} refers to tensor {piece.tensor!r}, which "
-                                  f"{self.committed.manifest['files'][piece.file]['tensor_file']} lacks")
-        saved = TORCH_DTYPES[meta["dtype"]]
-        if saved != entry.dtype:
+                                  f"{self.committed.file(piece.file).tensor_file} lacks")
+        if saved.dtype != entry.dtype:
             raise CheckpointError(f"{piece.where}: shard {piece.sid!r}: its tensor is saved as "
-                                  f"{str(saved).removeprefix('torch.')}, its metadata says "
+                                  f"{str(saved.dtype).removeprefix('torch.')}, its metadata says "
                                   f"{str(entry.dtype).removeprefix('torch.')}")
-        if math.prod(meta["shape"]) != piece.elements:
-            raise CheckpointError(f"{piece.where}: shard {piece.sid!r}: its tensor holds {math.prod(meta['shape'])} "
+        if saved.numel != piece.elements:
+            raise CheckpointError(f"{piece.where}: shard {piece.sid!r}: its tensor holds {saved.numel} "
                                   f"elements, its metadata describes {piece.elements}")
         self._checked.add(piece)
 
@@ -388,10 +386,11 @@ def shard_problems(root: str, checkpoint: str) -> list[Problem]:
     """``verify``'s part for a Megatron checkpoint (every file written by this adapter): what
     ``export``, ``convert`` or a resharded load would refuse in its shard metadata, found without
     reading tensor data. Run on a checkpoint the engine's checks passed."""
-    manifest = read_manifest(os.path.join(root, checkpoint))
-    if manifest is None or not is_megatron_checkpoint(manifest):
+    if not is_datastates_checkpoint(os.path.join(root, checkpoint)):
+        return []  # not committed: nothing of this adapter's to check
+    committed = open_committed(root, checkpoint, ReadOptions(verify=False))
+    if not is_megatron_checkpoint(committed.files()):
         return []
-    committed = CommittedCheckpoint(root, checkpoint, manifest, ReadOptions(verify=False))
     try:
         SavedShards(committed).check()
     except CheckpointError as exc:

@@ -14,8 +14,9 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, ConfigError, EngineConfig
 from megatron_ext.engine.files import supports_o_direct
+from megatron_ext.engine.format.safetensors import torch_dtype
 from megatron_ext.engine.host_cache import HostCache
-from megatron_ext.engine.read import fast_read
+from megatron_ext.engine.read import fast_read, read_plan, staged_read
 
 from helpers.damage import cut_tail, flip_bits, overwrite
 from helpers.procs import REPO, child_env, torchrun_command
@@ -49,7 +50,7 @@ def _every_dtype_state() -> dict:
     state["empty"] = torch.empty(0, 7)
     state["odd"] = _random((4097 * 3 + 5,), torch.int8, 99)  # not a multiple of 4096
     # Larger than a read piece (8 MiB) and than the staging slots: split across threads.
-    state["big"] = _random(((fast_read.READ_PIECE + 12_345) // 4,), torch.float32, 7)
+    state["big"] = _random(((read_plan.READ_PIECE + 12_345) // 4,), torch.float32, 7)
     state["small"] = [_random((i % 13 + 1,), torch.float16, 1000 + i) for i in range(400)]
     state["meta"] = {"step": 3, "name": "x"}
     return state
@@ -123,7 +124,7 @@ def test_read_into_through_tiny_staging_slots(make_engine, tmp_path):
     staging = HostCache(3 * 4096, 4096, pin=False)
     try:
         target = {"a": torch.zeros(50_001), "b": torch.zeros(3, 333, dtype=torch.bfloat16)}
-        fast_read.read_into(reader.tensor_path, reader.entry, target, staging, threads=4, timeout_s=60)
+        staged_read.read_into(reader.tensor_path, reader.entry, target, staging, threads=4, timeout_s=60)
         assert_same(target, {"a": expected["a"], "b": expected["b"]})
     finally:
         staging.close()
@@ -142,10 +143,10 @@ def _streamed_file(make_engine, o_direct) -> tuple[str, dict, dict]:
 
 
 def _empty_targets(entry: dict) -> dict[str, torch.Tensor]:
-    return {n: torch.zeros(m["shape"], dtype=fast_read.torch_dtype(m["dtype"])) for n, m in entry["tensors"].items()}
+    return {n: torch.zeros(m["shape"], dtype=torch_dtype(m["dtype"])) for n, m in entry["tensors"].items()}
 
 
-@pytest.mark.parametrize("slots, chunk", [(1, 4096), (3, 4096), (9, fast_read.READ_PIECE)])
+@pytest.mark.parametrize("slots, chunk", [(1, 4096), (3, 4096), (9, read_plan.READ_PIECE)])
 def test_stream_into_fills_every_dtype_through_few_reused_slots(make_engine, o_direct, slots, chunk):
     """The GPU-node path (device tensors) run on host tensors: pieces in file order through the slots,
     each tensor hashed on them; one slot is enough, and every slot is given back."""
@@ -154,7 +155,7 @@ def test_stream_into_fills_every_dtype_through_few_reused_slots(make_engine, o_d
     try:
         staging.wait_allocated(60)
         targets = _empty_targets(entry)
-        fast_read.stream_into(path, entry, targets, staging, o_direct=o_direct, threads=4, timeout_s=60)
+        staged_read.stream_into(path, entry, targets, staging, o_direct=o_direct, threads=4, timeout_s=60)
         reference = fast_read.read_tensors(path, entry, entry["tensors"])
         assert_same(targets, {n: reference[n] for n in targets})  # every tensor, bit for bit
         for name in ("big", "odd", "scalar", "d/torch.bfloat16", "d/torch.bool"):
@@ -171,12 +172,12 @@ def test_stream_into_names_a_damaged_tensor_and_gives_back_its_slots(make_engine
     try:
         flip_bits(path, (lo + hi) // 2)
         with pytest.raises(CheckpointError, match="tensor 'big' fails its checksum"):
-            fast_read.stream_into(path, entry, _empty_targets(entry), staging, threads=4, timeout_s=60)
+            staged_read.stream_into(path, entry, _empty_targets(entry), staging, threads=4, timeout_s=60)
         assert staging.free_slots == 3
         flip_bits(path, (lo + hi) // 2)
         cut_tail(path, 100)
         with pytest.raises(CheckpointError, match=f"{os.path.basename(path)} is truncated"):
-            fast_read.stream_into(path, entry, _empty_targets(entry), staging, threads=4, timeout_s=60)
+            staged_read.stream_into(path, entry, _empty_targets(entry), staging, threads=4, timeout_s=60)
         assert staging.free_slots == 3
     finally:
         staging.close()
@@ -189,7 +190,7 @@ def test_stream_into_gives_up_when_no_slot_is_freed(make_engine):
     try:
         taken = [staging.acquire(60), staging.acquire(60)]
         with pytest.raises(CheckpointError, match=f"reading {path}"):
-            fast_read.stream_into(path, entry, _empty_targets(entry), staging, threads=2, timeout_s=1)
+            staged_read.stream_into(path, entry, _empty_targets(entry), staging, threads=2, timeout_s=1)
         for slot in taken:
             staging.release(slot)
         assert staging.free_slots == 2

@@ -3,7 +3,7 @@
 docs/ARCHITECTURE.md ("What no test here executes") lists them: ``CudaCopier`` (event after the
 compute stream, private copy stream, ``.contiguous()`` temporaries kept until synchronised, the
 stream synchronised for an abandoned copy), the pinned host cache, pinned restore buffers and
-``non_blocking`` host-to-GPU copies in ``fast_read``, ``read_into`` of GPU tensors through pinned
+``non_blocking`` host-to-GPU copies in ``fast_read``, ``staged_read.read_into`` of GPU tensors through pinned
 slots, ``restore._wants_cuda``, the NCCL branch of ``engine.agree_load_level``, and (two GPUs)
 the engine's threads bound to the rank's device rather than GPU 0 (``device.py``). The scenarios
 are shared with the CPU suite (``helpers.device_scenarios``).
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext.engine.read import fast_read
+from megatron_ext.engine.read import fast_read, read_plan, staged_read
 from megatron_ext.engine.read import file_reader as restore
 from megatron_ext.engine.save.copier import CudaCopier, CudaMark
 from megatron_ext.procs import torchrun_command
@@ -49,9 +49,9 @@ def test_engine_uses_the_cuda_copier_and_a_pinned_cache(tmp_path):
 def test_restore_buffers_are_pinned_for_the_gpu():
     assert restore._wants_cuda("cuda") and restore._wants_cuda({"cpu": "cuda:0"})
     assert not restore._wants_cuda("cpu") and not restore._wants_cuda(None)
-    buf = fast_read.aligned_buffer(3 * 4096 + 5, pin=True)
+    buf = read_plan.aligned_buffer(3 * 4096 + 5, pin=True)
     assert buf.is_pinned() and buf.data_ptr() % 4096 == 0
-    host = {"a": fast_read.aligned_buffer(4096, pin=True).fill_(7)}
+    host = {"a": read_plan.aligned_buffer(4096, pin=True).fill_(7)}
     moved = fast_read.to_device(host, "cuda")
     assert moved["a"].is_cuda and torch.equal(moved["a"].cpu(), host["a"])
 
@@ -59,7 +59,7 @@ def test_restore_buffers_are_pinned_for_the_gpu():
 def test_read_into_cuda_tensors_streams_through_pinned_slots(tmp_path, monkeypatch):
     """GPU targets never get a host buffer the size of the file: pieces go through reused pinned slots."""
     g = torch.Generator().manual_seed(5)
-    state = {"w": torch.randn(3 * fast_read.READ_PIECE // 4 + 999, generator=g), "b": torch.randn(77, generator=g)}
+    state = {"w": torch.randn(3 * read_plan.READ_PIECE // 4 + 999, generator=g), "b": torch.randn(77, generator=g)}
     with device_scenarios.engine(tmp_path, host_cache_size=0.01, restore_threads=3) as e:
         e.save_and_commit(state, "A", version=1)
         e.wait_persisted()
@@ -68,10 +68,10 @@ def test_read_into_cuda_tensors_streams_through_pinned_slots(tmp_path, monkeypat
         def no_file_sized_buffer(*args, **kwargs):
             raise AssertionError("a CUDA target was read through a fresh host buffer")
 
-        monkeypatch.setattr(fast_read, "read_tensors", no_file_sized_buffer)
+        monkeypatch.setattr(staged_read, "read_tensors", no_file_sized_buffer)
         targets = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
         reader.read_into(targets)
-        staging = fast_read.default_staging(3)
+        staging = staged_read.default_staging(3)
         staging.wait_allocated(60)
         assert staging.pinned and staging.free_slots == staging.num_slots
         for name, want in state.items():
@@ -182,19 +182,19 @@ def test_engine_threads_work_on_the_ranks_device_not_gpu_0(tmp_path):
 def test_restore_readers_copy_on_the_targets_device(tmp_path):
     seen = set()
 
-    class Recording(fast_read.HostCache):
+    class Recording(staged_read.HostCache):
         def view(self, slot):  # called by the reader right before its copy to the targets
             seen.add(torch.cuda.current_device())
             return super().view(slot)
 
-    state = {"w": torch.randn(3 * fast_read.READ_PIECE // 4 + 999)}
+    state = {"w": torch.randn(3 * read_plan.READ_PIECE // 4 + 999)}
     with device_scenarios.engine(tmp_path, host_cache_size=0.01) as e:
         e.save_and_commit(state, "A", version=1)
         e.wait_persisted()
         reader = e.open_checkpoint("A").reader("rank00000")
         targets = {"w": torch.zeros_like(state["w"], device="cuda:1")}
-        staging = Recording(4 * fast_read.READ_PIECE, fast_read.READ_PIECE, pin=True, device=1)
-        fast_read.stream_into(reader.tensor_path, reader.entry, targets, staging, threads=3)
+        staging = Recording(4 * read_plan.READ_PIECE, read_plan.READ_PIECE, pin=True, device=1)
+        staged_read.stream_into(reader.tensor_path, reader.entry, targets, staging, threads=3)
         staging.close()
     assert seen == {1}
     device_scenarios.assert_bits(targets["w"], state["w"], "w")

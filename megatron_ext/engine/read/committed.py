@@ -18,6 +18,7 @@ from ..format.manifest import TensorIndex
 from ..format.names import LEVEL_LOCAL, LEVEL_PEER, LEVEL_SHARED
 from ..host_cache import HostCache
 from . import file_reader
+from .entries import FileEntry, TensorEntry
 
 
 class PeerSource(Protocol):
@@ -51,9 +52,13 @@ class ReadOptions:
         return cls(**{**base, **overrides})
 
 
-def open_committed(root: str, name: str, options: ReadOptions | None = None) -> "CommittedCheckpoint":
+def open_committed(root: str, name: str, options: ReadOptions | None = None, *,
+                   manifest: dict | None = None) -> "CommittedCheckpoint":
     """Checkpoint ``name`` under ``root``, validated; ``CheckpointError`` naming the manifest if it is
     not committed or malformed.
+
+    ``manifest``: this checkpoint's manifest as ``read_manifest`` returned it (validated), when
+    the caller has it already (``locate.resolve``), so it is not read twice.
 
     With ``options.peers`` this is a collective: every rank takes part, even one that cannot load,
     and ranks whose node-local copy is gone fetch their files from the peer holding them.
@@ -61,12 +66,15 @@ def open_committed(root: str, name: str, options: ReadOptions | None = None) -> 
     options = options or ReadOptions()
     path = os.path.join(root, name)
     problem: CheckpointError | None = None
-    try:
-        manifest = read_manifest(path)
-        if manifest is None:
-            problem = CheckpointError(f"{path} is not a committed checkpoint (no manifest)")
-    except CheckpointError as exc:
-        manifest, problem = None, exc
+    if manifest is None:
+        try:
+            manifest = read_manifest(path)
+            if manifest is None:
+                problem = CheckpointError(f"{path} is not a committed checkpoint (no manifest)")
+        except CheckpointError as exc:
+            manifest, problem = None, exc
+    elif manifest.get("checkpoint") != name:
+        raise ValueError(f"the manifest given is checkpoint {manifest.get('checkpoint')!r}'s, not {name!r}'s")
     recovered: dict[str, str] = {}
     if options.peers is not None:
         have_local = bool(options.local_dir) and manifest is not None and file_reader.local_copy_complete(
@@ -96,6 +104,8 @@ class CommittedCheckpoint:
         self.recovered = recovered or {}  # file name -> directory of its verified peer copy
         self.index = TensorIndex(os.path.join(self.root, checkpoint), manifest)  # each rank report read once
         self._readers: dict[str, file_reader.FileReader] = {}
+        self._files: dict[str, FileEntry] | None = None  # built on first use: the engine's load needs none
+        self._tensors: dict[str, dict[str, TensorEntry]] = {}
         self.levels_used: set[str] = set()
         self.default_level = "auto"
 
@@ -124,6 +134,52 @@ class CommittedCheckpoint:
             raise ValueError(f"level must be \"auto\" or \"shared\", got {level!r}")
         self.default_level = level
 
+    # ------------------------------------------------------------------ typed entries
+    @property
+    def run_id(self) -> str:
+        return self.manifest["run_id"]
+
+    @property
+    def world_size(self) -> int:
+        return self.manifest["world_size"]
+
+    @property
+    def version(self) -> int | None:
+        """The version the saver gave the checkpoint (e.g. its iteration), if any."""
+        return self.manifest.get("version")
+
+    def _file_entries(self) -> dict[str, FileEntry]:
+        if self._files is None:
+            self._files = {name: FileEntry.of(entry) for name, entry in sorted(self.manifest["files"].items())}
+        return self._files
+
+    def files(self) -> list[FileEntry]:
+        """Every file, by name."""
+        return list(self._file_entries().values())
+
+    def file(self, name: str) -> FileEntry:
+        """File ``name``; ``CheckpointError`` if the checkpoint has none of that name."""
+        try:
+            return self._file_entries()[name]
+        except KeyError:
+            raise self._no_file(name) from None
+
+    def _no_file(self, name: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint {self.checkpoint} has no file {name!r}; "
+                               f"it has {sorted(self.manifest['files'])[:8]}")
+
+    def files_of_rank(self, rank: int) -> list[FileEntry]:
+        """The files global rank ``rank`` saved, by name."""
+        return [f for f in self._file_entries().values() if f.rank == rank]
+
+    def tensors(self, name: str) -> dict[str, TensorEntry]:
+        """File ``name``'s tensors by name (format 2: its rank's report read and checked on first use)."""
+        if name not in self._tensors:
+            if name not in self.manifest["files"]:
+                raise self._no_file(name)
+            self._tensors[name] = {t: TensorEntry.of(t, meta) for t, meta in self.index.tensors(name).items()}
+        return self._tensors[name]
+
     def entry(self, name: str) -> dict:
         """File ``name``'s manifest entry with its tensors (from its rank's report in format 2)."""
         return self.index.entry(name)
@@ -133,8 +189,7 @@ class CommittedCheckpoint:
         if name not in self._readers:
             entry = self.manifest["files"].get(name)
             if entry is None:
-                raise CheckpointError(f"checkpoint {self.checkpoint} has no file {name!r}; "
-                                      f"it has {sorted(self.manifest['files'])[:8]}")
+                raise self._no_file(name)
             asked = level
             if level == "auto":
                 level = self.default_level
@@ -154,4 +209,4 @@ class CommittedCheckpoint:
         return self._readers[name]
 
 
-__all__ = ["CommittedCheckpoint", "PeerSource", "ReadOptions", "open_committed"]
+__all__ = ["CommittedCheckpoint", "FileEntry", "PeerSource", "ReadOptions", "TensorEntry", "open_committed"]

@@ -2,8 +2,9 @@
 
 Only the manifest of a committed checkpoint is trusted to say which files exist and where each
 tensor lies in them. The bytes are read by ``fast_read`` (several threads, ``O_DIRECT`` where the
-file system allows) into one aligned host buffer of which the tensors are views, and each
-tensor's xxh3-64 checksum (and, for whole-file reads, the file's) is compared with the manifest's.
+file system allows) into one aligned host buffer of which the tensors are views, or by
+``staged_read`` into tensors that exist already, and each tensor's xxh3-64 checksum (and, for
+whole-file reads, the file's) is compared with the manifest's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from ..format.names import REPORTS, report_name
 from ..format.safetensors import read_header
 from ..format.sidecar import read_sidecar
 from ..format.validation import check_tensor_file
-from .fast_read import MIN_STAGING_CHUNK, Staging, default_staging, read_into, read_tensors, to_device
+from .fast_read import read_tensors, to_device
+from .staged_read import MIN_STAGING_CHUNK, Staging, default_staging, read_into
 
 
 def local_copy_complete(local_root: str, checkpoint: str, manifest: dict, rank: int) -> bool:

@@ -12,8 +12,9 @@ from typing import Callable
 
 from ..errors import CheckpointError
 from ..format.catalog import commit_order, read_manifest
-from ..format.manifest import TensorIndex
 from ..format.names import MANIFEST, REPORTS
+from .committed import CommittedCheckpoint, ReadOptions, open_committed
+from .entries import FileEntry
 
 
 def _dir_bytes(path: str) -> int:
@@ -28,9 +29,9 @@ def _dir_bytes(path: str) -> int:
     return total
 
 
-def common_layout(files: list[dict]) -> dict:
+def common_layout(files: list[FileEntry]) -> dict:
     """The ``extra["layout"]`` entries that every file of a checkpoint records with the same value."""
-    layouts = [f["extra"].get("layout") if isinstance(f.get("extra"), dict) else None for f in files]
+    layouts = [f.extra.get("layout") if isinstance(f.extra, dict) else None for f in files]
     if not layouts or any(not isinstance(layout, dict) for layout in layouts):
         return {}
     return {k: v for k, v in layouts[0].items() if all(layout.get(k) == v for layout in layouts[1:])}
@@ -62,15 +63,15 @@ def describe(root: str, local_dir: str | None = None, only: str | None = None,
             row["error"] = str(exc)
             manifest = None
         if manifest is not None:
-            files = list(manifest["files"].values())
+            committed = open_committed(root, name, ReadOptions(verify=False), manifest=manifest)
+            files = committed.files()
             by_rank: dict[int, int] = {}
             for f in files:
-                by_rank[f["rank"]] = by_rank.get(f["rank"], 0) + f["size"] + f["state_size"]
-            row.update(committed=True, version=manifest.get("version"), run_id=manifest["run_id"],
-                       world_size=manifest["world_size"], files=len(manifest["files"]),
-                       ranks=len({f["rank"] for f in files}),
-                       bytes=sum(f["size"] + f["state_size"] for f in files),
-                       tensors=_tensor_count(path, manifest, row),
+                by_rank[f.rank] = by_rank.get(f.rank, 0) + f.total_bytes
+            row.update(committed=True, version=committed.version, run_id=committed.run_id,
+                       world_size=committed.world_size, files=len(files), ranks=len(by_rank),
+                       bytes=sum(f.total_bytes for f in files),
+                       tensors=_tensor_count(committed, row),
                        committed_at=manifest.get("committed_at"),
                        bytes_by_rank={str(r): by_rank[r] for r in sorted(by_rank)},
                        layout=common_layout(files))
@@ -120,11 +121,10 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _tensor_count(checkpoint_dir: str, manifest: dict, row: dict) -> int | None:
+def _tensor_count(committed: CommittedCheckpoint, row: dict) -> int | None:
     """Tensors over all files: format 2 reads every rank report (None, and the row's error, if one is unusable)."""
-    index = TensorIndex(checkpoint_dir, manifest)
     try:
-        return sum(len(index.tensors(name)) for name in manifest["files"])
+        return sum(len(committed.index.tensors(f.name)) for f in committed.files())
     except CheckpointError as exc:
         row["error"] = str(exc)
         return None

@@ -23,11 +23,12 @@ from ..errors import CheckpointError
 from ..files import open_regular
 from ..format import codec
 from ..format.catalog import read_manifest
-from ..format.manifest import TensorIndex
 from ..format.names import MANIFEST, valid_name
 from ..format.safetensors import read_header
 from ..format.sidecar import read_sidecar
 from ..format.validation import check_tensor_file
+from .committed import CommittedCheckpoint, ReadOptions, open_committed
+from .entries import TensorEntry
 
 _BLOCK = 16 << 20
 
@@ -55,83 +56,81 @@ def verify_checkpoint(root: str, checkpoint: str, deep: bool = True,
         return [Problem(checkpoint, MANIFEST, str(exc).removeprefix(os.path.join(ckpt_dir, MANIFEST) + ": "))]
     if manifest is None:
         return [Problem(checkpoint, MANIFEST, "missing: the checkpoint is not committed")]
+    committed = open_committed(root, checkpoint, ReadOptions(verify=deep), manifest=manifest)
     problems: list[Problem] = []
-    index = TensorIndex(ckpt_dir, manifest)
     bad_ranks = set()
-    for rank in range(manifest["world_size"]) if manifest["format_version"] >= 2 else ():
+    for rank in range(committed.world_size) if manifest["format_version"] >= 2 else ():
         try:
-            index.rank_tensors(rank)
+            committed.index.rank_tensors(rank)
         except CheckpointError as exc:
             bad_ranks.add(rank)
             rel = manifest["reports"][str(rank)]["file"]
-            what = str(exc).removeprefix(index.report_path(rank) + ": ")
+            what = str(exc).removeprefix(committed.index.report_path(rank) + ": ")
             problems.append(Problem(checkpoint, rel, f"{what} (rank {rank})"))
-    for name, entry in sorted(manifest["files"].items(), key=lambda kv: (kv[1]["rank"], kv[0])):
-        if entry["rank"] in bad_ranks:
+    for file in sorted(committed.files(), key=lambda f: (f.rank, f.name)):
+        if file.rank in bad_ranks:
             continue  # its tensor index is unusable: reported once above
-        entry = index.entry(name)
-        for check in (_check_tensor_file, _check_state_file):
+        for rel, check in ((file.tensor_file, _check_tensor_file), (file.state_file, _check_state_file)):
             try:
-                check(root, entry, manifest["run_id"], deep, progress)
+                check(root, committed, file.name, deep, progress)
             except CheckpointError as exc:
-                rel = entry["tensor_file" if check is _check_tensor_file else "state_file"]
                 what = str(exc)
                 for prefix in (os.path.join(root, rel) + ": ", os.path.join(root, rel) + " "):
                     what = what.removeprefix(prefix)
-                problems.append(Problem(checkpoint, rel, f"{what} (rank {entry['rank']})"))
+                problems.append(Problem(checkpoint, rel, f"{what} (rank {file.rank})"))
         if progress is not None:
             progress(0, 1)
     return problems
 
 
 def checkpoint_bytes(root: str, checkpoint: str) -> tuple[int, int]:
-    """(bytes, files) a deep verify of ``checkpoint`` reads, from its manifest; (0, 0) if it has none."""
+    """(bytes, files) a deep verify of ``checkpoint`` reads, from its manifest; (0, 0) if it has none
+    or it is unreadable (``verify_checkpoint`` says why)."""
     try:
-        manifest = read_manifest(os.path.join(root, checkpoint))
+        files = open_committed(root, checkpoint, ReadOptions(verify=False)).files()
     except CheckpointError:
         return 0, 0
-    if manifest is None:
-        return 0, 0
-    files = manifest["files"].values()
-    return sum(f["size"] + f["state_size"] for f in files), len(manifest["files"])
+    return sum(f.total_bytes for f in files), len(files)
 
 
-def _check_tensor_file(root: str, entry: dict, run_id: str, deep: bool, progress=None) -> None:
-    path = os.path.join(root, entry["tensor_file"])
+def _check_tensor_file(root: str, committed: CommittedCheckpoint, name: str, deep: bool, progress=None) -> None:
+    """The tensor file against the manifest: regular, its size, its header exactly, and (deep) every checksum."""
+    file = committed.file(name)
+    path = os.path.join(root, file.tensor_file)
     fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
-        if size != entry["size"]:
-            raise CheckpointError(f"{path}: has {size} bytes, the manifest says {entry['size']}")
+        if size != file.size:
+            raise CheckpointError(f"{path}: has {size} bytes, the manifest says {file.size}")
         try:
             header = read_header(fd, size)
         except (ValueError, OSError) as exc:
             raise CheckpointError(f"{path}: bad safetensors header: {exc}") from None
-        check_tensor_file(entry, header, run_id, path)
+        check_tensor_file(committed.entry(name), header, committed.run_id, path)
         if deep:
-            _check_digests(fd, path, entry, header.data_start, progress)
+            _check_digests(fd, path, committed.tensors(name), file.checksum, header.data_start, progress)
         elif progress is not None:
-            progress(entry["size"], 0)
+            progress(file.size, 0)
     finally:
         os.close(fd)
 
 
-def _check_digests(fd: int, path: str, entry: dict, data_start: int, progress=None) -> None:
+def _check_digests(fd: int, path: str, tensors: dict[str, TensorEntry], checksum: str, data_start: int,
+                   progress=None) -> None:
     """One sequential pass: the whole file's xxh3-64 and every tensor's (tensors cover the data)."""
     whole = xxhash.xxh3_64()
     whole.update(_read(fd, path, 0, data_start))
-    spans = sorted((meta["offsets"][0], meta["offsets"][1], name) for name, meta in entry["tensors"].items())
-    for begin, end, name in spans:
+    for tensor in sorted(tensors.values(), key=lambda t: (t.begin, t.end, t.name)):
         digest = xxhash.xxh3_64()
-        for lo in range(begin, end, _BLOCK):
-            block = _read(fd, path, lo, min(_BLOCK, end - lo))
+        for lo in range(tensor.begin, tensor.end, _BLOCK):
+            block = _read(fd, path, lo, min(_BLOCK, tensor.end - lo))
             digest.update(block)
             whole.update(block)
             if progress is not None:
                 progress(len(block), 0)
-        if digest.hexdigest() != entry["tensors"][name]["xxh3_64"]:
-            raise CheckpointError(f"{path}: checksum mismatch (xxh3-64) in tensor {name!r}: the bytes changed")
-    if whole.hexdigest() != entry["xxh3_64"]:
+        if digest.hexdigest() != tensor.checksum:
+            raise CheckpointError(f"{path}: checksum mismatch (xxh3-64) in tensor {tensor.name!r}: the bytes changed")
+    if whole.hexdigest() != checksum:
         raise CheckpointError(f"{path}: checksum mismatch (xxh3-64): the bytes changed")
 
 
@@ -142,7 +141,9 @@ def _read(fd: int, path: str, offset: int, length: int) -> bytes:
     return data
 
 
-def _check_state_file(root: str, entry: dict, run_id: str, deep: bool, progress=None) -> None:
+def _check_state_file(root: str, committed: CommittedCheckpoint, name: str, deep: bool, progress=None) -> None:
+    """The sidecar: well-formed, of the manifest's size (and, deep, checksum), naming only listed tensors."""
+    entry = committed.entry(name)
     path = os.path.join(root, entry["state_file"])
     state = read_sidecar(path, entry, verify=deep)
     if progress is not None:
