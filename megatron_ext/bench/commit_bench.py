@@ -34,13 +34,13 @@ import os
 import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
 
 import torch.distributed as dist
 
+from megatron_ext.bench.common import working_dir
 from megatron_ext.engine.format.catalog import read_manifest
 from megatron_ext.engine.format.manifest import encode_json
 from megatron_ext.engine.format.names import LEVEL_SHARED, REPORTS, report_name
@@ -226,9 +226,8 @@ def _mark_durable(job: CheckpointJob, committer: Committer) -> None:
 
 def run(ranks: tuple[int, ...] = RANKS, tensors: tuple[int, ...] = TENSORS, checkpoints: int = 3, sampled: int = 7,
         workdir: str | None = None, timeout_s: float = 300.0) -> dict:
-    base = workdir or tempfile.mkdtemp(prefix="megatron-ext-bench-commit-", dir=os.getcwd())
     results = []
-    try:
+    with working_dir(workdir, "megatron-ext-bench-commit-") as base:
         for t in tensors:
             for n in ranks:
                 root = os.path.join(base, f"n{n}-t{t}")
@@ -241,9 +240,6 @@ def run(ranks: tuple[int, ...] = RANKS, tensors: tuple[int, ...] = TENSORS, chec
                           f"manifest {row['manifest_bytes'] / 1e6:.2f} MB ({time.monotonic() - started:.0f}s)")
                 results.append(row)
                 shutil.rmtree(root, ignore_errors=True)
-    finally:
-        if workdir is None:
-            shutil.rmtree(base, ignore_errors=True)
     return {"results": results, "targets": _targets(results)}
 
 
