@@ -9,14 +9,19 @@ the lazy wait inside the next optimizer step.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 
+from megatron_ext.arg_types import POSITIVE_INT
 from megatron_ext.bench.common import working_dir
 from megatron_ext.procs import torchrun_command
+
+NAME = "deepspeed"
+HELP = "DeepSpeed's default checkpoint engine vs datastates, same model"
 
 
 def _run(args: list[str], log_json: str) -> list[dict]:
@@ -69,6 +74,14 @@ def format_table(r: dict) -> str:
         f"  ratios                blocked torch/datastates {r['ratio_blocked_torch_vs_datastates']:.1f}x (target >= 10), "
         f"datastates/baseline iteration {r['ratio_iter_datastates_vs_baseline']:.3f} (target <= 1.05)",
     ])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench deepspeed``."""
+    p.add_argument("--steps", type=POSITIVE_INT, default=12)
+    p.add_argument("--hidden", type=POSITIVE_INT, default=4096, help="MLP width (sets the checkpoint size)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:

@@ -13,6 +13,7 @@ devices (``d2h_gbps`` is null on the CPU).
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -21,9 +22,13 @@ import time
 
 import torch
 
+from megatron_ext.arg_types import NONNEG, POSITIVE
 from megatron_ext.bench.common import (PeakRss, busy_compute, direct_write_gbps, ensure_process_group, fresh_dir,
                                        make_state, memcpy_gbps, state_bytes, working_dir)
 from megatron_ext.engine import CheckpointEngine
+
+NAME = "engine"
+HELP = "engine vs torch.save, DCP async_save and an O_DIRECT write"
 
 
 def _progress(msg: str) -> None:
@@ -232,6 +237,18 @@ def format_table(r: dict) -> str:
         f" peak RSS/(state+cache) {r['ratio_rss_vs_state_plus_cache']:.2f} (target <= 1.10)",
     ]
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench engine``."""
+    p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
+    p.add_argument("--cache-gb", type=POSITIVE, default=None, help="host cache in GiB (default: the state size)")
+    p.add_argument("--compute-s", type=NONNEG, default=1.0,
+                   help="seconds the caller computes between save and wait_snapshot (default 1)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the state lives (cuda: on the current GPU, copied by the CUDA copy stream)")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def main(args) -> int:

@@ -11,6 +11,7 @@ the largest age, in iterations, of the newest committed checkpoint seen at the e
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -18,8 +19,12 @@ import time
 
 import torch
 
+from megatron_ext.arg_types import NONNEG, POSITIVE, POSITIVE_INT
 from megatron_ext.bench.common import busy_compute, fresh_dir, make_state, state_bytes, working_dir
 from megatron_ext.engine import CheckpointEngine, faults
+
+NAME = "overload"
+HELP = "a checkpoint every iteration on a throttled writer: wait vs supersede"
 
 
 def _progress(msg: str) -> None:
@@ -112,6 +117,17 @@ def format_table(r: dict) -> str:
     lines.append(f"  {'ratios vs baseline':<30} wait {r['ratio_wait_vs_baseline']:.2f}, "
                  f"supersede {r['ratio_supersede_vs_baseline']:.2f}")
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench overload``."""
+    p.add_argument("--size-mb", type=POSITIVE, default=64, help="checkpoint size in MB (default 64)")
+    p.add_argument("--iters", type=POSITIVE_INT, default=20)
+    p.add_argument("--compute-s", type=NONNEG, default=0.2, help="compute per iteration in seconds (default 0.2)")
+    p.add_argument("--flush-factor", type=POSITIVE, default=3.0,
+                   help="the throttle makes one checkpoint's flush take this many iterations (default 3)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:

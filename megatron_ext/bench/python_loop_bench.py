@@ -39,6 +39,12 @@ import sys
 import threading
 import time
 
+from megatron_ext.arg_types import NONNEG_INT, POSITIVE, POSITIVE_INT, number
+
+NAME = "python-loop"
+HELP = ("a Python-bound training loop saving every iteration: this engine vs "
+        "DCP async_save (thread, DefaultStager, process), iteration time vs none")
+
 MODES = ("none", "datastates", "dcp_async", "dcp_stager", "dcp_process")
 #: Engine stages the account switches off one at a time (each mode: the engine less that stage).
 STAGES = ("copy", "checksum", "write", "commit")
@@ -332,7 +338,34 @@ def plot(r: dict, path: str) -> str:
                         [f"{r['work_s']} s Python work"], series, "iteration time / no checkpoint")
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench python-loop``."""
+    p.add_argument("--size-gb", type=POSITIVE, default=0.25, help="state saved every iteration, in GB (default 0.25)")
+    p.add_argument("--work-s", type=POSITIVE, default=0.8,
+                   help="seconds of pure-Python work per iteration, calibrated once (default 0.8)")
+    p.add_argument("--iters", type=number(int, 2), default=8, help="iterations per run (default 8)")
+    p.add_argument("--warmup", type=NONNEG_INT, default=2, help="first iterations of each run left out (default 2)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=2,
+                   help="rounds, each running every mode in a fresh process, order reversed every other round "
+                        "(default 2)")
+    p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
+                   help="none datastates dcp_async dcp_stager dcp_process (default: all)")
+    p.add_argument("--account", action="store_true",
+                   help="also the GIL account: the engine with one stage (copy, checksum, write, commit) off at a "
+                        "time, and each thread's CPU per iteration")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write the ratios as a bar chart")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def main(args) -> int:
+    if args.modes is None:
+        args.modes = list(MODES)
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}: choose among {' '.join(MODES)}")
+    if "none" not in args.modes:
+        args.modes = ["none", *args.modes]  # the ratios need the baseline
     result = run(args.size_gb, args.work_s, args.iters, args.repeats, args.warmup, tuple(args.modes), args.account,
                  args.dir)
     if args.plot:

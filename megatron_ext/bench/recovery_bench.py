@@ -29,6 +29,7 @@ each step in one invocation:
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -37,10 +38,15 @@ import statistics
 import sys
 import time
 
+from megatron_ext.arg_types import POSITIVE_INT
 from megatron_ext.bench import train_bench
 from megatron_ext.bench.common import working_dir
 from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE
 from megatron_ext.procs import kill_tree, start_logged, torchrun_command
+
+NAME = "recovery"
+HELP = ("SIGKILL a training job and restart it: recovery time and iterations lost, "
+        "datastates vs megatron-core torch_dist")
 
 WAYS = {"datastates": "datastates", "torch_dist": "megatron_async"}  # our name -> train_bench mode
 RUN_TIMEOUT_S = 1200
@@ -204,6 +210,17 @@ def format_table(r: dict) -> str:
                      f" + load {r[f'load_s_{way}']:.2f}s + first iteration {r[f'first_iter_s_{way}']:.2f}s (and the rest)")
     lines.append(f"  ratio               torch_dist / datastates recovery {r['recovery_ratio_torch_dist_vs_datastates']:.2f}x")
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench recovery``."""
+    p.add_argument("--iters", type=POSITIVE_INT, default=12, help="iterations of each overhead run (default 12)")
+    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel, default 2)")
+    p.add_argument("--interval", type=POSITIVE_INT, default=None,
+                   help="torch_dist's checkpoint interval (default: measured, the one of equal overhead)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="kills and restarts of each way (default 3)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:

@@ -8,6 +8,7 @@ iteration (the slowest rank's), their ratios, and the bytes each rank replicates
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -15,9 +16,13 @@ import statistics
 import sys
 import uuid
 
+from megatron_ext.arg_types import POSITIVE_INT
 from megatron_ext.bench.common import run_reference_trainer, working_dir
 from megatron_ext.bench.train_bench import MODEL
 from megatron_ext.megatron.checkpoint_layout import checkpoint_dir
+
+NAME = "replica"
+HELP = "reference trainer with datastates, peer replicas in host memory off vs on"
 
 
 def _progress(msg: str) -> None:
@@ -73,6 +78,15 @@ def format_table(r: dict) -> str:
         f"  ratios on/off            iteration {r['ratio_iter_on_vs_off']:.3f}, "
         f"blocked {r['ratio_blocked_on_vs_off']:.2f}",
     ])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench replica``."""
+    p.add_argument("--iters", type=POSITIVE_INT, default=10)
+    p.add_argument("--nproc", type=POSITIVE_INT, default=4, help="CPU ranks (data parallel)")
+    p.add_argument("--ranks-per-node", type=POSITIVE_INT, default=2, help="ranks per simulated node (default 2)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:

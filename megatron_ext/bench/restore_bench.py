@@ -17,6 +17,7 @@ medians over rounds, and every round is reported.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import gc
 import json
@@ -27,10 +28,14 @@ import time
 
 import torch
 
+from megatron_ext.arg_types import POSITIVE, POSITIVE_INT
 from megatron_ext.bench.common import (drop_page_cache, ensure_process_group, fresh_dir, make_state, read_seconds,
                                        state_bytes, working_dir)
 from megatron_ext.engine import CheckpointEngine
 from megatron_ext.engine.read import fast_read
+
+NAME = "restore"
+HELP = "engine restore vs torch.load, DCP load and an O_DIRECT read (cold)"
 
 FILE = "rank00000"  # the one file of a single-rank save
 
@@ -264,6 +269,19 @@ def format_table(r: dict) -> str:
     elif "megatron_load_skipped" in r:
         lines.append(f"  Megatron-LM load    skipped: {r['megatron_load_skipped']}")
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench restore``."""
+    p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
+    p.add_argument("--threads", type=POSITIVE_INT, default=4, help="restore_threads of the engine (default 4)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3,
+                   help="rounds of the engine's restore and the reads it is compared with (default 3)")
+    p.add_argument("--megatron", default="auto", choices=("auto", "on", "off"),
+                   help="also time Megatron-LM's load_checkpoint, datastates vs torch_dist (auto: when the "
+                        "Megatron-LM checkout is available)")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def main(args) -> int:

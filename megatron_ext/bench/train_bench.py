@@ -14,13 +14,18 @@ the ``save`` call plus the lazy wait inside the optimizer step, for megatron-cor
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import sys
 
+from megatron_ext.arg_types import POSITIVE_INT
 from megatron_ext.bench.common import run_reference_trainer, working_dir
 from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE, checkpoint_dir
+
+NAME = "train"
+HELP = "reference trainer: no checkpoints vs datastates vs megatron-core async save"
 
 MODEL = ["--bf16", "--use-distributed-optimizer", "--num-layers", "4", "--hidden-size", "512",
          "--num-attention-heads", "8", "--seq-length", "128", "--vocab-size", "8192",
@@ -116,6 +121,14 @@ def format_table(r: dict) -> str:
         f"  ratios                  datastates/baseline iteration {r['ratio_iter_datastates_vs_baseline']:.3f} "
         f"(target <= 1.05), megatron/datastates blocked {r['ratio_blocked_megatron_vs_datastates']:.1f}x (target >= 5)",
     ])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench train``."""
+    p.add_argument("--iters", type=POSITIVE_INT, default=12)
+    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:
