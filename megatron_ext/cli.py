@@ -273,7 +273,7 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def _benches() -> tuple:
+def bench_modules() -> tuple:
     """The benchmark modules, in the order ``bench --help`` lists them. Each declares its subcommand:
     ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``main(args) -> int`` (exit status)."""
     from megatron_ext.bench import (commit_bench, deepspeed_bench, engine_bench, overload_bench, param_sync_bench,
@@ -286,7 +286,7 @@ def _benches() -> tuple:
 def _declare_benches(bench: argparse.ArgumentParser) -> None:
     """``megatron-ext bench NAME``, one subcommand per benchmark module (imported only for ``bench``)."""
     benches = bench.add_subparsers(dest="bench", required=True)
-    for module in _benches():
+    for module in bench_modules():
         p = benches.add_parser(module.NAME, help=module.HELP)
         module.add_arguments(p)
         p.set_defaults(func=module.main)
