@@ -4,235 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import sys
 import warnings
 
-
-def _number(kind, low: float, inclusive: bool = True):
-    """An argparse type: a finite ``kind`` >= ``low`` (> ``low`` when not ``inclusive``)."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole number' if kind is int else 'number'}") from None
-        if not math.isfinite(value) or value < low or (value == low and not inclusive):
-            raise argparse.ArgumentTypeError(f"{text} must be {'>=' if inclusive else '>'} {low:g}")
-        return value
-
-    return parse
-
-
-POSITIVE_INT, NONNEG_INT = _number(int, 1), _number(int, 0)
-POSITIVE, NONNEG = _number(float, 0, inclusive=False), _number(float, 0)
-
-
-def _bench_engine(sub) -> None:
-    p = sub.add_parser("engine", help="engine vs torch.save, DCP async_save and an O_DIRECT write")
-    p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
-    p.add_argument("--cache-gb", type=POSITIVE, default=None, help="host cache in GiB (default: the state size)")
-    p.add_argument("--compute-s", type=NONNEG, default=1.0,
-                   help="seconds the caller computes between save and wait_snapshot (default 1)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="where the state lives (cuda: on the current GPU, copied by the CUDA copy stream)")
-    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-    def run(args) -> int:
-        from megatron_ext.bench import engine_bench
-
-        return engine_bench.main(args)
-
-    p.set_defaults(func=run)
-
-
-def _bench_python_loop(sub) -> None:
-    p = sub.add_parser("python-loop", help="a Python-bound training loop saving every iteration: this engine vs "
-                                           "DCP async_save (thread, DefaultStager, process), iteration time vs none")
-    p.add_argument("--size-gb", type=POSITIVE, default=0.25, help="state saved every iteration, in GB (default 0.25)")
-    p.add_argument("--work-s", type=POSITIVE, default=0.8,
-                   help="seconds of pure-Python work per iteration, calibrated once (default 0.8)")
-    p.add_argument("--iters", type=_number(int, 2), default=8, help="iterations per run (default 8)")
-    p.add_argument("--warmup", type=NONNEG_INT, default=2, help="first iterations of each run left out (default 2)")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=2,
-                   help="rounds, each running every mode in a fresh process, order reversed every other round "
-                        "(default 2)")
-    p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
-                   help="none datastates dcp_async dcp_stager dcp_process (default: all)")
-    p.add_argument("--account", action="store_true",
-                   help="also the GIL account: the engine with one stage (copy, checksum, write, commit) off at a "
-                        "time, and each thread's CPU per iteration")
-    p.add_argument("--plot", default=None, metavar="PNG", help="write the ratios as a bar chart")
-    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-    def run(args) -> int:
-        from megatron_ext.bench import python_loop_bench
-
-        if args.modes is None:
-            args.modes = list(python_loop_bench.MODES)
-        unknown = sorted(set(args.modes) - set(python_loop_bench.MODES))
-        if unknown:
-            raise ValueError(f"unknown mode(s) {', '.join(unknown)}: choose among {' '.join(python_loop_bench.MODES)}")
-        if "none" not in args.modes:
-            args.modes = ["none", *args.modes]  # the ratios need the baseline
-        return python_loop_bench.main(args)
-
-    p.set_defaults(func=run)
-
-
-def _bench_param_sync(sub) -> None:
-    p = sub.add_parser("param-sync", help="Megatron-LM's loop with --overlap-param-gather: the save with its forced "
-                                          "parameter all-gather (patches 0001-0003) vs the copies waiting for the "
-                                          "next forward's all-gathers (0004)")
-    p.add_argument("--iters", type=_number(int, 5), default=14,
-                   help="iterations per run, every one saved (default 14)")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=2, help="rounds, order reversed every other (default 2)")
-    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-    def run(args) -> int:
-        from megatron_ext.bench import param_sync_bench
-
-        return param_sync_bench.main(args)
-
-    p.set_defaults(func=run)
-
-
-def _bench_restore(sub) -> None:
-    p = sub.add_parser("restore", help="engine restore vs torch.load, DCP load and an O_DIRECT read (cold)")
-    p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
-    p.add_argument("--threads", type=POSITIVE_INT, default=4, help="restore_threads of the engine (default 4)")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=3,
-                   help="rounds of the engine's restore and the reads it is compared with (default 3)")
-    p.add_argument("--megatron", default="auto", choices=("auto", "on", "off"),
-                   help="also time Megatron-LM's load_checkpoint, datastates vs torch_dist (auto: when the "
-                        "Megatron-LM checkout is available)")
-    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-    def run(args) -> int:
-        from megatron_ext.bench import restore_bench
-
-        return restore_bench.main(args)
-
-    p.set_defaults(func=run)
-
-
-def _bench_train(sub) -> None:
-    p = sub.add_parser("train", help="reference trainer: no checkpoints vs datastates vs megatron-core async save")
-    p.add_argument("--iters", type=POSITIVE_INT, default=12)
-    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel)")
-    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
-    p.add_argument("--json", action="store_true")
-
-    def run(args) -> int:
-        from megatron_ext.bench import train_bench
-
-        return train_bench.main(args)
-
-    p.set_defaults(func=run)
-
-
-def _bench_recovery(sub) -> None:
-    p = sub.add_parser("recovery", help="SIGKILL a training job and restart it: recovery time and iterations lost, "
-                                        "datastates vs megatron-core torch_dist")
-    p.add_argument("--iters", type=POSITIVE_INT, default=12, help="iterations of each overhead run (default 12)")
-    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel, default 2)")
-    p.add_argument("--interval", type=POSITIVE_INT, default=None,
-                   help="torch_dist's checkpoint interval (default: measured, the one of equal overhead)")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="kills and restarts of each way (default 3)")
-    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
-    p.add_argument("--json", action="store_true")
-
-    def run(args) -> int:
-        from megatron_ext.bench import recovery_bench
-
-        return recovery_bench.main(args)
-
-    p.set_defaults(func=run)
-
-
-def _bench_replica(sub) -> None:
-    p = sub.add_parser("replica", help="reference trainer with datastates, peer replicas in host memory off vs on")
-    p.add_argument("--iters", type=POSITIVE_INT, default=10)
-    p.add_argument("--nproc", type=POSITIVE_INT, default=4, help="CPU ranks (data parallel)")
-    p.add_argument("--ranks-per-node", type=POSITIVE_INT, default=2, help="ranks per simulated node (default 2)")
-    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
-    p.add_argument("--json", action="store_true")
-
-    def run(args) -> int:
-        from megatron_ext.bench import replica_bench
-
-        return replica_bench.main(args)
-
-    p.set_defaults(func=run)
-
-
-def _bench_deepspeed(sub) -> None:
-    p = sub.add_parser("deepspeed", help="DeepSpeed's default checkpoint engine vs datastates, same model")
-    p.add_argument("--steps", type=POSITIVE_INT, default=12)
-    p.add_argument("--hidden", type=POSITIVE_INT, default=4096, help="MLP width (sets the checkpoint size)")
-    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
-    p.add_argument("--json", action="store_true")
-
-    def run(args) -> int:
-        from megatron_ext.bench import deepspeed_bench
-
-        return deepspeed_bench.main(args)
-
-    p.set_defaults(func=run)
-
-
-def _bench_overload(sub) -> None:
-    p = sub.add_parser("overload", help="a checkpoint every iteration on a throttled writer: wait vs supersede")
-    p.add_argument("--size-mb", type=POSITIVE, default=64, help="checkpoint size in MB (default 64)")
-    p.add_argument("--iters", type=POSITIVE_INT, default=20)
-    p.add_argument("--compute-s", type=NONNEG, default=0.2, help="compute per iteration in seconds (default 0.2)")
-    p.add_argument("--flush-factor", type=POSITIVE, default=3.0,
-                   help="the throttle makes one checkpoint's flush take this many iterations (default 3)")
-    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
-    p.add_argument("--json", action="store_true")
-
-    def run(args) -> int:
-        from megatron_ext.bench import overload_bench
-
-        return overload_bench.main(args)
-
-    p.set_defaults(func=run)
-
-
-def _bench_commit(sub) -> None:
-    p = sub.add_parser("commit", help="one commit's latency, file-system calls and rank 0 CPU at 8 to 4,096 simulated ranks")
-    p.add_argument("--ranks", type=POSITIVE_INT, nargs="+", default=[8, 64, 512, 4096])
-    p.add_argument("--tensors", type=POSITIVE_INT, nargs="+", default=[50, 640], help="tensors per rank")
-    p.add_argument("--checkpoints", type=POSITIVE_INT, default=3, help="commits per configuration (median)")
-    p.add_argument("--sampled", type=POSITIVE_INT, default=7, help="ranks besides 0 with a committer thread")
-    p.add_argument("--plot", default=None, metavar="DIR", help="write commit_*.png figures there")
-    p.add_argument("--baseline", default=None, metavar="JSON",
-                   help="another run's --json output (e.g. an older version's) drawn beside this one")
-    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
-    p.add_argument("--json", action="store_true")
-
-    def run(args) -> int:
-        from megatron_ext.bench import commit_bench
-
-        return commit_bench.main(args)
-
-    p.set_defaults(func=run)
-
-
-def _bench_suite(sub) -> None:
-    p = sub.add_parser("suite", help="every scenario against every peer in one run: results.json, results.md, plots")
-    p.add_argument("--out", default="runs/bench-suite", help="output directory (default runs/bench-suite)")
-    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer iterations (a few minutes)")
-
-    def run(args) -> int:
-        from megatron_ext.bench import suite
-
-        return suite.main(args)
-
-    p.set_defaults(func=run)
+from megatron_ext.arg_types import NONNEG_INT, POSITIVE, POSITIVE_INT, number
 
 
 def _telemetry(sub) -> None:
@@ -253,7 +28,7 @@ def _telemetry(sub) -> None:
 def _demo(sub) -> None:
     p = sub.add_parser("demo", help="save every step of a toy training loop, then resume and check it")
     p.add_argument("--out", default="runs/demo", help="checkpoint directory (default runs/demo)")
-    p.add_argument("--steps", type=_number(int, 2), default=8, help="training steps, at least 2 (default 8)")
+    p.add_argument("--steps", type=number(int, 2), default=8, help="training steps, at least 2 (default 8)")
     p.add_argument("--host-cache-size", type=POSITIVE, default=0.25, help="GiB")
 
     def run(args) -> int:
@@ -453,10 +228,20 @@ class _Parser(argparse.ArgumentParser):
     A mistyped option is named as such: argparse reports missing required arguments before
     unknown ones, so ``export DIR --iteraton 2 ...`` would otherwise say "--to is required" or
     the like instead of naming ``--iteraton``.
+
+    ``declare``: a function that adds this parser's arguments when it is first used, so that a
+    command whose declarations import heavy modules (``bench``) costs nothing to the others.
     """
+
+    def __init__(self, *args, declare=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._declare = declare
 
     def parse_known_args(self, args=None, namespace=None):
         self._seen_args = list(sys.argv[1:] if args is None else args)
+        if self._declare is not None:
+            declare, self._declare = self._declare, None
+            declare(self)
         return super().parse_known_args(args, namespace)
 
     def _unknown_options(self) -> list[str]:
@@ -488,6 +273,25 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def bench_modules() -> tuple:
+    """The benchmark modules, in the order ``bench --help`` lists them. Each declares its subcommand:
+    ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``main(args) -> int`` (exit status)."""
+    from megatron_ext.bench import (commit_bench, deepspeed_bench, engine_bench, overload_bench, param_sync_bench,
+                                    python_loop_bench, recovery_bench, replica_bench, restore_bench, suite, train_bench)
+
+    return (engine_bench, python_loop_bench, param_sync_bench, restore_bench, train_bench, deepspeed_bench,
+            overload_bench, replica_bench, recovery_bench, commit_bench, suite)
+
+
+def _declare_benches(bench: argparse.ArgumentParser) -> None:
+    """``megatron-ext bench NAME``, one subcommand per benchmark module (imported only for ``bench``)."""
+    benches = bench.add_subparsers(dest="bench", required=True)
+    for module in bench_modules():
+        p = benches.add_parser(module.NAME, help=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(func=module.main)
+
+
 def _quiet(p: argparse.ArgumentParser) -> None:
     """``-q`` after the command too (the top-level one sets the default)."""
     p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS,
@@ -506,19 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
         _quiet(sub.choices[next(reversed(sub.choices))])
     _demo(sub)
     _telemetry(sub)
-    bench = sub.add_parser("bench", help="benchmarks (figures are ratios against peers measured in the same run)")
-    benches = bench.add_subparsers(dest="bench", required=True)
-    _bench_engine(benches)
-    _bench_python_loop(benches)
-    _bench_param_sync(benches)
-    _bench_restore(benches)
-    _bench_train(benches)
-    _bench_deepspeed(benches)
-    _bench_overload(benches)
-    _bench_replica(benches)
-    _bench_recovery(benches)
-    _bench_commit(benches)
-    _bench_suite(benches)
+    sub.add_parser("bench", help="benchmarks (figures are ratios against peers measured in the same run)",
+                   declare=_declare_benches)
     return parser
 
 

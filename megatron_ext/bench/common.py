@@ -1,21 +1,27 @@
-"""Helpers shared by the benchmarks: physical limits, memory, a stand-in for compute, runs of the
-reference trainer and a one-process group."""
+"""Helpers shared by the benchmarks: physical limits (writes and reads), memory, a stand-in for compute,
+the working directory, runs of the reference trainer and a one-process group."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import contextlib
 import json
 import mmap
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 import psutil
 import torch
 
 from megatron_ext.engine.files import ChunkFile, supports_o_direct
 from megatron_ext.procs import torchrun_command
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def make_state(total_bytes: int, tensor_bytes: int = 64 << 20, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -59,6 +65,55 @@ def _direct_write_once(directory: str, nbytes: int, chunk_bytes: int) -> float:
     view.release()
     buf.close()
     return offset / elapsed / 1e9
+
+
+def read_seconds(path: str, threads: int = 1, direct: bool = True, chunk_bytes: int = 16 << 20) -> float:
+    """Seconds to read the whole of ``path`` by ``threads`` threads into reused buffers, ``chunk_bytes`` per request.
+
+    ``direct``: ``O_DIRECT`` (buffered if the file system refuses), thread ``i`` reading every
+    ``threads``-th chunk. Buffered: the file is cut into ``threads`` contiguous regions, each read
+    front to back on a descriptor of its own advised ``POSIX_FADV_SEQUENTIAL`` (kernel read-ahead
+    works per descriptor and stream). One thread = one sequential stream either way. The page
+    cache is left as it is: the caller evicts the file first for a cold read.
+    """
+    size = os.path.getsize(path)
+    buffers = [mmap.mmap(-1, chunk_bytes) for _ in range(threads)]
+    per = -(-size // threads // chunk_bytes) * chunk_bytes  # region of each buffered stream
+    start = time.perf_counter()
+    shared = -1
+    if direct:
+        try:
+            shared = os.open(path, os.O_RDONLY | _O_DIRECT)
+        except OSError:
+            shared = os.open(path, os.O_RDONLY)
+
+    def reader(i: int) -> None:
+        if direct:
+            offsets = range(i * chunk_bytes, size, threads * chunk_bytes)
+            fd = shared
+        else:
+            offsets = range(i * per, min(size, (i + 1) * per), chunk_bytes)
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, i * per, per, os.POSIX_FADV_SEQUENTIAL)
+        try:
+            for offset in offsets:
+                if os.preadv(fd, [buffers[i]], offset) <= 0:
+                    raise OSError(f"short read of {path} at {offset}")
+        finally:
+            if fd != shared:
+                os.close(fd)
+
+    try:
+        with cf.ThreadPoolExecutor(threads) as pool:
+            for future in [pool.submit(reader, i) for i in range(threads)]:
+                future.result(timeout=3600)
+    finally:
+        if shared >= 0:
+            os.close(shared)
+    elapsed = time.perf_counter() - start
+    for buf in buffers:
+        buf.close()
+    return elapsed
 
 
 def memcpy_gbps(nbytes: int = 256 << 20) -> float:
@@ -136,6 +191,22 @@ def fresh_dir(path: str) -> str:
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
     return path
+
+
+@contextlib.contextmanager
+def working_dir(given: str | None, prefix: str) -> Iterator[str]:
+    """Where a benchmark writes: ``given`` (created if missing, and kept), else a new directory
+    ``prefix*`` in the current one (``--dir``'s "a temporary directory here"), removed at the end,
+    also when the benchmark fails."""
+    if given:
+        os.makedirs(given, exist_ok=True)
+        yield given
+        return
+    made = tempfile.mkdtemp(prefix=prefix, dir=os.getcwd())
+    try:
+        yield made
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def run_reference_trainer(nproc: int, args: list[str], log_json: str) -> list[dict]:

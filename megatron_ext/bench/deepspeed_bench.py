@@ -9,15 +9,19 @@ the lazy wait inside the next optimizer step.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 
+from megatron_ext.arg_types import POSITIVE_INT
+from megatron_ext.bench.common import working_dir
 from megatron_ext.procs import torchrun_command
+
+NAME = "deepspeed"
+HELP = "DeepSpeed's default checkpoint engine vs datastates, same model"
 
 
 def _run(args: list[str], log_json: str) -> list[dict]:
@@ -34,33 +38,31 @@ def _run(args: list[str], log_json: str) -> list[dict]:
 
 
 def run(steps: int = 12, hidden: int = 4096, warmup: int = 3, workdir: str | None = None) -> dict:
-    base = workdir or tempfile.mkdtemp(prefix="megatron-ext-bench-ds-", dir=os.getcwd())
-    os.makedirs(base, exist_ok=True)
-    common = ["--zero-stage", "1", "--steps", str(steps), "--hidden", str(hidden)]
-    modes = {"baseline": ["--no-save", "--save-dir", f"{base}/none"],
-             "torch_engine": ["--engine", "torch", "--save-dir", f"{base}/torch"],
-             "datastates": ["--engine", "datastates", "--save-dir", f"{base}/datastates"]}
-    records = {}
-    for i, (mode, extra) in enumerate(modes.items(), 1):
-        print(f"[bench deepspeed] {i}/3 {mode}: {steps} steps on 2 CPU ranks", file=sys.stderr, flush=True)
-        records[mode] = _run([*common, *extra], f"{base}/{mode}.jsonl")[warmup:]
+    with working_dir(workdir, "megatron-ext-bench-ds-") as base:
+        common = ["--zero-stage", "1", "--steps", str(steps), "--hidden", str(hidden)]
+        modes = {"baseline": ["--no-save", "--save-dir", f"{base}/none"],
+                 "torch_engine": ["--engine", "torch", "--save-dir", f"{base}/torch"],
+                 "datastates": ["--engine", "datastates", "--save-dir", f"{base}/datastates"]}
+        records = {}
+        for i, (mode, extra) in enumerate(modes.items(), 1):
+            print(f"[bench deepspeed] {i}/3 {mode}: {steps} steps on 2 CPU ranks", file=sys.stderr, flush=True)
+            records[mode] = _run([*common, *extra], f"{base}/{mode}.jsonl")[warmup:]
 
-    def med(mode: str, key: str) -> float:
-        return statistics.median(r[key] for r in records[mode])
+        def med(mode: str, key: str) -> float:
+            return statistics.median(r[key] for r in records[mode])
 
-    result = {
-        "steps_measured": steps - warmup, "hidden": hidden,
-        "baseline_iter_s": med("baseline", "iter_s"),
-        "torch_engine_iter_s": med("torch_engine", "iter_s"),
-        "datastates_iter_s": med("datastates", "iter_s"),
-        "torch_engine_blocked_s": statistics.mean(r["ckpt_blocked_s"] for r in records["torch_engine"]),
-        "datastates_blocked_s": statistics.mean(r["ckpt_blocked_s"] for r in records["datastates"]),
-    }
-    result["ratio_blocked_torch_vs_datastates"] = result["torch_engine_blocked_s"] / max(result["datastates_blocked_s"], 1e-9)
-    result["ratio_iter_datastates_vs_baseline"] = result["datastates_iter_s"] / result["baseline_iter_s"]
-    if workdir is None:
-        shutil.rmtree(base, ignore_errors=True)
-    return result
+        result = {
+            "steps_measured": steps - warmup, "hidden": hidden,
+            "baseline_iter_s": med("baseline", "iter_s"),
+            "torch_engine_iter_s": med("torch_engine", "iter_s"),
+            "datastates_iter_s": med("datastates", "iter_s"),
+            "torch_engine_blocked_s": statistics.mean(r["ckpt_blocked_s"] for r in records["torch_engine"]),
+            "datastates_blocked_s": statistics.mean(r["ckpt_blocked_s"] for r in records["datastates"]),
+        }
+        result["ratio_blocked_torch_vs_datastates"] = (result["torch_engine_blocked_s"]
+                                                       / max(result["datastates_blocked_s"], 1e-9))
+        result["ratio_iter_datastates_vs_baseline"] = result["datastates_iter_s"] / result["baseline_iter_s"]
+        return result
 
 
 def format_table(r: dict) -> str:
@@ -72,6 +74,14 @@ def format_table(r: dict) -> str:
         f"  ratios                blocked torch/datastates {r['ratio_blocked_torch_vs_datastates']:.1f}x (target >= 10), "
         f"datastates/baseline iteration {r['ratio_iter_datastates_vs_baseline']:.3f} (target <= 1.05)",
     ])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench deepspeed``."""
+    p.add_argument("--steps", type=POSITIVE_INT, default=12)
+    p.add_argument("--hidden", type=POSITIVE_INT, default=4096, help="MLP width (sets the checkpoint size)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:

@@ -13,19 +13,22 @@ devices (``d2h_gbps`` is null on the CPU).
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 import torch
 
+from megatron_ext.arg_types import NONNEG, POSITIVE
 from megatron_ext.bench.common import (PeakRss, busy_compute, direct_write_gbps, ensure_process_group, fresh_dir,
-                                       make_state, memcpy_gbps, state_bytes)
+                                       make_state, memcpy_gbps, state_bytes, working_dir)
 from megatron_ext.engine import CheckpointEngine
+
+NAME = "engine"
+HELP = "engine vs torch.save, DCP async_save and an O_DIRECT write"
 
 
 def _progress(msg: str) -> None:
@@ -170,52 +173,49 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda needs a CUDA device (none is visible to torch here)")
-    base = directory or tempfile.mkdtemp(prefix="megatron-ext-bench-", dir=os.getcwd())
-    os.makedirs(base, exist_ok=True)
-    torch.manual_seed(0)
-    _progress(f"building a {size_gb} GB state on {device}")
-    state = {k: v.to(device) for k, v in make_state(int(size_gb * 1e9)).items()}
-    gc.collect()
-    nbytes = state_bytes(state)
-    rss_state = PeakRss().peak
-    result: dict = {"state_bytes": nbytes, "rss_with_state_bytes": rss_state, "device": device}
+    with working_dir(directory, "megatron-ext-bench-") as base:
+        torch.manual_seed(0)
+        _progress(f"building a {size_gb} GB state on {device}")
+        state = {k: v.to(device) for k, v in make_state(int(size_gb * 1e9)).items()}
+        gc.collect()
+        nbytes = state_bytes(state)
+        rss_state = PeakRss().peak
+        result: dict = {"state_bytes": nbytes, "rss_with_state_bytes": rss_state, "device": device}
 
-    _progress("physical limits: memcpy, device-to-host copy (GPU) and O_DIRECT write of the same bytes")
-    result["memcpy_gbps"] = memcpy_gbps()
-    result["d2h_gbps"] = d2h_gbps(device)
-    direct_before = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
+        _progress("physical limits: memcpy, device-to-host copy (GPU) and O_DIRECT write of the same bytes")
+        result["memcpy_gbps"] = memcpy_gbps()
+        result["d2h_gbps"] = d2h_gbps(device)
+        direct_before = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
 
-    _progress("datastates engine")
-    result.update(measure_datastates(state, os.path.join(base, "datastates"), cache_gb, compute_s, device))
-    # The disk's speed drifts: the limit is the mean of direct writes just before and just after.
-    direct_after = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
-    result["direct_write_gbps_before"] = direct_before
-    result["direct_write_gbps_after"] = direct_after
-    result["direct_write_gbps"] = (direct_before + direct_after) / 2
+        _progress("datastates engine")
+        result.update(measure_datastates(state, os.path.join(base, "datastates"), cache_gb, compute_s, device))
+        # The disk's speed drifts: the limit is the mean of direct writes just before and just after.
+        direct_after = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
+        result["direct_write_gbps_before"] = direct_before
+        result["direct_write_gbps_after"] = direct_after
+        result["direct_write_gbps"] = (direct_before + direct_after) / 2
 
-    _progress("torch.save + fsync")
-    result["torch_save_s"] = measure_torch_save(state, os.path.join(base, "torch_save"))
+        _progress("torch.save + fsync")
+        result["torch_save_s"] = measure_torch_save(state, os.path.join(base, "torch_save"))
 
-    _progress("torch.distributed.checkpoint.async_save")
-    dcp_result = measure_dcp_async(state, os.path.join(base, "dcp"), device=device)
-    result["dcp_async_blocking_s"] = dcp_result["blocking_s"]
-    result["dcp_async_done_s"] = dcp_result["done_s"]
+        _progress("torch.distributed.checkpoint.async_save")
+        dcp_result = measure_dcp_async(state, os.path.join(base, "dcp"), device=device)
+        result["dcp_async_blocking_s"] = dcp_result["blocking_s"]
+        result["dcp_async_done_s"] = dcp_result["done_s"]
 
-    _progress("torch.distributed.checkpoint.async_save with DefaultStager (asynchronous staging)")
-    stager_result = measure_dcp_stager(state, os.path.join(base, "dcp_stager"), compute_s, device)
-    result["dcp_stager_blocking_s"] = stager_result["blocking_s"]
-    result["dcp_stager_call_s"] = stager_result["call_s"]
-    result["dcp_stager_staged_s"] = stager_result["staged_s"]
-    result["dcp_stager_done_s"] = stager_result["done_s"]
+        _progress("torch.distributed.checkpoint.async_save with DefaultStager (asynchronous staging)")
+        stager_result = measure_dcp_stager(state, os.path.join(base, "dcp_stager"), compute_s, device)
+        result["dcp_stager_blocking_s"] = stager_result["blocking_s"]
+        result["dcp_stager_call_s"] = stager_result["call_s"]
+        result["dcp_stager_staged_s"] = stager_result["staged_s"]
+        result["dcp_stager_done_s"] = stager_result["done_s"]
 
-    result["ratio_blocking_vs_dcp"] = result["datastates_blocking_s"] / result["dcp_async_blocking_s"]
-    result["ratio_blocking_vs_dcp_stager"] = result["datastates_blocking_s"] / result["dcp_stager_blocking_s"]
-    result["ratio_flush_vs_direct"] = result["datastates_flush_gbps"] / result["direct_write_gbps"]
-    result["ratio_rss_vs_state_plus_cache"] = result["peak_rss_bytes"] / (rss_state + result["host_cache_bytes"])
-    result["workdir"] = base
-    if directory is None:
-        shutil.rmtree(base, ignore_errors=True)
-    return result
+        result["ratio_blocking_vs_dcp"] = result["datastates_blocking_s"] / result["dcp_async_blocking_s"]
+        result["ratio_blocking_vs_dcp_stager"] = result["datastates_blocking_s"] / result["dcp_stager_blocking_s"]
+        result["ratio_flush_vs_direct"] = result["datastates_flush_gbps"] / result["direct_write_gbps"]
+        result["ratio_rss_vs_state_plus_cache"] = result["peak_rss_bytes"] / (rss_state + result["host_cache_bytes"])
+        result["workdir"] = base
+        return result
 
 
 def format_table(r: dict) -> str:
@@ -237,6 +237,18 @@ def format_table(r: dict) -> str:
         f" peak RSS/(state+cache) {r['ratio_rss_vs_state_plus_cache']:.2f} (target <= 1.10)",
     ]
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench engine``."""
+    p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
+    p.add_argument("--cache-gb", type=POSITIVE, default=None, help="host cache in GiB (default: the state size)")
+    p.add_argument("--compute-s", type=NONNEG, default=1.0,
+                   help="seconds the caller computes between save and wait_snapshot (default 1)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the state lives (cuda: on the current GPU, copied by the CUDA copy stream)")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def main(args) -> int:

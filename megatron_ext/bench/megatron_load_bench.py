@@ -47,8 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_ext.bench.common import drop_page_cache
-from megatron_ext.bench.restore_bench import read_seconds
+from megatron_ext.bench.common import drop_page_cache, read_seconds
 from megatron_ext.engine import read_manifest
 from megatron_ext.engine.format.manifest import TensorIndex
 from megatron_ext.procs import run_logged

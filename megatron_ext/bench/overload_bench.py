@@ -11,16 +11,20 @@ the largest age, in iterations, of the newest committed checkpoint seen at the e
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
 
-from megatron_ext.bench.common import busy_compute, fresh_dir, make_state, state_bytes
+from megatron_ext.arg_types import NONNEG, POSITIVE, POSITIVE_INT
+from megatron_ext.bench.common import busy_compute, fresh_dir, make_state, state_bytes, working_dir
 from megatron_ext.engine import CheckpointEngine, faults
+
+NAME = "overload"
+HELP = "a checkpoint every iteration on a throttled writer: wait vs supersede"
 
 
 def _progress(msg: str) -> None:
@@ -68,41 +72,37 @@ def _checkpointed(state, iters: int, compute_s: float, directory: str, cache_byt
 
 def run(size_mb: float = 64, iters: int = 20, compute_s: float = 0.2, flush_factor: float = 3.0,
         directory: str | None = None) -> dict:
-    base = directory or tempfile.mkdtemp(prefix="megatron-ext-bench-", dir=os.getcwd())
-    os.makedirs(base, exist_ok=True)
-    state = make_state(int(size_mb * 1e6), tensor_bytes=4 << 20)
-    nbytes = state_bytes(state)
-    rate = nbytes / (flush_factor * compute_s)
-    result: dict = {"state_bytes": nbytes, "iters": iters, "compute_s": compute_s, "flush_factor": flush_factor,
-                    "throttle_mbps": rate / 1e6}
-    _progress(f"baseline: {iters} iterations of {compute_s}s compute, no checkpoints")
-    baseline = [_loop(state, iters, compute_s, None)["iter_s"]]
-    max_age = int(2 * flush_factor)
-    result["max_durable_age_bound"] = max_age
-    faults.arm(faults.throttle(rate, base))
-    try:
-        for key, (cache_factor, policy, bound) in RUNS.items():
-            cache_bytes = int(cache_factor * nbytes) + (8 << 20)
-            _progress(f"{key}: a checkpoint every iteration, writer throttled to {rate / 1e6:.0f} MB/s, "
-                      f"host cache {cache_factor} x the checkpoint" + (f", max_durable_age {max_age}" if bound else ""))
-            out = _checkpointed(state, iters, compute_s, fresh_dir(os.path.join(base, key)), cache_bytes, policy,
-                                max_age if bound else None)
-            result["host_cache_bytes_" + key] = cache_bytes
-            for name, value in out.items():
-                result[f"{name}_{key}"] = value
-    finally:
-        faults.disarm_all()
-    _progress("baseline again")
-    baseline.append(_loop(state, iters, compute_s, None)["iter_s"])
-    result["iter_s_baseline"] = sum(baseline) / len(baseline)
-    result["iter_s_baseline_first_last"] = baseline
-    result["ratio_wait_vs_baseline"] = result["iter_s_wait"] / result["iter_s_baseline"]
-    result["ratio_supersede_vs_baseline"] = result["iter_s_supersede"] / result["iter_s_baseline"]
-    if directory is None:
-        import shutil
-
-        shutil.rmtree(base, ignore_errors=True)
-    return result
+    with working_dir(directory, "megatron-ext-bench-") as base:
+        state = make_state(int(size_mb * 1e6), tensor_bytes=4 << 20)
+        nbytes = state_bytes(state)
+        rate = nbytes / (flush_factor * compute_s)
+        result: dict = {"state_bytes": nbytes, "iters": iters, "compute_s": compute_s, "flush_factor": flush_factor,
+                        "throttle_mbps": rate / 1e6}
+        _progress(f"baseline: {iters} iterations of {compute_s}s compute, no checkpoints")
+        baseline = [_loop(state, iters, compute_s, None)["iter_s"]]
+        max_age = int(2 * flush_factor)
+        result["max_durable_age_bound"] = max_age
+        faults.arm(faults.throttle(rate, base))
+        try:
+            for key, (cache_factor, policy, bound) in RUNS.items():
+                cache_bytes = int(cache_factor * nbytes) + (8 << 20)
+                _progress(f"{key}: a checkpoint every iteration, writer throttled to {rate / 1e6:.0f} MB/s, "
+                          f"host cache {cache_factor} x the checkpoint"
+                          + (f", max_durable_age {max_age}" if bound else ""))
+                out = _checkpointed(state, iters, compute_s, fresh_dir(os.path.join(base, key)), cache_bytes, policy,
+                                    max_age if bound else None)
+                result["host_cache_bytes_" + key] = cache_bytes
+                for name, value in out.items():
+                    result[f"{name}_{key}"] = value
+        finally:
+            faults.disarm_all()
+        _progress("baseline again")
+        baseline.append(_loop(state, iters, compute_s, None)["iter_s"])
+        result["iter_s_baseline"] = sum(baseline) / len(baseline)
+        result["iter_s_baseline_first_last"] = baseline
+        result["ratio_wait_vs_baseline"] = result["iter_s_wait"] / result["iter_s_baseline"]
+        result["ratio_supersede_vs_baseline"] = result["iter_s_supersede"] / result["iter_s_baseline"]
+        return result
 
 
 def format_table(r: dict) -> str:
@@ -117,6 +117,17 @@ def format_table(r: dict) -> str:
     lines.append(f"  {'ratios vs baseline':<30} wait {r['ratio_wait_vs_baseline']:.2f}, "
                  f"supersede {r['ratio_supersede_vs_baseline']:.2f}")
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench overload``."""
+    p.add_argument("--size-mb", type=POSITIVE, default=64, help="checkpoint size in MB (default 64)")
+    p.add_argument("--iters", type=POSITIVE_INT, default=20)
+    p.add_argument("--compute-s", type=NONNEG, default=0.2, help="compute per iteration in seconds (default 0.2)")
+    p.add_argument("--flush-factor", type=POSITIVE, default=3.0,
+                   help="the throttle makes one checkpoint's flush take this many iterations (default 3)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:

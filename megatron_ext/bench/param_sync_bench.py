@@ -13,6 +13,7 @@ during the save). Medians over the iterations after ``WARMUP`` of each run, then
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
@@ -22,8 +23,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatron_ext.arg_types import POSITIVE_INT, number
 from megatron_ext.procs import run_logged
 from megatron_ext.testing import megatron_lm
+
+NAME = "param-sync"
+HELP = ("Megatron-LM's loop with --overlap-param-gather: the save with its forced "
+        "parameter all-gather (patches 0001-0003) vs the copies waiting for the "
+        "next forward's all-gathers (0004)")
 
 PATCH = "0004-datastates-leave-the-forced-parameter-all-gather-bef.patch"
 WARMUP = 3
@@ -82,6 +89,15 @@ def measure(workdir: Path, rounds: int, iters: int, nproc: int = 2) -> dict:
     result["runs"] = runs
     result["save_ms_saved"] = result["force_param_sync"]["save_ms"] - result["copy_gate"]["save_ms"]
     return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench param-sync``."""
+    p.add_argument("--iters", type=number(int, 5), default=14,
+                   help="iterations per run, every one saved (default 14)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=2, help="rounds, order reversed every other (default 2)")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def main(args) -> int:

@@ -36,9 +36,14 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+
+from megatron_ext.arg_types import NONNEG_INT, POSITIVE, POSITIVE_INT, number
+
+NAME = "python-loop"
+HELP = ("a Python-bound training loop saving every iteration: this engine vs "
+        "DCP async_save (thread, DefaultStager, process), iteration time vs none")
 
 MODES = ("none", "datastates", "dcp_async", "dcp_stager", "dcp_process")
 #: Engine stages the account switches off one at a time (each mode: the engine less that stage).
@@ -265,47 +270,46 @@ def _steady(values: list[float], warmup: int) -> float:
 
 def run(size_gb: float = 0.25, work_s: float = 0.8, iters: int = 8, repeats: int = 2, warmup: int = 2,
         modes: tuple[str, ...] = MODES, account: bool = False, directory: str | None = None) -> dict:
-    base = directory or tempfile.mkdtemp(prefix="megatron-ext-bench-", dir=os.getcwd())
-    os.makedirs(base, exist_ok=True)
-    rounds_n = calibrate(work_s)
-    result: dict = {"size_gb": size_gb, "work_s": work_s, "python_work_rounds": rounds_n, "iters": iters,
-                    "repeats": repeats, "warmup_iters": warmup, "loadavg_start": os.getloadavg()[0]}
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
-    variants = [(m, None) for m in modes]
-    if account:
-        variants += [("datastates", s) for s in STAGES]
-        runs.update({f"datastates_no_{s}": [] for s in STAGES})
-    for r in range(repeats):
-        order = variants if r % 2 == 0 else list(reversed(variants))
-        for mode, stage in order:
-            key = mode if stage is None else f"{mode}_no_{stage}"
-            _progress(f"round {r + 1}/{repeats}: {key}")
-            runs[key].append(_run_child(mode, rounds_n, size_gb, iters, os.path.join(base, key), stage))
-    for key, outs in runs.items():
-        per_round = [_steady(o["iter_s"], warmup) for o in outs]
-        result[f"iter_s_{key}"] = statistics.median(per_round)
-        result[f"iter_s_{key}_rounds"] = per_round
-        result[f"blocked_s_{key}"] = statistics.median(_steady(o["blocked_s"], warmup) for o in outs)
-        cpu: dict[str, float] = {}
-        for o in outs:
-            for name, seconds in o["thread_cpu_s"].items():
-                cpu[name] = cpu.get(name, 0.0) + seconds / iters / len(outs)
-        result[f"thread_cpu_s_per_iter_{key}"] = {k: round(v, 4) for k, v in sorted(cpu.items())}
-    none = result["iter_s_none"]
-    for key in runs:
-        if key != "none":
-            result[f"ratio_{key}"] = result[f"iter_s_{key}"] / none
-    dcp = [result[f"iter_s_{m}"] for m in ("dcp_async", "dcp_stager", "dcp_process") if m in runs]
-    if "datastates" in runs and dcp:
-        result["ratio_datastates_vs_best_dcp"] = result["iter_s_datastates"] / min(dcp)
-    if account:
-        full = result["iter_s_datastates"]
-        result["gil_account_s_per_iter"] = {
-            "total": full - none, **{s: full - result[f"iter_s_datastates_no_{s}"] for s in STAGES}}
-    result["loadavg_end"] = os.getloadavg()[0]
-    if directory is None:
-        shutil.rmtree(base, ignore_errors=True)
-    return result
+    from megatron_ext.bench.common import working_dir
+
+    with working_dir(directory, "megatron-ext-bench-") as base:
+        rounds_n = calibrate(work_s)
+        result: dict = {"size_gb": size_gb, "work_s": work_s, "python_work_rounds": rounds_n, "iters": iters,
+                        "repeats": repeats, "warmup_iters": warmup, "loadavg_start": os.getloadavg()[0]}
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
+        variants = [(m, None) for m in modes]
+        if account:
+            variants += [("datastates", s) for s in STAGES]
+            runs.update({f"datastates_no_{s}": [] for s in STAGES})
+        for r in range(repeats):
+            order = variants if r % 2 == 0 else list(reversed(variants))
+            for mode, stage in order:
+                key = mode if stage is None else f"{mode}_no_{stage}"
+                _progress(f"round {r + 1}/{repeats}: {key}")
+                runs[key].append(_run_child(mode, rounds_n, size_gb, iters, os.path.join(base, key), stage))
+        for key, outs in runs.items():
+            per_round = [_steady(o["iter_s"], warmup) for o in outs]
+            result[f"iter_s_{key}"] = statistics.median(per_round)
+            result[f"iter_s_{key}_rounds"] = per_round
+            result[f"blocked_s_{key}"] = statistics.median(_steady(o["blocked_s"], warmup) for o in outs)
+            cpu: dict[str, float] = {}
+            for o in outs:
+                for name, seconds in o["thread_cpu_s"].items():
+                    cpu[name] = cpu.get(name, 0.0) + seconds / iters / len(outs)
+            result[f"thread_cpu_s_per_iter_{key}"] = {k: round(v, 4) for k, v in sorted(cpu.items())}
+        none = result["iter_s_none"]
+        for key in runs:
+            if key != "none":
+                result[f"ratio_{key}"] = result[f"iter_s_{key}"] / none
+        dcp = [result[f"iter_s_{m}"] for m in ("dcp_async", "dcp_stager", "dcp_process") if m in runs]
+        if "datastates" in runs and dcp:
+            result["ratio_datastates_vs_best_dcp"] = result["iter_s_datastates"] / min(dcp)
+        if account:
+            full = result["iter_s_datastates"]
+            result["gil_account_s_per_iter"] = {
+                "total": full - none, **{s: full - result[f"iter_s_datastates_no_{s}"] for s in STAGES}}
+        result["loadavg_end"] = os.getloadavg()[0]
+        return result
 
 
 def format_table(r: dict) -> str:
@@ -334,7 +338,34 @@ def plot(r: dict, path: str) -> str:
                         [f"{r['work_s']} s Python work"], series, "iteration time / no checkpoint")
 
 
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench python-loop``."""
+    p.add_argument("--size-gb", type=POSITIVE, default=0.25, help="state saved every iteration, in GB (default 0.25)")
+    p.add_argument("--work-s", type=POSITIVE, default=0.8,
+                   help="seconds of pure-Python work per iteration, calibrated once (default 0.8)")
+    p.add_argument("--iters", type=number(int, 2), default=8, help="iterations per run (default 8)")
+    p.add_argument("--warmup", type=NONNEG_INT, default=2, help="first iterations of each run left out (default 2)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=2,
+                   help="rounds, each running every mode in a fresh process, order reversed every other round "
+                        "(default 2)")
+    p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
+                   help="none datastates dcp_async dcp_stager dcp_process (default: all)")
+    p.add_argument("--account", action="store_true",
+                   help="also the GIL account: the engine with one stage (copy, checksum, write, commit) off at a "
+                        "time, and each thread's CPU per iteration")
+    p.add_argument("--plot", default=None, metavar="PNG", help="write the ratios as a bar chart")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def main(args) -> int:
+    if args.modes is None:
+        args.modes = list(MODES)
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown:
+        raise ValueError(f"unknown mode(s) {', '.join(unknown)}: choose among {' '.join(MODES)}")
+    if "none" not in args.modes:
+        args.modes = ["none", *args.modes]  # the ratios need the baseline
     result = run(args.size_gb, args.work_s, args.iters, args.repeats, args.warmup, tuple(args.modes), args.account,
                  args.dir)
     if args.plot:

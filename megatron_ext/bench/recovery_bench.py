@@ -29,18 +29,24 @@ each step in one invocation:
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 
+from megatron_ext.arg_types import POSITIVE_INT
 from megatron_ext.bench import train_bench
+from megatron_ext.bench.common import working_dir
 from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE
 from megatron_ext.procs import kill_tree, start_logged, torchrun_command
+
+NAME = "recovery"
+HELP = ("SIGKILL a training job and restart it: recovery time and iterations lost, "
+        "datastates vs megatron-core torch_dist")
 
 WAYS = {"datastates": "datastates", "torch_dist": "megatron_async"}  # our name -> train_bench mode
 RUN_TIMEOUT_S = 1200
@@ -148,45 +154,44 @@ def run(iters: int = 12, nproc: int = 2, warmup: int = 3, workdir: str | None = 
         model: list[str] = train_bench.MODEL, max_interval: int = 50, interval: int | None = None,
         host_cache_gb: float = 0.5, repeats: int = 3) -> dict:
     """Both steps of the module docstring; ``interval`` skips step 1 and uses that torch_dist interval."""
-    base = workdir or tempfile.mkdtemp(prefix="megatron-ext-bench-recovery-", dir=os.getcwd())
-    os.makedirs(base, exist_ok=True)
-    result: dict = {"nproc": nproc, "repeats": repeats, "load_avg_start": os.getloadavg()[0]}
-    steps = 2 * repeats + (3 if interval is None else 0)
-    if interval is None:
-        runs = {}
-        for i, mode in enumerate(train_bench.MODES, 1):
-            _progress(f"{i}/{steps} overhead: {mode}, {iters} iterations, a checkpoint every iteration")
-            runs[mode] = train_bench.run_mode(mode, base, iters, nproc, 1, warmup, host_cache_gb, model)
-        baseline = runs["baseline"]["iter_s_mean"]
-        result["baseline_iter_s"] = baseline
-        result["overhead_s_per_iter_datastates"] = runs["datastates"]["iter_s_mean"] - baseline
-        result["cost_s_per_save_torch_dist"] = runs["megatron_async"]["iter_s_mean"] - baseline
-        interval = equal_overhead_interval(result["cost_s_per_save_torch_dist"],
-                                           result["overhead_s_per_iter_datastates"], max_interval)
-    result["torch_dist_interval"] = interval
-    kill_after = kill_point(interval)
-    result["kill_after_iteration"] = kill_after
-    ways = (("datastates", 1), ("torch_dist", interval))
-    got: dict[str, list[dict]] = {way: [] for way, _ in ways}
-    step = steps - 2 * repeats
-    for rep in range(repeats):
-        for way, every in (ways if rep % 2 == 0 else ways[::-1]):
-            step += 1
-            _progress(f"{step}/{steps} {way} every {every}: SIGKILL after iteration {kill_after}, restart with --load")
-            got[way].append(crash_and_recover(way, every, kill_after, base, nproc, model, host_cache_gb))
-    for way, runs_ in got.items():
-        result[f"runs_{way}"] = runs_
-        for key in ("recovery_s", "restart_s", "load_s", "first_iter_s", "lost_iters"):
-            result[f"{key}_{way}"] = statistics.median(r[key] for r in runs_)
-    if "baseline_iter_s" in result:
-        steady = [r["iter_s_mean_after_first_save"] for r in got["torch_dist"] if r["iter_s_mean_after_first_save"]]
-        result["overhead_s_per_iter_torch_dist_at_interval"] = (statistics.median(steady) - result["baseline_iter_s"]
-                                                                if steady else None)
-    result["recovery_ratio_torch_dist_vs_datastates"] = result["recovery_s_torch_dist"] / result["recovery_s_datastates"]
-    result["load_avg_end"] = os.getloadavg()[0]
-    if workdir is None:
-        shutil.rmtree(base, ignore_errors=True)
-    return result
+    with working_dir(workdir, "megatron-ext-bench-recovery-") as base:
+        result: dict = {"nproc": nproc, "repeats": repeats, "load_avg_start": os.getloadavg()[0]}
+        steps = 2 * repeats + (3 if interval is None else 0)
+        if interval is None:
+            runs = {}
+            for i, mode in enumerate(train_bench.MODES, 1):
+                _progress(f"{i}/{steps} overhead: {mode}, {iters} iterations, a checkpoint every iteration")
+                runs[mode] = train_bench.run_mode(mode, base, iters, nproc, 1, warmup, host_cache_gb, model)
+            baseline = runs["baseline"]["iter_s_mean"]
+            result["baseline_iter_s"] = baseline
+            result["overhead_s_per_iter_datastates"] = runs["datastates"]["iter_s_mean"] - baseline
+            result["cost_s_per_save_torch_dist"] = runs["megatron_async"]["iter_s_mean"] - baseline
+            interval = equal_overhead_interval(result["cost_s_per_save_torch_dist"],
+                                               result["overhead_s_per_iter_datastates"], max_interval)
+        result["torch_dist_interval"] = interval
+        kill_after = kill_point(interval)
+        result["kill_after_iteration"] = kill_after
+        ways = (("datastates", 1), ("torch_dist", interval))
+        got: dict[str, list[dict]] = {way: [] for way, _ in ways}
+        step = steps - 2 * repeats
+        for rep in range(repeats):
+            for way, every in (ways if rep % 2 == 0 else ways[::-1]):
+                step += 1
+                _progress(f"{step}/{steps} {way} every {every}: SIGKILL after iteration {kill_after}, "
+                          "restart with --load")
+                got[way].append(crash_and_recover(way, every, kill_after, base, nproc, model, host_cache_gb))
+        for way, runs_ in got.items():
+            result[f"runs_{way}"] = runs_
+            for key in ("recovery_s", "restart_s", "load_s", "first_iter_s", "lost_iters"):
+                result[f"{key}_{way}"] = statistics.median(r[key] for r in runs_)
+        if "baseline_iter_s" in result:
+            steady = [r["iter_s_mean_after_first_save"] for r in got["torch_dist"] if r["iter_s_mean_after_first_save"]]
+            result["overhead_s_per_iter_torch_dist_at_interval"] = (
+                statistics.median(steady) - result["baseline_iter_s"] if steady else None)
+        result["recovery_ratio_torch_dist_vs_datastates"] = (result["recovery_s_torch_dist"]
+                                                             / result["recovery_s_datastates"])
+        result["load_avg_end"] = os.getloadavg()[0]
+        return result
 
 
 def format_table(r: dict) -> str:
@@ -205,6 +210,17 @@ def format_table(r: dict) -> str:
                      f" + load {r[f'load_s_{way}']:.2f}s + first iteration {r[f'first_iter_s_{way}']:.2f}s (and the rest)")
     lines.append(f"  ratio               torch_dist / datastates recovery {r['recovery_ratio_torch_dist_vs_datastates']:.2f}x")
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench recovery``."""
+    p.add_argument("--iters", type=POSITIVE_INT, default=12, help="iterations of each overhead run (default 12)")
+    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel, default 2)")
+    p.add_argument("--interval", type=POSITIVE_INT, default=None,
+                   help="torch_dist's checkpoint interval (default: measured, the one of equal overhead)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3, help="kills and restarts of each way (default 3)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:

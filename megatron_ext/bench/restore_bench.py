@@ -17,24 +17,26 @@ medians over rounds, and every round is reported.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import argparse
+import functools
 import gc
 import json
-import mmap
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
-from megatron_ext.bench.common import drop_page_cache, ensure_process_group, fresh_dir, make_state, state_bytes
+from megatron_ext.arg_types import POSITIVE, POSITIVE_INT
+from megatron_ext.bench.common import (drop_page_cache, ensure_process_group, fresh_dir, make_state, read_seconds,
+                                       state_bytes, working_dir)
 from megatron_ext.engine import CheckpointEngine
 from megatron_ext.engine.read import staged_read
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+NAME = "restore"
+HELP = "engine restore vs torch.load, DCP load and an O_DIRECT read (cold)"
+
 FILE = "rank00000"  # the one file of a single-rank save
 
 
@@ -56,55 +58,6 @@ def read_gbps(path: str, threads: int = 1, direct: bool = True, chunk_bytes: int
     """A cold read of the whole of ``path`` by ``threads`` threads (``read_seconds``), in GB/s."""
     drop_page_cache(os.path.dirname(path))
     return os.path.getsize(path) / read_seconds(path, threads, direct, chunk_bytes) / 1e9
-
-
-def read_seconds(path: str, threads: int = 1, direct: bool = True, chunk_bytes: int = 16 << 20) -> float:
-    """Seconds to read the whole of ``path`` by ``threads`` threads into reused buffers, ``chunk_bytes`` per request.
-
-    ``direct``: ``O_DIRECT`` (buffered if the file system refuses), thread ``i`` reading every
-    ``threads``-th chunk. Buffered: the file is cut into ``threads`` contiguous regions, each read
-    front to back on a descriptor of its own advised ``POSIX_FADV_SEQUENTIAL`` (kernel read-ahead
-    works per descriptor and stream). One thread = one sequential stream either way. The page
-    cache is left as it is: the caller evicts the file first for a cold read.
-    """
-    size = os.path.getsize(path)
-    buffers = [mmap.mmap(-1, chunk_bytes) for _ in range(threads)]
-    per = -(-size // threads // chunk_bytes) * chunk_bytes  # region of each buffered stream
-    start = time.perf_counter()
-    shared = -1
-    if direct:
-        try:
-            shared = os.open(path, os.O_RDONLY | _O_DIRECT)
-        except OSError:
-            shared = os.open(path, os.O_RDONLY)
-
-    def reader(i: int) -> None:
-        if direct:
-            offsets = range(i * chunk_bytes, size, threads * chunk_bytes)
-            fd = shared
-        else:
-            offsets = range(i * per, min(size, (i + 1) * per), chunk_bytes)
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, i * per, per, os.POSIX_FADV_SEQUENTIAL)
-        try:
-            for offset in offsets:
-                if os.preadv(fd, [buffers[i]], offset) <= 0:
-                    raise OSError(f"short read of {path} at {offset}")
-        finally:
-            if fd != shared:
-                os.close(fd)
-
-    try:
-        with cf.ThreadPoolExecutor(threads) as pool:
-            for future in [pool.submit(reader, i) for i in range(threads)]:
-                future.result(timeout=3600)
-    finally:
-        if shared >= 0:
-            os.close(shared)
-    elapsed = time.perf_counter() - start
-    for buf in buffers:
-        buf.close()
-    return elapsed
 
 
 def _timed(directory: str, load) -> tuple[float, object]:
@@ -203,77 +156,75 @@ def measure_rounds(engine: CheckpointEngine, checkpoint: str, template: dict, ex
 
 def run(size_gb: float, directory: str | None = None, threads: int = 4, repeats: int = 3,
         megatron: str = "auto") -> dict:
-    base = os.path.abspath(directory or tempfile.mkdtemp(prefix="megatron-ext-bench-restore-", dir=os.getcwd()))
-    os.makedirs(base, exist_ok=True)
-    _progress(f"building a {size_gb} GB state and saving it three ways")
-    state = make_state(int(size_gb * 1e9))
-    nbytes = state_bytes(state)
-    result: dict = {"state_bytes": nbytes, "restore_threads": threads, "repeats": repeats,
-                    "load_avg_start": os.getloadavg()[0]}
+    with working_dir(directory, "megatron-ext-bench-restore-") as base:
+        base = os.path.abspath(base)
+        _progress(f"building a {size_gb} GB state and saving it three ways")
+        state = make_state(int(size_gb * 1e9))
+        nbytes = state_bytes(state)
+        result: dict = {"state_bytes": nbytes, "restore_threads": threads, "repeats": repeats,
+                        "load_avg_start": os.getloadavg()[0]}
 
-    ds_dir = fresh_dir(os.path.join(base, "datastates"))
-    config = {"save_dir": ds_dir, "host_cache_size": max(nbytes / 2**30 * 1.02, 0.01), "restore_threads": threads}
-    with CheckpointEngine(config, rank=0, world_size=1) as engine:
-        engine.save_and_commit(state, "step1")
-        engine.wait_persisted()
-    pt_path = os.path.join(fresh_dir(os.path.join(base, "torch_save")), "state.pt")
-    with open(pt_path, "wb") as f:
-        torch.save(state, f)
-    import torch.distributed.checkpoint as dcp
+        ds_dir = fresh_dir(os.path.join(base, "datastates"))
+        config = {"save_dir": ds_dir, "host_cache_size": max(nbytes / 2**30 * 1.02, 0.01), "restore_threads": threads}
+        with CheckpointEngine(config, rank=0, world_size=1) as engine:
+            engine.save_and_commit(state, "step1")
+            engine.wait_persisted()
+        pt_path = os.path.join(fresh_dir(os.path.join(base, "torch_save")), "state.pt")
+        with open(pt_path, "wb") as f:
+            torch.save(state, f)
+        import torch.distributed.checkpoint as dcp
 
-    ensure_process_group(base)
-    dcp_dir = fresh_dir(os.path.join(base, "dcp"))
-    dcp.save(state, checkpoint_id=dcp_dir)
+        ensure_process_group(base)
+        dcp_dir = fresh_dir(os.path.join(base, "dcp"))
+        dcp.save(state, checkpoint_id=dcp_dir)
 
-    engine = CheckpointEngine({**config, "host_cache_size": 0.25, "remove_partial_on_start": False},
-                              rank=0, world_size=1)
-    engine.cache.wait_allocated(600)  # a trainer's engine allocates its cache long before a restore
-    template = {k: torch.zeros_like(v) for k, v in state.items()}  # the live model's tensors (resident)
-    tensor_file = os.path.join(ds_dir, engine.open_checkpoint("step1").manifest["files"][FILE]["tensor_file"])
-    _progress("page cache check: cold vs warm buffered read of the engine's file")
-    drop_page_cache(ds_dir)
-    result["buffered_cold_gbps"] = buffered_read_gbps(tensor_file)
-    result["buffered_warm_gbps"] = buffered_read_gbps(tensor_file)
+        engine = CheckpointEngine({**config, "host_cache_size": 0.25, "remove_partial_on_start": False},
+                                  rank=0, world_size=1)
+        engine.cache.wait_allocated(600)  # a trainer's engine allocates its cache long before a restore
+        template = {k: torch.zeros_like(v) for k, v in state.items()}  # the live model's tensors (resident)
+        tensor_file = os.path.join(ds_dir, engine.open_checkpoint("step1").manifest["files"][FILE]["tensor_file"])
+        _progress("page cache check: cold vs warm buffered read of the engine's file")
+        drop_page_cache(ds_dir)
+        result["buffered_cold_gbps"] = buffered_read_gbps(tensor_file)
+        result["buffered_warm_gbps"] = buffered_read_gbps(tensor_file)
 
-    _progress(f"{repeats} rounds: O_DIRECT and buffered reads of the engine's file, and the engine's restore")
-    result.update(measure_rounds(engine, "step1", template, state, tensor_file, threads, repeats))
-    _progress("datastates load into new tensors")
-    seconds, loaded = _timed(ds_dir, lambda: engine.load("step1"))
-    result["datastates_load_new_tensors_s"] = seconds
-    del loaded
-    engine.shutdown()
+        _progress(f"{repeats} rounds: O_DIRECT and buffered reads of the engine's file, and the engine's restore")
+        result.update(measure_rounds(engine, "step1", template, state, tensor_file, threads, repeats))
+        _progress("datastates load into new tensors")
+        seconds, loaded = _timed(ds_dir, lambda: engine.load("step1"))
+        result["datastates_load_new_tensors_s"] = seconds
+        del loaded
+        engine.shutdown()
 
-    _progress("torch.load")
-    seconds, loaded = _timed(os.path.dirname(pt_path),
-                             lambda: torch.load(pt_path, map_location="cpu", weights_only=True))
-    result["torch_load_s"] = seconds
-    del loaded
+        _progress("torch.load")
+        seconds, loaded = _timed(os.path.dirname(pt_path),
+                                 lambda: torch.load(pt_path, map_location="cpu", weights_only=True))
+        result["torch_load_s"] = seconds
+        del loaded
 
-    _progress("torch.distributed.checkpoint.load")
-    for t in template.values():
-        t.zero_()
-    seconds, _ = _timed(dcp_dir, lambda: dcp.load(template, checkpoint_id=dcp_dir))
-    result["dcp_load_s"] = seconds
-    del template, state
-    gc.collect()
+        _progress("torch.distributed.checkpoint.load")
+        for t in template.values():
+            t.zero_()
+        seconds, _ = _timed(dcp_dir, functools.partial(dcp.load, template, checkpoint_id=dcp_dir))
+        result["dcp_load_s"] = seconds
+        del template, state
+        gc.collect()
 
-    result["torch_load_gbps"] = nbytes / result["torch_load_s"] / 1e9
-    result["dcp_load_gbps"] = nbytes / result["dcp_load_s"] / 1e9
-    result["datastates_vs_torch_load"] = result["torch_load_s"] / result["datastates_restore_s"]
-    result["datastates_vs_dcp_load"] = result["dcp_load_s"] / result["datastates_restore_s"]
-    if megatron != "off":
-        from megatron_ext.bench import megatron_load_bench
+        result["torch_load_gbps"] = nbytes / result["torch_load_s"] / 1e9
+        result["dcp_load_gbps"] = nbytes / result["dcp_load_s"] / 1e9
+        result["datastates_vs_torch_load"] = result["torch_load_s"] / result["datastates_restore_s"]
+        result["datastates_vs_dcp_load"] = result["dcp_load_s"] / result["datastates_restore_s"]
+        if megatron != "off":
+            from megatron_ext.bench import megatron_load_bench
 
-        _progress("Megatron-LM load_checkpoint: datastates vs torch_dist (2 CPU ranks)")
-        got = megatron_load_bench.measure(os.path.join(base, "megatron"), repeats=repeats)
-        if megatron == "on" and "megatron_load_skipped" in got:
-            raise RuntimeError(got["megatron_load_skipped"])
-        result.update(got)
-    result["load_avg_end"] = os.getloadavg()[0]
-    result["workdir"] = base
-    if directory is None:
-        shutil.rmtree(base, ignore_errors=True)
-    return result
+            _progress("Megatron-LM load_checkpoint: datastates vs torch_dist (2 CPU ranks)")
+            got = megatron_load_bench.measure(os.path.join(base, "megatron"), repeats=repeats)
+            if megatron == "on" and "megatron_load_skipped" in got:
+                raise RuntimeError(got["megatron_load_skipped"])
+            result.update(got)
+        result["load_avg_end"] = os.getloadavg()[0]
+        result["workdir"] = base
+        return result
 
 
 def format_table(r: dict) -> str:
@@ -318,6 +269,19 @@ def format_table(r: dict) -> str:
     elif "megatron_load_skipped" in r:
         lines.append(f"  Megatron-LM load    skipped: {r['megatron_load_skipped']}")
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench restore``."""
+    p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
+    p.add_argument("--threads", type=POSITIVE_INT, default=4, help="restore_threads of the engine (default 4)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=3,
+                   help="rounds of the engine's restore and the reads it is compared with (default 3)")
+    p.add_argument("--megatron", default="auto", choices=("auto", "on", "off"),
+                   help="also time Megatron-LM's load_checkpoint, datastates vs torch_dist (auto: when the "
+                        "Megatron-LM checkout is available)")
+    p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def main(args) -> int:

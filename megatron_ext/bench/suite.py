@@ -28,6 +28,7 @@ reaches hundreds of GB/s when the engine blocks for microseconds) and is not rep
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -41,6 +42,9 @@ from dataclasses import asdict, dataclass
 from megatron_ext.bench import deepspeed_bench, engine_bench, gpu_model, plots, telemetry_report, train_bench
 from megatron_ext.bench.common import (direct_write_gbps, ensure_process_group, fresh_dir, make_state, memcpy_gbps,
                                        state_bytes)
+
+NAME = "suite"
+HELP = "every scenario against every peer in one run: results.json, results.md, plots"
 
 DCP_EXECUTORS = {"DCP async (thread)": "thread", "DCP async (process)": "process"}
 SIZE_APPROACHES = ("datastates", "torch.save", *DCP_EXECUTORS)
@@ -389,6 +393,12 @@ def format_markdown(results: dict) -> str:
     if "gpu_model" in results:
         lines += ["## Model of the GPU case (megatron_ext/bench/gpu_model.py)", "", gpu_model.format_model(results["gpu_model"]), ""]
     return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench suite``."""
+    p.add_argument("--out", default="runs/bench-suite", help="output directory (default runs/bench-suite)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer iterations (a few minutes)")
 
 
 def main(args) -> int:

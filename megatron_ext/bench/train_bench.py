@@ -14,15 +14,18 @@ the ``save`` call plus the lazy wait inside the optimizer step, for megatron-cor
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 
-from megatron_ext.bench.common import run_reference_trainer
+from megatron_ext.arg_types import POSITIVE_INT
+from megatron_ext.bench.common import run_reference_trainer, working_dir
 from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE, checkpoint_dir
+
+NAME = "train"
+HELP = "reference trainer: no checkpoints vs datastates vs megatron-core async save"
 
 MODEL = ["--bf16", "--use-distributed-optimizer", "--num-layers", "4", "--hidden-size", "512",
          "--num-attention-heads", "8", "--seq-length", "128", "--vocab-size", "8192",
@@ -85,28 +88,25 @@ def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interva
 
 def run(iters: int = 12, nproc: int = 2, warmup: int = 3, workdir: str | None = None,
         host_cache_gb: float = 0.5) -> dict:
-    base = workdir or tempfile.mkdtemp(prefix="megatron-ext-bench-train-", dir=os.getcwd())
-    os.makedirs(base, exist_ok=True)
-    runs = {}
-    for i, mode in enumerate(MODES, 1):
-        _progress(f"{i}/3 {mode}: {iters} iterations on {nproc} CPU ranks")
-        runs[mode] = run_mode(mode, base, iters, nproc, 1, warmup, host_cache_gb)
-    result = {
-        "nproc": nproc,
-        "iterations_measured": iters - warmup,
-        "iter_s_baseline": runs["baseline"]["iter_s"],
-        "iter_s_datastates": runs["datastates"]["iter_s"],
-        "iter_s_megatron_async": runs["megatron_async"]["iter_s"],
-        "blocked_s_datastates": runs["datastates"]["blocked_s"],
-        "blocked_s_megatron_async": runs["megatron_async"]["blocked_s"],
-        "ckpt_bytes_per_rank": runs["datastates"]["ckpt_bytes_per_rank"],
-    }
-    result["ratio_iter_datastates_vs_baseline"] = result["iter_s_datastates"] / result["iter_s_baseline"]
-    result["ratio_blocked_megatron_vs_datastates"] = (
-        result["blocked_s_megatron_async"] / max(result["blocked_s_datastates"], 1e-9))
-    if workdir is None:
-        shutil.rmtree(base, ignore_errors=True)
-    return result
+    with working_dir(workdir, "megatron-ext-bench-train-") as base:
+        runs = {}
+        for i, mode in enumerate(MODES, 1):
+            _progress(f"{i}/3 {mode}: {iters} iterations on {nproc} CPU ranks")
+            runs[mode] = run_mode(mode, base, iters, nproc, 1, warmup, host_cache_gb)
+        result = {
+            "nproc": nproc,
+            "iterations_measured": iters - warmup,
+            "iter_s_baseline": runs["baseline"]["iter_s"],
+            "iter_s_datastates": runs["datastates"]["iter_s"],
+            "iter_s_megatron_async": runs["megatron_async"]["iter_s"],
+            "blocked_s_datastates": runs["datastates"]["blocked_s"],
+            "blocked_s_megatron_async": runs["megatron_async"]["blocked_s"],
+            "ckpt_bytes_per_rank": runs["datastates"]["ckpt_bytes_per_rank"],
+        }
+        result["ratio_iter_datastates_vs_baseline"] = result["iter_s_datastates"] / result["iter_s_baseline"]
+        result["ratio_blocked_megatron_vs_datastates"] = (
+            result["blocked_s_megatron_async"] / max(result["blocked_s_datastates"], 1e-9))
+        return result
 
 
 def format_table(r: dict) -> str:
@@ -121,6 +121,14 @@ def format_table(r: dict) -> str:
         f"  ratios                  datastates/baseline iteration {r['ratio_iter_datastates_vs_baseline']:.3f} "
         f"(target <= 1.05), megatron/datastates blocked {r['ratio_blocked_megatron_vs_datastates']:.1f}x (target >= 5)",
     ])
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench train``."""
+    p.add_argument("--iters", type=POSITIVE_INT, default=12)
+    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel)")
+    p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:
