@@ -208,8 +208,8 @@ class CheckpointLoad:
     def _run_engine(self, root: str, iteration: int | str) -> "CheckpointEngine | None":
         """The run's engine when it reads this checkpoint (it exists, or peer replicas are on); else None."""
         args = self.args
-        if self.owner.engine is None and getattr(args, "save", None) and getattr(args, "datastates_peer_replica",
-                                                                                 False):
+        peers = bool(getattr(args, "save", None) and getattr(args, "datastates_peer_replica", False))
+        if self.owner.engine is None and peers:
             manifest = read_manifest(checkpoint_dir(root, iteration))
             if manifest is not None:
                 self.rank_bytes = _rank_bytes(manifest, checkpoint_name(iteration))
@@ -244,6 +244,7 @@ class CheckpointLoad:
                 staging.close()
 
     def _load_from(self, root: str, ckpt: CommittedCheckpoint, iteration: int | str) -> tuple[int, Any, str]:
+        """Steps 2 to 6 on the opened checkpoint: ``(iteration, floating point operations, levels read)``."""
         args, request = self.args, self.request
         release = iteration == RELEASE
         finetune = bool(getattr(args, "finetune", False))
