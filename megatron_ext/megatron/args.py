@@ -15,6 +15,7 @@ from typing import Any
 from megatron_ext.engine.config import EngineConfig
 from megatron_ext.engine.errors import ConfigError
 from megatron_ext.megatron.host_cache_size import AUTO
+from megatron_ext.megatron.safe_classes import megatron_safe_classes
 
 
 def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -142,6 +143,13 @@ def engine_config_from_args(args: Any) -> dict:
     for flag, key in _OPTIONAL_FLAGS:
         if getattr(args, flag, None) is not None:
             cfg[key] = getattr(args, flag)
+    return cfg
+
+
+def adapter_engine_config(args: Any) -> dict:
+    """``engine_config_from_args`` with Megatron's classes on the allow-list: what the adapter's engine and loads use."""
+    cfg = engine_config_from_args(args)
+    cfg["safe_classes"] = list(megatron_safe_classes()) + list(cfg.get("safe_classes") or [])
     return cfg
 
 

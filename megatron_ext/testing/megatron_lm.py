@@ -313,7 +313,7 @@ def _native_loads_torch_adam(load_checkpoint: Callable) -> Callable:
     """
     from megatron.training import checkpointing, get_args
 
-    from megatron_ext.megatron import optimizer_state
+    from megatron_ext.megatron import optimizer_load
 
     def load(ddp_model, optimizer, *args: Any, **kwargs: Any):
         megatron_args = get_args()
@@ -321,14 +321,14 @@ def _native_loads_torch_adam(load_checkpoint: Callable) -> Callable:
         loads_optimizer = (native and optimizer is not None and checkpointing.checkpoint_exists(megatron_args.load)
                            and not megatron_args.no_load_optim and not megatron_args.finetune)
         if loads_optimizer:
-            optimizer_state.ensure_state(optimizer)
+            optimizer_load.ensure_state(optimizer)
         # megatron-core 0.16.1 copies loaded fp32 state into the distributed optimizer's main
         # params, which in fp32 are views of the model's own parameters, with autograd on: that
         # fails on any device; a load needs no autograd.
         with torch.no_grad() if native else contextlib.nullcontext():
             result = load_checkpoint(ddp_model, optimizer, *args, **kwargs)
         if loads_optimizer:
-            optimizer_state.restore_adam_steps(optimizer)
+            optimizer_load.restore_adam_steps(optimizer)
         return result
 
     return load

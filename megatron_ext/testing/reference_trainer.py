@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from megatron_ext.engine import faults
 from megatron_ext.megatron.args import add_datastates_args, validate_datastates_args
-from megatron_ext.megatron import optimizer_state
+from megatron_ext.megatron import optimizer_load
 from megatron_ext.megatron import checkpoint_layout
 from megatron_ext.megatron.checkpoint_layout import (capture_rng_state, checkpoint_dir, from_megatron_lm_rng,
                                                      megatron_lm_rng_object, restore_rng_state, write_tracker)
@@ -362,7 +362,7 @@ def load_checkpoint_torch_dist(model, optimizer, scheduler, args: argparse.Names
     if iteration is None:
         return 0
     ckpt = checkpoint_dir(args.load, iteration)
-    optimizer_state.ensure_state(optimizer)
+    optimizer_load.ensure_state(optimizer)
     # The optimizer layout the checkpoint was written with (e.g. fully_reshardable after a convert).
     content_metadata = dist_checkpointing.load_content_metadata(ckpt)
     template = build_sharded_state_dict(model, optimizer, scheduler, args, iteration,
@@ -370,11 +370,11 @@ def load_checkpoint_torch_dist(model, optimizer, scheduler, args: argparse.Names
     state = dist_checkpointing.load(template, ckpt)
     unwrap_model(model).load_state_dict(state["model"], strict=True)
     if (content_metadata or {}).get("distrib_optim_sharding_type") == "fully_reshardable":
-        optimizer_state.load_fully_reshardable_state_dict(optimizer, state["optimizer"])
+        optimizer_load.load_fully_reshardable_state_dict(optimizer, state["optimizer"])
     else:
-        with optimizer_state.steps_set_aside(optimizer):  # dp_zero_gather_scatter hands over no "step"
+        with optimizer_load.steps_set_aside(optimizer):  # dp_zero_gather_scatter hands over no "step"
             optimizer.load_state_dict(state["optimizer"])
-        optimizer_state.restore_adam_steps(optimizer)
+        optimizer_load.restore_adam_steps(optimizer)
     scheduler.load_state_dict(state["opt_param_scheduler"])
     restore_rng_state(from_megatron_lm_rng(state["rng_state"]))
     saved_args = state["args"]

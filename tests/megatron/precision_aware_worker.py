@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointError
-from megatron_ext.megatron import checkpointing, optimizer_state, sharding
+from megatron_ext.megatron import checkpointing, core_state, optimizer_forms, optimizer_state, sharding
 from megatron_ext.testing import reference_trainer as trainer
 from megatron_ext.testing.te_fused_adam import precision_aware_config, use_with_megatron_core
 
@@ -68,8 +68,8 @@ def stored(optimizer) -> dict:
     """Every stored tensor and scale of the optimizer, by (parameter index, name): cloned."""
     out = {}
     for opt in optimizer.chained_optimizers:
-        for index, (model_param, _) in enumerate(optimizer_state._param_slices(opt)):
-            slices, scales = optimizer_state._stored_tensors(opt, model_param)
+        for index, (model_param, _) in enumerate(optimizer_forms.param_slices(opt)):
+            slices, scales = optimizer_state.stored_tensors(opt, model_param)
             for name, tensor in {**slices, **{n + "_scale": s for n, s in scales.items()}}.items():
                 out[(index, name)] = tensor.detach().clone()
     return out
@@ -118,7 +118,7 @@ def check_variant(args, variant: str) -> None:
         assert inner.unscaled_copies == copies, f"the save made {inner.unscaled_copies - copies} fp32 copies"
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
-        sharded, _ = save_preprocess(checkpointing._sharded_state(checkpointing._unwrap([model]), optimizer, True),
+        sharded, _ = save_preprocess(core_state.sharded_state(core_state.unwrap([model]), optimizer, True),
                                      validate_access_integrity=False)
         live = {t.untyped_storage().data_ptr() for s in inner.state.values() for t in s.values()}
         live |= {t.untyped_storage().data_ptr() for s in inner._scales.values() for t in s.values()}
@@ -190,7 +190,7 @@ def main() -> None:
 
     def without_record(opt, by_param):
         state = real_model_space(opt, by_param)
-        state.pop(optimizer_state.STORED_FORM)
+        state.pop(optimizer_forms.STORED_FORM)
         return state
 
     optimizer_state._model_space = without_record

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from helpers import te_shapes
 from megatron_ext.engine import CheckpointError
-from megatron_ext.megatron import checkpointing
+from megatron_ext.megatron import checkpointing, core_state
 from megatron_ext.testing import reference_trainer as trainer
 
 KEY = "decoder.layers.0.te_probe._extra_state"
@@ -32,7 +32,7 @@ KEY = "decoder.layers.0.te_probe._extra_state"
 def model_with(args, blob):
     model, _ = trainer.build_model(args)
     probe = te_shapes.ExtraStateModule(blob)
-    checkpointing._unwrap([model])[0].decoder.layers[0].te_probe = probe
+    core_state.unwrap([model])[0].decoder.layers[0].te_probe = probe
     return model, probe
 
 

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from helpers.trainer_runs import REPO, trainer_env  # noqa: E402
-from megatron_ext.megatron import optimizer_state  # noqa: E402
+from megatron_ext.megatron import optimizer_load, optimizer_state  # noqa: E402
 
 HDO = """
 import torch
@@ -27,7 +27,7 @@ from megatron_ext.testing import megatron_lm
 megatron_lm._patch_cuda_queries()
 megatron_lm._hybrid_optimizer_on_cpu()
 from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
-from megatron_ext.megatron import optimizer_state
+from megatron_ext.megatron import optimizer_forms, optimizer_load, optimizer_state
 
 torch.manual_seed(0)
 shards = [torch.randn(n, dtype=torch.bfloat16) for n in (8, 6, 4, 2)]  # the model's (device) shards
@@ -71,14 +71,14 @@ def test_the_emulated_hdo_offloads_half_of_the_device_shards():
 def test_the_save_reads_the_masters_and_moments_the_sub_optimizers_step():
     run_python(
         "step()\n"
-        "states = optimizer_state._sub_states(hdo)\n"
+        "states = optimizer_forms.sub_optimizer_states(hdo)\n"
         "for s in shards:\n"
-        "    t = optimizer_state._param_tensors(DistOpt, s, states)\n"
+        "    t = optimizer_state.param_tensors(DistOpt, s, states)\n"
         "    master = hdo.param_to_inner_param[s]\n"
         "    sub = next(o for o in hdo.sub_optimizers if master in o.state)\n"
         "    assert t['fp32_param'] is master and set(t) <= {'fp32_param', 'exp_avg', 'exp_avg_sq'}\n"
         "    assert all(t[k] is sub.state[master][k] for k in t if k != 'fp32_param')\n"
-        "assert optimizer_state._has_stepped(DistOpt)\n")
+        "assert optimizer_forms.has_stepped(DistOpt)\n")
 
 
 def test_a_load_passes_the_loaded_masters_on_to_the_sub_optimizers():
@@ -90,7 +90,7 @@ def test_a_load_passes_the_loaded_masters_on_to_the_sub_optimizers():
         "for s in shards:\n"
         "    hdo.state[s]['master_param'] = loaded[s]  # what _set_main_param_and_optimizer_states does\n"
         "stale = {s: hdo.param_to_inner_param[s].clone() for s in shards}\n"
-        "optimizer_state._sync_hybrid(DistOpt)\n"
+        "optimizer_load._sync_hybrid(DistOpt)\n"
         "assert all(torch.equal(hdo.param_to_inner_param[s], loaded[s]) for s in shards)\n"
         "step()  # the copy-back hooks write the stepped masters over the shards\n"
         "for s in shards:\n"
@@ -118,8 +118,8 @@ def test_restored_adam_steps_stay_on_the_device_the_optimizer_keeps_them():
     param = torch.nn.Parameter(torch.zeros(2))
     inner = types.SimpleNamespace(param_groups=[{"params": [param], "step": 7}],
                                   state={param: {"step": torch.tensor(0.0, device="meta")}})
-    optimizer_state.restore_adam_steps(types.SimpleNamespace(optimizer=inner))
+    optimizer_load.restore_adam_steps(types.SimpleNamespace(optimizer=inner))
     assert inner.state[param]["step"].device.type == "meta"
     inner.state[param]["step"] = torch.tensor(0.0)
-    optimizer_state.restore_adam_steps(types.SimpleNamespace(optimizer=inner))
+    optimizer_load.restore_adam_steps(types.SimpleNamespace(optimizer=inner))
     assert inner.state[param]["step"].item() == 7.0

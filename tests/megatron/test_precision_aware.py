@@ -20,7 +20,7 @@ from helpers.trainer_runs import REPO, trainer_env
 pytest.importorskip("megatron.core")
 
 from megatron_ext.engine import CheckpointError  # noqa: E402
-from megatron_ext.megatron import optimizer_state  # noqa: E402
+from megatron_ext.megatron import optimizer_forms, optimizer_state  # noqa: E402
 from megatron_ext.megatron.args import validate_datastates_args  # noqa: E402
 from megatron_ext.testing.te_fused_adam import FusedAdam, _join_remainder, _split_remainder  # noqa: E402
 
@@ -52,13 +52,13 @@ def test_stored_tensors_are_the_optimizers_own_no_copy():
     opt, param = _optimizer(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.float16,
                             store_param_remainders=True)
     before = opt.optimizer.unscaled_copies
-    slices, scales = optimizer_state._stored_tensors(opt, "p")
+    slices, scales = optimizer_state.stored_tensors(opt, "p")
     state = opt.optimizer.state[param]
     assert slices["main_param_remainders"] is state["master_param"] and state["master_param"].dtype == torch.int16
     assert slices["exp_avg_bf16"] is state["exp_avg"] and slices["exp_avg_sq_fp16"] is state["exp_avg_sq"]
     assert scales == {"exp_avg_sq_fp16": opt.optimizer._scales[param]["exp_avg_sq"]}
     assert opt.optimizer.unscaled_copies == before  # reading the stored form makes no fp32 copy
-    assert optimizer_state.stored_form(opt) == {"main_params": optimizer_state.REMAINDERS, "exp_avg": "bf16",
+    assert optimizer_forms.stored_form(opt) == {"main_params": optimizer_forms.REMAINDERS, "exp_avg": "bf16",
                                                 "exp_avg_sq": "fp16", "precision_aware_optimizer": True}
 
 
@@ -100,19 +100,19 @@ class _Opt(SimpleNamespace):
 
 def _check(saved, now: dict, resharding=False):
     opt = _Opt(gbuf_ranges=[], _get_main_param_and_optimizer_states=None)
-    saved_common = {"param_state_sharding_type": optimizer_state.MODEL_SPACE}
+    saved_common = {"param_state_sharding_type": optimizer_forms.MODEL_SPACE}
     if saved is not None:
-        saved_common[optimizer_state.STORED_FORM] = saved
-    real = optimizer_state.stored_form
-    optimizer_state.stored_form = lambda _: now
+        saved_common[optimizer_forms.STORED_FORM] = saved
+    real = optimizer_forms.stored_form
+    optimizer_forms.stored_form = lambda _: now
     try:
-        optimizer_state.check_stored_form(opt, saved_common, checkpoint="iter_0000005", resharding=resharding)
+        optimizer_forms.check_stored_form(opt, saved_common, checkpoint="iter_0000005", resharding=resharding)
     finally:
-        optimizer_state.stored_form = real
+        optimizer_forms.stored_form = real
 
 
 def test_another_stored_form_is_refused_naming_both_and_the_flags():
-    remainders = _form(optimizer_state.REMAINDERS, "bf16", "bf16", True)
+    remainders = _form(optimizer_forms.REMAINDERS, "bf16", "bf16", True)
     _check(remainders, remainders)
     _check(remainders, remainders, resharding=True)  # elementwise: reshards exactly
     _check(None, _form())  # saved before the record: the plain form
@@ -146,6 +146,6 @@ def test_fp8_moments_are_refused_at_start_up_and_at_save(tmp_path):
     opt, param = _optimizer(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
     opt.optimizer.name_to_dtype_map["exp_avg"] = torch.uint8  # as TE's FusedAdam with --exp-avg-dtype fp8
     with pytest.raises(CheckpointError, match="cannot save fp8 optimizer state"):
-        optimizer_state._stored_tensors(opt, "p")
+        optimizer_state.stored_tensors(opt, "p")
     with pytest.raises(CheckpointError, match="exp_avg"):
-        optimizer_state._refuse_fp8(optimizer_state.stored_form(opt))
+        optimizer_forms.refuse_fp8(optimizer_forms.stored_form(opt))

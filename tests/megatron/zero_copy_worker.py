@@ -5,7 +5,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_ext.megatron import checkpointing, sharding
+from megatron_ext.megatron import checkpointing, core_state, sharding
 from megatron_ext.testing import reference_trainer as trainer
 
 
@@ -24,7 +24,7 @@ def main() -> None:
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
     checkpointing.set_args(args)
-    sharded, _ = save_preprocess(checkpointing._sharded_state(checkpointing._unwrap(model), optimizer, True),
+    sharded, _ = save_preprocess(core_state.sharded_state(core_state.unwrap(model), optimizer, True),
                                  validate_access_integrity=False)
     shards = list(sharding.sharded_leaves(sharded))
     plan = sharding.plan_ownership(shards, dist.get_rank(), dist.get_world_size(), lambda obj: [obj])

@@ -1,0 +1,196 @@
+"""What the adapter asks of megatron-core and Megatron-LM's run: the sharded state dict, the parallel
+layout, the rerun state machine's state, the lazy wait on the optimizer, and where a checkpoint goes.
+
+Save and load share these (``checkpointing.py`` and ``loading.py``); none of them touches the
+engine's files. Everything from ``megatron`` is imported inside the functions: the module imports
+where only megatron-core (no ``megatron.training``) is installed.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from megatron_ext.engine.errors import CheckpointError
+from megatron_ext.megatron import optimizer_state
+from megatron_ext.megatron.checkpoint_layout import NON_PERSISTENT_SUBDIR
+
+if TYPE_CHECKING:
+    from megatron_ext.engine import CheckpointEngine
+
+DP_RESHARDABLE = "dp_reshardable"
+DP_ZERO = "dp_zero_gather_scatter"
+#: megatron-core's own optimizer formats (checkpoints converted from torch_dist): megatron-core builds
+#: the state dict to load into, on the saved layout.
+NATIVE_FORMATS = (DP_RESHARDABLE, DP_ZERO)
+
+
+# ---------------------------------------------------------------------------- the sharded state dict
+def unwrap(model: Any) -> list:
+    """The bare model chunks (no DDP or Float16Module wrappers), as Megatron-LM saves them."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(model if isinstance(model, list) else [model])
+
+
+def model_keys(model: list) -> list[str]:
+    """The state dict keys of the model chunks: ``model``, or ``model0``, ``model1``, ... with virtual pipelines."""
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
+def _model_metadata() -> dict:
+    """The content metadata Megatron-LM hands to ``sharded_state_dict`` (it decides the shard keys)."""
+    from megatron.core import parallel_state as ps
+
+    return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
+            "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+
+
+def sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_format: str | None = None,
+                  is_loading: bool = False) -> dict:
+    """The sharded state dict saved (model-space optimizer) or to load into (the checkpoint's optimizer format).
+
+    megatron-core's own formats (``NATIVE_FORMATS``: bucket-space ``dp_reshardable`` and the gathered
+    ``dp_zero_gather_scatter``, which checkpoints converted from torch_dist carry, and
+    ``dp_reshardable`` those saved before the model-space format) are built by megatron-core.
+    """
+    metadata = _model_metadata()
+    sharded = {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(model_keys(model), model)}
+    if with_optimizer and optimizer is not None:
+        if optimizer_format in NATIVE_FORMATS:
+            sharded["optimizer"] = optimizer.sharded_state_dict(
+                sharded, is_loading=True, metadata={**metadata, "distrib_optim_sharding_type": optimizer_format})
+        else:
+            sharded["optimizer"] = optimizer_state.model_space_state_dict(optimizer, sharded, is_loading)
+    return sharded
+
+
+def optimizer_format(saved: Any) -> str | None:
+    """The optimizer format of a checkpoint's common ``optimizer`` state (chained optimizers: all the same)."""
+    states = [saved] if isinstance(saved, dict) and "param_state_sharding_type" in saved else \
+        [v for v in (saved or {}).values() if isinstance(v, dict)] if isinstance(saved, dict) else []
+    kinds = {s.get("param_state_sharding_type") for s in states if "param_state_sharding_type" in s}
+    if len(kinds) > 1:
+        raise CheckpointError(f"the chained optimizers were saved in different formats: {sorted(map(str, kinds))}")
+    return kinds.pop() if kinds else None
+
+
+def copy_buffers_now(shards: list, model: list) -> None:
+    """Copy, at the save, every shard that lives in a module buffer rather than a parameter.
+
+    The lazy snapshot may read a tensor until the next optimizer step, which is the first thing
+    to write parameters. Buffers are written elsewhere: ``--moe-router-enable-expert-bias``
+    updates the routers' ``expert_bias`` in ``finalize_model_grads``, before that step, so a lazy
+    copy of it could hold the next iteration's value. Buffers are small (one value per expert).
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    storages = {b.untyped_storage().data_ptr() for chunk in model for b in chunk.buffers() if b.numel()}
+    for shard in shards:
+        data = shard.data if isinstance(shard, ShardedTensor) else None
+        if isinstance(data, torch.Tensor) and data.numel() and data.untyped_storage().data_ptr() in storages:
+            shard.data = data.clone()
+
+
+# ---------------------------------------------------------------------------- the parallel layout
+def parallel_layout() -> dict:
+    """This rank's place in the TP/PP/DP layout (the ``layout`` a checkpoint records)."""
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world_size": torch.distributed.get_world_size(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(with_context_parallel=True),
+    }
+
+
+def dp_gather() -> Callable[[Any], list]:
+    """An all-gather of one object over the data-parallel group (gloo when it has one): the ownership plan's."""
+    from megatron.core import parallel_state as ps
+
+    try:
+        group = ps.get_data_parallel_group_gloo(with_context_parallel=True)
+    except (AssertionError, AttributeError, RuntimeError):
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+
+    def gather(obj: Any) -> list:
+        out: list = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(out, obj, group=group)
+        return out
+
+    return gather
+
+
+# ---------------------------------------------------------------------------- Megatron-LM's run
+def rerun_state(native: Any, data_iterator: Any) -> dict | None:
+    """This rank's state of Megatron-LM's rerun state machine, when it asks for a checkpoint; else None.
+
+    Megatron-LM keeps its rank-level part in a ShardedObject of the world; here each rank's file
+    holds its own part, so the object's data is stored in its place.
+    """
+    if native is None:
+        return None
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    state = get_rerun_state_machine().state_dict(data_iterator=data_iterator, ckpt_format="torch_dist")
+    if state is None:
+        return None
+    return {k: (v.data if isinstance(v, ShardedObject) else v) for k, v in state.items()}
+
+
+def save_root(args: Any, non_persistent: bool) -> str:
+    """Where a checkpoint goes: ``--save``, or for a non-persistent one Megatron-LM's global directory."""
+    if not non_persistent:
+        return args.save
+    if getattr(args, "non_persistent_ckpt_type", None) != "global":
+        raise CheckpointError(f"non-persistent checkpoint of type {getattr(args, 'non_persistent_ckpt_type', None)}: "
+                              "--use-datastates writes 'global' ones (its node-local level is --datastates-local-dir)")
+    return getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, NON_PERSISTENT_SUBDIR)
+
+
+class megatron_lm_formats:
+    """Within the block Megatron-LM's own checkpoint functions take their native path (flag off)."""
+
+    def __init__(self, args: Any):
+        self.args = args
+
+    def __enter__(self) -> None:
+        self.args.use_datastates = False
+
+    def __exit__(self, *exc: Any) -> None:
+        self.args.use_datastates = True
+
+
+# ---------------------------------------------------------------------------- the lazy wait
+def install_lazy_wait(optimizer: Any, engine: CheckpointEngine, wait_after_step: bool = False) -> None:
+    """Make ``optimizer.step_with_ready_grads`` wait for pending snapshots first (idempotent).
+
+    ``wait_after_step``: also wait when ``step`` returns, for code that edits the saved weights
+    after the optimizer step even when the step itself was skipped (``--qk-clip``).
+    """
+    if optimizer is None or getattr(optimizer, "_datastates_lazy_wait", False):
+        return
+    inner_step = optimizer.step_with_ready_grads
+
+    def step_with_ready_grads(*args: Any, **kwargs: Any):
+        engine.wait_snapshot()
+        return inner_step(*args, **kwargs)
+
+    optimizer.step_with_ready_grads = step_with_ready_grads
+    if wait_after_step:
+        outer_step = optimizer.step
+
+        def step(*args: Any, **kwargs: Any):
+            result = outer_step(*args, **kwargs)
+            engine.wait_snapshot()  # a no-op when the inner step already waited
+            return result
+
+        optimizer.step = step
+    optimizer._datastates_lazy_wait = True
