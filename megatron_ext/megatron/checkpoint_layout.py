@@ -37,7 +37,7 @@ import torch
 from megatron_ext.engine import CheckpointError
 from megatron_ext.engine.files import atomic_write
 from megatron_ext.engine.format.names import MANIFEST
-from megatron_ext.engine.read.committed import ReadOptions
+from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions
 from megatron_ext.engine.read.entries import FileEntry
 from megatron_ext.megatron.safe_classes import megatron_classes
 
@@ -67,9 +67,9 @@ def rank_file_name(rank: int) -> str:
     return f"rank{rank:05d}"
 
 
-def file_of_rank(manifest: dict, rank: int) -> str | None:
-    """The manifest's file written by global rank ``rank``, or None."""
-    return next((name for name, entry in manifest["files"].items() if entry["rank"] == rank), None)
+def file_of_rank(committed: CommittedCheckpoint, rank: int) -> str | None:
+    """The name of the file global rank ``rank`` wrote in ``committed`` (the adapter writes one per rank), or None."""
+    return next((entry.name for entry in committed.files_of_rank(rank)), None)
 
 
 def read_options(**overrides: Any) -> ReadOptions:

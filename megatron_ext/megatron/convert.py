@@ -160,7 +160,7 @@ def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = N
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_ext.megatron.optimizer_state import OWN_KEYS, describe, is_plain, saved_forms
+    from megatron_ext.megatron.optimizer_forms import OWN_KEYS, describe, is_plain, saved_forms
 
     if out is None:
         raise ValueError("convert needs an output directory")
@@ -330,7 +330,7 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from megatron_ext.megatron.optimizer_state import BOXES, PLAIN_FORM, STORED_FORM
+    from megatron_ext.megatron.optimizer_forms import BOXES, PLAIN_FORM, STORED_FORM
 
     ckpt, iteration = _source_checkpoint(source, iteration, checkpoint)
     if progress is not None:

@@ -274,8 +274,8 @@ class CheckpointLoad:
 
     def _saved_run(self, root: str, ckpt: CommittedCheckpoint, finetune: bool) -> _Saved:
         """Step 2: the shard index, rank 0's meta and common state; the saved run's args carried over."""
-        tensor_index, object_index = shard_index(ckpt.manifest, ckpt.index)
-        zero_name = file_of_rank(ckpt.manifest, 0)
+        tensor_index, object_index = shard_index(ckpt)
+        zero_name = file_of_rank(ckpt, 0)
         if zero_name is None:
             raise CheckpointError(f"{ckpt.checkpoint} has no file of rank 0 (its common state and args)")
         meta = read_run_meta(ckpt.reader(zero_name))

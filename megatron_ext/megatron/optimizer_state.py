@@ -47,30 +47,23 @@ from megatron_ext.engine.errors import CheckpointError
 from megatron_ext.megatron import sharding
 from megatron_ext.megatron.optimizer_forms import (
     BEFORE_FIRST_STEP,
-    BOXES,
     MODEL_SPACE,
-    OWN_KEYS,
-    PLAIN_FORM,
     SCALE_SUFFIX,
     STORED_FORM,
     FP8_REFUSED,
-    describe,
     distributed_optimizers,
     has_stepped,
     holds_main_params,
     hybrid_optimizer,
     is_distributed,
-    is_plain,
     param_slices,
     refuse_fp8,
-    saved_forms,
     stored_form,
     sub_optimizer_states,
 )
 
 #: Read by ``convert.py`` from here (the stored forms live in ``optimizer_forms``).
-__all__ = ["BOXES", "Box", "OWN_KEYS", "PLAIN_FORM", "STORED_FORM", "describe", "is_plain", "model_boxes",
-           "model_space_state_dict", "param_tensors", "saved_forms", "stored_tensors", "with_class_names",
+__all__ = ["Box", "model_boxes", "model_space_state_dict", "param_tensors", "stored_tensors", "with_class_names",
            "with_live_classes"]
 
 

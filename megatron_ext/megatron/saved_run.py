@@ -82,7 +82,7 @@ def load_rerun_state(ckpt: CommittedCheckpoint, rank: int) -> None:
     """This rank's saved state of Megatron-LM's rerun state machine, when its file holds one the machine accepts."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
-    own = file_of_rank(ckpt.manifest, rank)
+    own = file_of_rank(ckpt, rank)
     if own is None:
         return
     reader = ckpt.reader(own)
@@ -117,11 +117,10 @@ def load_rngs(ckpt: CommittedCheckpoint, saved_args: Any, saved: dict, current: 
         if dp_rank >= saved["dp"]:
             raise CheckpointError(f"--data-parallel-random-init: data-parallel rank {dp_rank} has no saved RNG state "
                                   f"(the checkpoint has {saved['dp']} data-parallel ranks)")
-        source = next((f["rank"] for f in ckpt.manifest["files"].values()
-                       if (f.get("extra") or {}).get("layout", {}).get("tp_rank") == current["tp_rank"]
-                       and f["extra"]["layout"].get("pp_rank") == current["pp_rank"]
-                       and f["extra"]["layout"].get("dp_rank") == dp_rank), None)
-    own = file_of_rank(ckpt.manifest, source)
+        wanted = {"tp_rank": current["tp_rank"], "pp_rank": current["pp_rank"], "dp_rank": dp_rank}
+        source = next((f.rank for f in ckpt.files() if isinstance(f.extra, dict) and isinstance(f.extra.get("layout"), dict)
+                       and all(f.extra["layout"].get(k) == v for k, v in wanted.items())), None)
+    own = file_of_rank(ckpt, source)
     if own is None:
         raise CheckpointError(f"{ckpt.checkpoint} has no RNG state for tensor rank {current['tp_rank']} and "
                               f"pipeline rank {current['pp_rank']}")

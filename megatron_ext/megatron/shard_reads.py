@@ -31,29 +31,29 @@ class ModelMismatch(CheckpointError):
     """The checkpoint is intact but was saved from another model (shapes, keys): not a damaged one."""
 
 
-def shard_index(manifest: dict, tensor_index: Any) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
+def shard_index(ckpt: CommittedCheckpoint) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:
     """Shard id -> (file, tensor name) for tensors and -> file for objects, over all ranks' files.
 
-    ``manifest`` is validated (``read_manifest``), ``tensor_index`` its ``TensorIndex``; a shard id
-    claimed twice is an error, never a silent choice between two files.
+    A shard id claimed twice is an error, never a silent choice between two files.
     """
     tensors: dict[str, tuple[str, str]] = {}
     objects: dict[str, str] = {}
-    for name, entry in manifest["files"].items():
-        for tensor_name in tensor_index.tensors(name):
+    for entry in ckpt.files():
+        name = entry.name
+        for tensor_name in ckpt.index.tensors(name):
             if tensor_name.startswith(TENSOR_PREFIX):
                 sid = tensor_name[len(TENSOR_PREFIX):]
                 if sid in tensors:
-                    raise CheckpointError(f"{manifest['checkpoint']}: shard {sid!r} is in files {tensors[sid][0]!r} "
+                    raise CheckpointError(f"{ckpt.checkpoint}: shard {sid!r} is in files {tensors[sid][0]!r} "
                                           f"and {name!r}")
                 tensors[sid] = (name, tensor_name)
-        extra = entry.get("extra") if entry.get("extra") is not None else {}
+        extra = entry.extra if entry.extra is not None else {}
         listed = extra.get("objects", []) if isinstance(extra, dict) else None
         if type(listed) is not list or not all(type(sid) is str for sid in listed):
-            raise CheckpointError(f"{manifest['checkpoint']}: file {name!r} has a malformed extra.objects list")
+            raise CheckpointError(f"{ckpt.checkpoint}: file {name!r} has a malformed extra.objects list")
         for sid in listed:
             if sid in objects:
-                raise CheckpointError(f"{manifest['checkpoint']}: object shard {sid!r} is in files {objects[sid]!r} "
+                raise CheckpointError(f"{ckpt.checkpoint}: object shard {sid!r} is in files {objects[sid]!r} "
                                       f"and {name!r}")
             objects[sid] = name
     return tensors, objects

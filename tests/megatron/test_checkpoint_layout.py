@@ -7,7 +7,7 @@ import argparse
 import pytest
 import torch
 
-from megatron_ext.engine import CheckpointError
+from megatron_ext.engine import CheckpointEngine, CheckpointError, open_committed
 from megatron_ext.engine.errors import ConfigError
 from megatron_ext.megatron import checkpoint_layout as layout
 from megatron_ext.megatron.args import MegatronAdapterOptions
@@ -48,10 +48,14 @@ def test_rank_state_parts_in_order():
     assert layout.rank_extra({"b", "a"}, {"tp": 1}) == {"objects": ["a", "b"], "layout": {"tp": 1}}
 
 
-def test_file_of_rank():
-    manifest = {"files": {"rank00000": {"rank": 0}, "rank00001": {"rank": 1}}}
-    assert layout.file_of_rank(manifest, 1) == "rank00001"
-    assert layout.file_of_rank(manifest, 2) is None
+def test_file_of_rank(tmp_path):
+    with CheckpointEngine({"save_dir": str(tmp_path), "host_cache_size": 0.01}, rank=0, world_size=1) as engine:
+        engine.save({"w": torch.ones(4)}, "c1", "rank00000")
+        engine.commit("c1")
+        engine.wait_persisted()
+    committed = open_committed(str(tmp_path), "c1")
+    assert layout.file_of_rank(committed, 0) == "rank00000"
+    assert layout.file_of_rank(committed, 1) is None
 
 
 def test_storable_args_keeps_plain_values_and_reprs_others():
