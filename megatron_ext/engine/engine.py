@@ -12,7 +12,6 @@ The engine knows nothing of Megatron or DeepSpeed: nested states of tensors in, 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import time
@@ -26,14 +25,12 @@ from . import faults
 from .config import EngineConfig, check_retention_count, check_writable_dir
 from .device import rank_device
 from .errors import CheckpointError, ConfigError
-from .format import codec
-from .format import safetensors as file_layout
 from .format.catalog import list_committed
-from .format.names import RUN_ID, valid_name
-from .format.sidecar import check_sidecar_volume
+from .format.names import RUN_ID
 from .host_cache import HostCache
 from .read.committed import CommittedCheckpoint, ReadOptions, open_committed
 from .save.copy_gate import CopyGate
+from .save.file_plan import PlannedFile, check_names
 from .save.job_table import JobTable
 from .save.jobs import CheckpointJob, FileJob
 from .save.ownership import DirectoryOwnership
@@ -121,7 +118,7 @@ class CheckpointEngine:
         """Record ``state`` for checkpoint ``checkpoint``; returns at once, copies run in the background.
 
         The tensors must not be modified until ``wait_snapshot`` returns. Non-tensor values are
-        encoded now, so later changes to them do not reach the checkpoint. ``extra`` (JSON-able)
+        encoded now (save/file_plan.py). ``extra`` (JSON-able)
         is copied into this file's manifest entry, for adapters that index what each file holds.
         ``gate``: the copies wait until it opens (tensors a collective is still filling in).
         """
@@ -130,37 +127,20 @@ class CheckpointEngine:
         if self._closed:
             raise CheckpointError("save() after shutdown()")
         name = f"rank{self.rank:05d}" if name is None else name
-        _check_names(checkpoint, name)
+        check_names(checkpoint, name)
         root = self._writable_root(root)
         job = self._open_job(root, checkpoint)
         if job is not None and any(f.name == name for f in job.files):
             raise CheckpointError(f"checkpoint {checkpoint} already has a file named {name!r}")
         if job is not None and job.version != version:
             raise CheckpointError(f"checkpoint {checkpoint}: version {version} differs from {job.version}")
-
-        # Everything that can refuse the state runs before the checkpoint is registered.
-        encoder = codec.Encoder(pickle_fallback=self.config.pickle_fallback, classes=self.classes)
-        skeleton = encoder.encode(state)
-        sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton},
-                             separators=(",", ":")).encode("utf-8")
-        # A sidecar no loader would read (too large, too many values) is refused now, not at load.
-        check_sidecar_volume(sidecar, len(encoder.tensors), f"checkpoint {checkpoint}, file {name!r}")
         tag = job.tag if job is not None else self.jobs.tag(root, checkpoint)
-        plan = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name,
-                                                  "rank": str(self.rank), "run_id": tag})
+        planned = PlannedFile.encode(state, checkpoint, name, self.rank, tag,
+                                     pickle_fallback=self.config.pickle_fallback, classes=self.classes)
         if job is None:
             job = self.skips.new_job(root, checkpoint, version, tag)  # its policy under a full cache
             self.committer.track(self.jobs.add(job))
-        base = f"{checkpoint}/{name}.{tag}"
-        tensors = [t for _, t in encoder.tensors]
-        copier = self.scheduler.copier
-        # A gated save's copies follow what the stream has queued when the gate opens, not now.
-        fjob = FileJob(job=job, name=name, layout=plan, sidecar=sidecar,
-                       cuda_mark=copier.mark(tensors) if gate is None else None,
-                       tensor_rel=base + ".safetensors", sidecar_rel=base + ".state.json",
-                       extra=json.loads(json.dumps(extra)) if extra is not None else None, gate=gate)
-        if gate is not None:
-            gate.bind(lambda: setattr(fjob, "cuda_mark", copier.mark(tensors)))
+        fjob = planned.file_job(job, self.scheduler.copier, gate, extra)
         job.files.append(fjob)
         self._files.append(fjob)
         faults.saved()
@@ -416,15 +396,6 @@ def _require_checkpoint(checkpoint: Any, root: str) -> None:
     if not isinstance(checkpoint, str):
         raise CheckpointError(f"checkpoint must be a checkpoint id (a directory name under {root}), "
                               f"not {type(checkpoint).__name__}")
-
-
-def _check_names(checkpoint: str, name: str) -> None:
-    """A checkpoint id and a file name become path components: refuse anything else before any I/O."""
-    if not valid_name(name) or len(name) > 200:
-        raise ValueError(f"file name {name!r} must be non-empty, at most 200 characters, without '/', "
-                         "not starting with '.'")
-    if not valid_name(checkpoint):
-        raise ValueError(f"checkpoint id {checkpoint!r} must be one non-hidden directory name")
 
 
 def _shutdown_live_engines() -> None:
