@@ -77,7 +77,8 @@ class FailureHandler:
         if job.claim_status():
             self.channel.post(key, {"state": FAILED, "error": message}, from_committer=False)
         if self.rank == 0:
-            self.channel.settle(key, {"state": FAILED, "error": f"checkpoint {job.checkpoint} failed on rank 0: {message}"})
+            self.channel.settle(key, {"state": FAILED,
+                                      "error": f"checkpoint {job.checkpoint} failed on rank 0: {message}"})
 
     def _write_error_report(self, job: CheckpointJob, message: str) -> None:
         """The record of the failure in the checkpoint's reports, for ``inspect``; the other

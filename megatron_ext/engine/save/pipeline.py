@@ -76,7 +76,8 @@ class SavePipeline:
         scheduler = SnapshotScheduler(ctx, cache, make_copier(use_cuda, device), writer, skips)
         replicas = None
         if config.peer_replica:  # creates a process group: collective, like the run id
-            replicas = PeerReplicas(ctx, config.ranks_per_node, config.replica_dir or default_replica_dir(config.save_dir))
+            replica_dir = config.replica_dir or default_replica_dir(config.save_dir)
+            replicas = PeerReplicas(ctx, config.ranks_per_node, replica_dir)
         retention = RetentionStage(config, ownership, jobs, replicas)
         committer = Committer(ctx, channel=channel, signal=signal, skips=skips, may_remove=ownership.holds,
                               retention=retention)
