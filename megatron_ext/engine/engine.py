@@ -16,7 +16,6 @@ import logging
 import os
 import time
 import traceback
-import weakref
 from typing import Any, Callable, Mapping
 
 import torch
@@ -38,7 +37,9 @@ from .save.pipeline import SavePipeline
 from .telemetry import Telemetry
 
 log = logging.getLogger("megatron_ext.engine")
-_live_engines: "weakref.WeakSet[CheckpointEngine]" = weakref.WeakSet()
+#: Engines not shut down yet, held here (not weakly) until ``shutdown``: an engine its caller dropped
+#: still commits its last checkpoint at interpreter exit (no stage thread holds the engine itself).
+_live_engines: "set[CheckpointEngine]" = set()
 
 
 def _default_rank_world() -> tuple[int, int]:
