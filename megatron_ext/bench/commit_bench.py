@@ -50,6 +50,7 @@ from megatron_ext.engine.save.commit import Committer, durable_status, job_key, 
 from megatron_ext.engine.save.context import SaveContext
 from megatron_ext.engine.save.coordination import CommitChannel
 from megatron_ext.engine.save.jobs import CheckpointJob
+from megatron_ext.engine.save.signal import CommitSignal
 from megatron_ext.engine.telemetry import Telemetry
 
 NAME = "commit"
@@ -159,10 +160,11 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
 
     def context(rank: int) -> SaveContext:
         return SaveContext(rank=rank, world_size=ranks, run_id=run_id, fail=fail, check=lambda: None,
-                           state_lock=threading.Lock(), timeout_s=timeout_s, telemetry=Telemetry(None, rank),
+                           timeout_s=timeout_s, telemetry=Telemetry(None, rank),
                            local_dir=None, o_direct=False, chunk_bytes=1 << 20)
 
-    committers = {r: Committer(context(r), may_remove=lambda root: True, channel=CommitChannel(store, store, r, ranks))
+    committers = {r: Committer(context(r), may_remove=lambda root: True, channel=CommitChannel(store, store, r, ranks),
+                               signal=CommitSignal())
                   for r in real}
     light = CommitChannel(store, store, 1, ranks)  # posts for the ranks without a thread
     rows = []
@@ -198,7 +200,7 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
             for r in real:
                 _mark_durable(jobs[r], committers[r])
             for r in real:
-                if not jobs[r].committed.wait(timeout_s + 60):
+                if not jobs[r].settled.wait(timeout_s + 60):
                     raise RuntimeError(f"rank {r} did not see checkpoint {checkpoint} committed")
             if errors:
                 raise RuntimeError(f"commit failed: {errors[0]}") from errors[0]

@@ -2,9 +2,9 @@
 
 The public calls live here: ``save`` (bookkeeping only, on the caller's thread), ``commit``,
 ``wait_snapshot`` (called right before the training loop mutates the saved tensors, and nothing
-else), ``wait_persisted``, the loads and ``shutdown``. ``_build`` wires the save pipeline the
-package docstring lists, from its end, each stage handed the next; the overload decisions are in
-overload.py and the read side in committed.py.
+else), ``wait_persisted``, the loads and ``shutdown``. The save stages are built once by
+``save.pipeline.SavePipeline``; the overload decisions are in save/skips.py and the read side in
+read/committed.py.
 
 The engine knows nothing of Megatron or DeepSpeed: nested states of tensors in, files out.
 """
@@ -12,13 +12,10 @@ The engine knows nothing of Megatron or DeepSpeed: nested states of tensors in, 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
-import threading
 import time
 import traceback
-import weakref
 from typing import Any, Callable, Mapping
 
 import torch
@@ -27,31 +24,22 @@ from . import faults
 from .config import EngineConfig, check_retention_count, check_writable_dir
 from .device import rank_device
 from .errors import CheckpointError, ConfigError
-from .format import codec
-from .format import safetensors as file_layout
 from .format.catalog import list_committed
-from .format.names import RUN_ID, valid_name
-from .format.sidecar import check_sidecar_volume
+from .format.names import RUN_ID
 from .host_cache import HostCache
 from .read.committed import CommittedCheckpoint, ReadOptions, open_committed
-from .save.commit import Committer
-from .save.context import SaveContext
-from .save.coordination import CommitChannel, open_stores
-from .save.copier import make_copier
 from .save.copy_gate import CopyGate
-from .save.failure import FailureHandler
-from .save.flush import LevelStager, RankWriter
+from .save.file_plan import PlannedFile, check_names
 from .save.job_table import JobTable
 from .save.jobs import CheckpointJob, FileJob
 from .save.ownership import DirectoryOwnership
-from .save.replica import PeerReplicas, default_replica_dir
-from .save.retention import RetentionStage
-from .save.skips import OverloadMixin
-from .save.snapshot import SnapshotScheduler
+from .save.pipeline import SavePipeline
 from .telemetry import Telemetry
 
 log = logging.getLogger("megatron_ext.engine")
-_live_engines: "weakref.WeakSet[CheckpointEngine]" = weakref.WeakSet()
+#: Engines not shut down yet, held here (not weakly) until ``shutdown``: an engine its caller dropped
+#: still commits its last checkpoint at interpreter exit (no stage thread holds the engine itself).
+_live_engines: "set[CheckpointEngine]" = set()
 
 
 def _default_rank_world() -> tuple[int, int]:
@@ -62,7 +50,7 @@ def _default_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-class CheckpointEngine(OverloadMixin):
+class CheckpointEngine:
     """Lazy snapshots into one host cache, streamed per rank to storage, committed by rank 0.
 
     Thread safety: the public methods are meant for the one training thread of a rank.
@@ -102,7 +90,6 @@ class CheckpointEngine(OverloadMixin):
 
     def _build(self) -> None:
         """State, threads and host cache (after the locks: a failure here releases them)."""
-        read_only = self.read_only
         self.use_cuda = torch.cuda.is_available()
         # The rank's CUDA device, current on this (the training) thread: every engine thread that
         # touches CUDA binds to it, not to GPU 0 (device.py). None without CUDA.
@@ -113,40 +100,17 @@ class CheckpointEngine(OverloadMixin):
         self.last_load_level: str | None = None
         self.blocked_total_s = 0.0  # all time the caller spent in save() and wait_snapshot()
         self.wait_total_s = 0.0  # the wait_snapshot() part of it
-        self._init_overload()
-        # Guards the moves of a checkpoint that exclude each other: flush started, reported, skipped.
-        self._state_lock = threading.Lock()
-
-        self.telemetry = Telemetry(None if read_only else self.config.telemetry_file(self.rank), self.rank)
-        self.failures = FailureHandler(self.rank, self.run_id, self.config.on_failure, self.jobs, self.telemetry)
-
+        self.telemetry = Telemetry(None if self.read_only else self.config.telemetry_file(self.rank), self.rank)
         self.cache = HostCache(self.config.host_cache_bytes, self.config.chunk_bytes, pin=self.use_cuda,
                                device=self.device)
-        self.save_context = ctx = SaveContext(
-            rank=self.rank, world_size=self.world_size, run_id=self.run_id, fail=self.failures.fail,
-            check=self.failures.check, state_lock=self._state_lock, timeout_s=self.config.persist_timeout_s,
-            telemetry=self.telemetry, local_dir=self.config.local_dir, o_direct=self.config.o_direct,
-            chunk_bytes=self.cache.chunk_bytes, device=self.device)
-        # The save pipeline, built from its end: each stage is handed the next one.
-        waiting, notices = open_stores(self.run_id, self.config.persist_timeout_s, 1 if read_only else self.world_size,
-                                       self._commit_store, private=read_only)  # read-only: commits nothing
-        self.channel = CommitChannel(waiting, notices, self.rank, self.world_size)
-        self.retention = RetentionStage(self.config, self.ownership, self._in_flight)
-        self.committer = Committer(ctx, self._abandon_for_peer, may_remove=self.ownership.holds, channel=self.channel,
-                                   retention=self.retention)
-        self.failures.committer = self.committer
-        self.stager = LevelStager(ctx, self.committer) if ctx.local_dir else None
-        self.writer = RankWriter(ctx, self.cache, self.stager if self.stager is not None else self.committer)
-        self.scheduler = SnapshotScheduler(ctx, self.cache, make_copier(self.use_cuda, self.device), self.writer,
-                                           self._supersede_older, self._settle_skipped)
-        self.replicas: PeerReplicas | None = None
-        if self.config.peer_replica:  # creates a process group: collective, like the run id above
-            self.replicas = PeerReplicas(
-                self.rank, self.world_size, self.config.ranks_per_node,
-                self.config.replica_dir or default_replica_dir(self.config.save_dir), self.cache.chunk_bytes,
-                self.config.persist_timeout_s, ctx.first_level,
-                lambda job: ctx.directory(job, ctx.first_level), self.run_id, self.telemetry,
-                self.failures.fail, self.failures.check)
+        self.pipeline = pipeline = SavePipeline.build(
+            self.config, rank=self.rank, world_size=self.world_size, run_id=self.run_id, jobs=self.jobs,
+            ownership=self.ownership, telemetry=self.telemetry, cache=self.cache, device=self.device,
+            use_cuda=self.use_cuda, commit_store=self._commit_store, read_only=self.read_only)
+        # The stages the public calls talk to (and tests look at).
+        self.save_context, self.failures, self.channel = pipeline.context, pipeline.failures, pipeline.channel
+        self.skips, self.scheduler, self.committer = pipeline.skips, pipeline.scheduler, pipeline.committer
+        self.retention, self.replicas = pipeline.retention, pipeline.replicas
         _live_engines.add(self)
 
     # ------------------------------------------------------------------ saving
@@ -155,7 +119,7 @@ class CheckpointEngine(OverloadMixin):
         """Record ``state`` for checkpoint ``checkpoint``; returns at once, copies run in the background.
 
         The tensors must not be modified until ``wait_snapshot`` returns. Non-tensor values are
-        encoded now, so later changes to them do not reach the checkpoint. ``extra`` (JSON-able)
+        encoded now (save/file_plan.py). ``extra`` (JSON-able)
         is copied into this file's manifest entry, for adapters that index what each file holds.
         ``gate``: the copies wait until it opens (tensors a collective is still filling in).
         """
@@ -164,37 +128,20 @@ class CheckpointEngine(OverloadMixin):
         if self._closed:
             raise CheckpointError("save() after shutdown()")
         name = f"rank{self.rank:05d}" if name is None else name
-        _check_names(checkpoint, name)
+        check_names(checkpoint, name)
         root = self._writable_root(root)
         job = self._open_job(root, checkpoint)
         if job is not None and any(f.name == name for f in job.files):
             raise CheckpointError(f"checkpoint {checkpoint} already has a file named {name!r}")
         if job is not None and job.version != version:
             raise CheckpointError(f"checkpoint {checkpoint}: version {version} differs from {job.version}")
-
-        # Everything that can refuse the state runs before the checkpoint is registered.
-        encoder = codec.Encoder(pickle_fallback=self.config.pickle_fallback, classes=self.classes)
-        skeleton = encoder.encode(state)
-        sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton},
-                             separators=(",", ":")).encode("utf-8")
-        # A sidecar no loader would read (too large, too many values) is refused now, not at load.
-        check_sidecar_volume(sidecar, len(encoder.tensors), f"checkpoint {checkpoint}, file {name!r}")
         tag = job.tag if job is not None else self.jobs.tag(root, checkpoint)
-        plan = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name,
-                                                  "rank": str(self.rank), "run_id": tag})
+        planned = PlannedFile.encode(state, checkpoint, name, self.rank, tag,
+                                     pickle_fallback=self.config.pickle_fallback, classes=self.classes)
         if job is None:
-            job = self._new_job(root, checkpoint, version, tag)  # overload.py: its policy under a full cache
+            job = self.skips.new_job(root, checkpoint, version, tag)  # its policy under a full cache
             self.committer.track(self.jobs.add(job))
-        base = f"{checkpoint}/{name}.{tag}"
-        tensors = [t for _, t in encoder.tensors]
-        copier = self.scheduler.copier
-        # A gated save's copies follow what the stream has queued when the gate opens, not now.
-        fjob = FileJob(job=job, name=name, layout=plan, sidecar=sidecar,
-                       cuda_mark=copier.mark(tensors) if gate is None else None,
-                       tensor_rel=base + ".safetensors", sidecar_rel=base + ".state.json",
-                       extra=json.loads(json.dumps(extra)) if extra is not None else None, gate=gate)
-        if gate is not None:
-            gate.bind(lambda: setattr(fjob, "cuda_mark", copier.mark(tensors)))
+        fjob = planned.file_job(job, self.scheduler.copier, gate, extra)
         job.files.append(fjob)
         self._files.append(fjob)
         faults.saved()
@@ -221,7 +168,6 @@ class CheckpointEngine(OverloadMixin):
         if job is None:  # a rank with nothing to save still takes part in the commit
             job = CheckpointJob(checkpoint=checkpoint, root=root, version=None, tag=self.jobs.tag(root, checkpoint))
             self.committer.track(self.jobs.add(job))
-        job.on_committed.append(self._note_durable)
         if on_committed is not None:
             job.on_committed.append(on_committed)
         if keep_last is not None or self.config.keep_last is not None:
@@ -264,7 +210,7 @@ class CheckpointEngine(OverloadMixin):
         pending = [f for f in self._files if not f.snapshot_done.is_set()]
         _open_gates(pending)
         faults.waiting()
-        self._await_snapshots(pending, started + timeout)
+        self.skips.await_snapshots(pending, started + timeout)
         self.failures.check()
         blocked = time.monotonic() - started
         self.blocked_total_s += blocked
@@ -367,14 +313,7 @@ class CheckpointEngine(OverloadMixin):
                 self.wait_persisted(timeout=timeout)
                 clean = normal_end
         finally:
-            if self.replicas is not None:
-                self.replicas.close(clean)
-            self.scheduler.stop(5)
-            self.writer.stop(5)
-            if self.stager is not None:
-                self.stager.stop(5)
-            self.committer.stop(5)
-            self.retention.stop(60)
+            self.pipeline.stop(clean)
             self.cache.close()
             self.ownership.release()
             _live_engines.discard(self)
@@ -417,12 +356,25 @@ class CheckpointEngine(OverloadMixin):
         """Retention's background deleter (None until retention first deletes something)."""
         return self.retention.deleter
 
-    def _in_flight(self, root: str) -> set[str]:
-        """Checkpoints under ``root`` retention must leave alone: not committed yet, or still replicating."""
-        pending = self.jobs.in_flight(root)
-        if self.replicas is not None:
-            pending |= self.replicas.pending()
-        return pending
+    # Overload counts (save/skips.py), for benchmarks and tests.
+    @property
+    def backpressure_waits(self) -> int:
+        """Calls of ``wait_snapshot`` that waited for the flush to free cache space."""
+        return self.skips.backpressure_waits
+
+    @property
+    def backpressure_wait_s(self) -> float:
+        return self.skips.backpressure_wait_s
+
+    @property
+    def age_bound_waits(self) -> int:
+        """Saves the durable-age bound turned from "supersede" to "wait"."""
+        return self.skips.age_bound_waits
+
+    @property
+    def newest_durable_version(self) -> int | None:
+        """Version of the newest checkpoint committed in this run (what ``max_durable_age`` measures from)."""
+        return self.skips.newest_durable
 
     def raise_if_failed(self) -> None:
         """Raise, on the caller's thread, the first failure of a background thread (cheap)."""
@@ -445,15 +397,6 @@ def _require_checkpoint(checkpoint: Any, root: str) -> None:
     if not isinstance(checkpoint, str):
         raise CheckpointError(f"checkpoint must be a checkpoint id (a directory name under {root}), "
                               f"not {type(checkpoint).__name__}")
-
-
-def _check_names(checkpoint: str, name: str) -> None:
-    """A checkpoint id and a file name become path components: refuse anything else before any I/O."""
-    if not valid_name(name) or len(name) > 200:
-        raise ValueError(f"file name {name!r} must be non-empty, at most 200 characters, without '/', "
-                         "not starting with '.'")
-    if not valid_name(checkpoint):
-        raise ValueError(f"checkpoint id {checkpoint!r} must be one non-hidden directory name")
 
 
 def _shutdown_live_engines() -> None:

@@ -99,7 +99,7 @@ def test_on_committed_runs_with_the_durable_manifest(make_engine, tmp_path):
     job = engine.commit("A", on_committed=lambda m: seen.append(
         (m, (tmp_path / "ckpt" / "A" / "manifest.json").exists())))
     engine.wait_persisted()
-    assert job.committed.is_set()
+    assert job.settled.is_set()
     ((manifest, existed),) = seen
     assert existed and manifest["version"] == 3 and manifest["run_id"] == engine.run_id
     on_disk = read_manifest(str(tmp_path / "ckpt" / "A"))

@@ -1,2 +1,3 @@
 """The save pipeline: jobs, the host-cache snapshot, the flush to each level, the commit protocol,
-overload skips, failure handling, retention and peer replicas. Only ``engine.py`` drives it."""
+overload skips, failure handling, retention and peer replicas. ``pipeline.py`` builds the stages
+once, in order (nothing is wired afterwards); only ``engine.py`` drives them."""

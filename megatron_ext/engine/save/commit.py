@@ -32,7 +32,7 @@ import os
 import re
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import CheckpointError, CheckpointSkipped
 from ..files import atomic_write
@@ -50,8 +50,12 @@ from ..format.safetensors import FORMAT_VERSION
 from ..format.validation import check_report
 from .context import SaveContext
 from .coordination import COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, checkpoint_key
-from .jobs import CheckpointJob, FileJob
-from .messages import Discard
+from .jobs import CheckpointJob, JobState
+from .signal import CommitSignal
+
+if TYPE_CHECKING:
+    from .retention import RetentionStage
+    from .skips import Skips
 
 #: Ranks other than 0 wait this much longer than rank 0 for the decision, so that when a rank is
 #: missing, rank 0's timeout (which names it) comes first and reaches everyone.
@@ -142,11 +146,15 @@ class ManifestOnDisk(dict):
 
 
 class Committer:
-    """Background thread: rank reports and statuses, and on rank 0 the manifest and the decision."""
+    """Background thread: rank reports and statuses, and on rank 0 the manifest and the decision.
 
-    def __init__(self, ctx: SaveContext, abandon: Callable[[CheckpointJob, CheckpointSkipped], None] = lambda job, exc: None,
-                 *, may_remove: Callable[[str], bool] = lambda root: False, channel: CommitChannel,
-                 retention=None):
+    It sleeps on ``signal`` (signal.py), which the flush stages notify when a file is durable and
+    the engine, the skips and the failure handler when anything else it waits for changed.
+    """
+
+    def __init__(self, ctx: SaveContext, *, channel: CommitChannel, signal: CommitSignal,
+                 skips: "Skips | None" = None, may_remove: Callable[[str], bool] = lambda root: False,
+                 retention: "RetentionStage | None" = None):
         self.ctx = ctx
         self.rank = ctx.rank
         self.world_size = ctx.world_size
@@ -156,60 +164,40 @@ class Committer:
         self.timeout_s = ctx.timeout_s
         self.fail = ctx.fail
         self.check = ctx.check
-        self.state_lock = ctx.state_lock  # shared with whoever skips checkpoints
-        self.abandon = abandon  # a peer skipped the checkpoint: drop it here too
-        self.may_remove = may_remove  # whether this rank holds the lock of a root (lock.py)
         self.channel = channel
+        self.signal = signal
+        self.skips = skips  # a peer skipped a checkpoint: drop it here too (None: nothing skips here)
+        self.may_remove = may_remove  # whether this rank holds the lock of a root (lock.py)
         self.retention = retention  # the next stage (retention.RetentionStage), or None
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # guards the pending list (the training thread adds)
         self._pending: list[CheckpointJob] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="datastates-committer", daemon=True)
         self._thread.start()
 
     def track(self, job: CheckpointJob) -> None:
-        with self._cond:
+        with self._lock:
             self._pending.append(job)
 
     def poke(self) -> None:
-        """Something changed (a file became durable, a commit was requested): look again."""
-        with self._cond:
-            self._cond.notify_all()
-
-    def durable(self, fjob: FileJob) -> None:
-        """The stage before made ``fjob`` durable on the shared level: its checkpoint may be ready."""
-        self.poke()
-
-    def discard(self, item: Discard) -> None:
-        """A skipped checkpoint's files are removed upstream; the abandoned job itself is settled here."""
+        """A commit was requested: look again."""
+        self.signal.notify()
 
     def stop(self, timeout: float) -> None:
-        with self._cond:
+        with self._lock:
             self._stopping = True
-            self._cond.notify_all()
+        self.signal.notify()
         self._thread.join(timeout)
 
-    def post_failed(self, job: CheckpointJob, message: str) -> None:
-        """From any thread, once the engine failed: ``job`` will not be committed by this rank.
-
-        The other ranks learn it from rank 0's decision; rank 0 itself decides at once (its
-        committer thread may be gone).
-        """
-        with self.state_lock:
-            if job.status_posted:
-                posted = False
-            else:
-                job.status_posted = posted = True
-        key = job_key(job)
-        if posted:
-            self.channel.post(key, {"state": FAILED, "error": message}, from_committer=False)
-        if self.rank == 0:
-            self.channel.settle(key, {"state": FAILED, "error": f"checkpoint {job.checkpoint} failed on rank 0: {message}"})
-
     def _next_ready(self) -> CheckpointJob | None:
-        """The oldest checkpoint whose commit was requested, once it is durable here or abandoned."""
-        with self._cond:
-            while True:
+        """The oldest checkpoint whose commit was requested, once it is durable here or abandoned.
+
+        Between looks it sleeps until told of a change; the wait is bounded all the same, and each
+        look first checks for a failure (which notifies too).
+        """
+        while True:
+            seen = self.signal.seen()
+            with self._lock:
                 requested = [j for j in self._pending if j.commit_requested]
                 if requested:
                     job = min(requested, key=lambda j: j.commit_seq)
@@ -222,10 +210,10 @@ class Committer:
                     self.check()
                 except CheckpointError:  # the engine stopped: nothing pending will become durable
                     for job in self._pending:
-                        job.committed.set()
+                        job.settled.set()
                     self._pending.clear()
                     return None
-                self._cond.wait(0.5)
+            self.signal.wait(seen, self.timeout_s)
 
     def _run(self) -> None:
         while True:
@@ -235,8 +223,9 @@ class Committer:
             try:
                 self._commit(job)
             except CheckpointSkipped as exc:
-                self.abandon(job, exc)
-                job.committed.set()
+                if self.skips is not None:
+                    self.skips.abandon_for_peer(job, exc)
+                job.settled.set()
             except BaseException as exc:
                 if self.rank == 0:  # the others wait for a decision: make sure there is one
                     try:
@@ -245,24 +234,20 @@ class Committer:
                     except Exception:
                         pass  # the store itself failed: the others time out, naming rank 0
                 fatal = self.fail(exc, job)
-                job.committed.set()  # waiters wake up and see the error
+                job.settled.set()  # waiters wake up and see the error
                 if fatal:
                     return
 
     def _commit(self, job: CheckpointJob) -> None:
         key = job_key(job)
-        with self.state_lock:
-            abandoned = job.abandoned  # skipped or failed before it could be reported: say so
-            if not abandoned:
-                job.reported = True
-            post = not job.status_posted
-            job.status_posted = True
+        abandoned = not job.advance(JobState.REPORTED)  # skipped or failed before it could be reported: say so
+        post = job.claim_status()
         if abandoned:
             if post:
                 self.channel.post(key, abandoned_status(job))
             if self.rank == 0:
                 self._decide(job, key)
-            job.committed.set()
+            job.settled.set()
             return
         try:
             status, shares = self._write_reports(job)
@@ -288,6 +273,9 @@ class Committer:
         manifest = ManifestOnDisk(decision["manifest"], os.path.join(job.root, job.checkpoint))
         job.manifest = manifest
         job.committed_at = time.monotonic()
+        job.advance(JobState.COMMITTED)  # from here on a late skip notice is refused
+        if self.skips is not None:
+            self.skips.note_committed(manifest)
         for callback in job.on_committed:
             callback(manifest)
         if self.retention is not None and job.retain:
@@ -296,7 +284,7 @@ class Committer:
         if self.rank == 0:
             self.telemetry.emit("commit", job.checkpoint, "all", job.committed_bytes, job.committed_at - first,
                                 world_size=self.world_size, run=self.run_id)
-        job.committed.set()
+        job.settled.set()
 
     def _write_reports(self, job: CheckpointJob) -> tuple[list, dict[str, bytes]]:
         """This rank's report, durable on the shared level (and the local one); returns its durable status."""

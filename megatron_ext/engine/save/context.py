@@ -8,7 +8,6 @@ to at level X" has one answer here.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from typing import Any, Callable
 
 from ..format.names import LEVEL_LOCAL, LEVEL_SHARED
@@ -27,8 +26,6 @@ class SaveContext:
     fail: Callable[..., bool]
     #: Raises on any thread once the engine stopped (cheap; stages call it while they wait).
     check: Callable[[], None]
-    #: Guards the moves that exclude each other: a flush starts, a rank reports, a checkpoint is skipped.
-    state_lock: threading.Lock
     timeout_s: float  # bound of every wait (cache slot, peers' reports, manifest)
     telemetry: Telemetry
     local_dir: str | None  # node-local level, or None: then the shared level is the first

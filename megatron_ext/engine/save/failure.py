@@ -12,18 +12,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from typing import TYPE_CHECKING
 
 from ..config import OnFailure
 from ..errors import CheckpointError
 from ..files import atomic_write_json
 from ..format.names import REPORTS, report_name
 from ..telemetry import Telemetry
+from .coordination import FAILED, CommitChannel, checkpoint_key
 from .job_table import JobTable
 from .jobs import CheckpointJob
-
-if TYPE_CHECKING:
-    from .commit import Committer
+from .signal import CommitSignal
 
 log = logging.getLogger("megatron_ext.engine")
 
@@ -31,13 +29,14 @@ log = logging.getLogger("megatron_ext.engine")
 class FailureHandler:
     """The first fatal background failure of a rank (``error``), and how each failure is spread."""
 
-    def __init__(self, rank: int, run_id: str, on_failure: str, jobs: JobTable, telemetry: Telemetry):
+    def __init__(self, rank: int, run_id: str, on_failure: str, jobs: JobTable, telemetry: Telemetry,
+                 channel: CommitChannel, signal: CommitSignal):
         self.rank, self.run_id, self.on_failure = rank, run_id, on_failure
         self.jobs, self.telemetry = jobs, telemetry
+        self.channel = channel  # tells the other ranks that an open checkpoint failed here
+        self.signal = signal  # wakes the committer, which settles what failed
         self.error: BaseException | None = None
         self._lock = threading.Lock()
-        #: The stage that tells the other ranks; the engine sets it once the committer is built.
-        self.committer: Committer | None = None
 
     def fail(self, exc: BaseException, job: CheckpointJob | None = None) -> bool:
         """A background thread failed (``job``: the checkpoint it belongs to, if only one).
@@ -49,15 +48,15 @@ class FailureHandler:
         with self._lock:
             if fatal and self.error is None:
                 self.error = exc
-            if job is not None and job.error is None:
-                job.error = exc
+        if job is not None:
+            job.fail(exc)
         for target in [job] if job is not None else self.jobs.jobs():
             self._write_error_report(target, message)
         if fatal:  # this rank settles nothing any more: every open checkpoint fails, on every rank, now
             for target in self.jobs.jobs():
-                if not target.committed.is_set() and self.committer is not None:
+                if not target.settled.is_set():
                     try:
-                        self.committer.post_failed(target, message)
+                        self._post_failed(target, message)
                     except Exception as store_exc:  # the others then time out, naming this rank
                         log.error("[datastates] rank %d: could not tell the other ranks of the failure: %s",
                                   self.rank, store_exc)
@@ -65,9 +64,21 @@ class FailureHandler:
             log.error("[datastates] rank %d: checkpoint %s abandoned, training continues: %s",
                       self.rank, job.checkpoint, message)
             self.telemetry.emit("failed", job.checkpoint, "all", job.nbytes, error=message)
-        if self.committer is not None:
-            self.committer.poke()
+        self.signal.notify()
         return fatal
+
+    def _post_failed(self, job: CheckpointJob, message: str) -> None:
+        """From any thread, once the engine failed: ``job`` will not be committed by this rank.
+
+        The other ranks learn it from rank 0's decision; rank 0 itself decides at once (its
+        committer thread may be gone).
+        """
+        key = checkpoint_key(job.root, job.checkpoint, job.tag)
+        if job.claim_status():
+            self.channel.post(key, {"state": FAILED, "error": message}, from_committer=False)
+        if self.rank == 0:
+            self.channel.settle(key, {"state": FAILED,
+                                      "error": f"checkpoint {job.checkpoint} failed on rank 0: {message}"})
 
     def _write_error_report(self, job: CheckpointJob, message: str) -> None:
         """The record of the failure in the checkpoint's reports, for ``inspect``; the other

@@ -36,7 +36,7 @@ from .messages import Chunk, Discard
 from .worker import QueueWorker
 
 if TYPE_CHECKING:
-    from .commit import Committer
+    from .signal import CommitSignal
 
 
 def _use_direct(setting, directory: str) -> bool:
@@ -51,11 +51,9 @@ def _use_direct(setting, directory: str) -> bool:
 class RankWriter:
     """Two pipelined threads: one checksums chunk k+1 while the other writes chunk k."""
 
-    def __init__(self, ctx: SaveContext, cache: HostCache, next_stage: "LevelStager | Committer"):
+    def __init__(self, ctx: SaveContext, cache: HostCache, next_stage: "LevelStager | CommitSignal"):
         self.ctx = ctx
         self.cache = cache
-        # Shared with whoever skips checkpoints: a flush starts, or its checkpoint is skipped, never both.
-        self.state_lock = ctx.state_lock
         self.next = next_stage  # told of each durable file and each discard, in order
         self.level = ctx.first_level
         self.fail = ctx.fail
@@ -110,10 +108,8 @@ class RankWriter:
             if isinstance(chunk, Discard):
                 self._discard(chunk, forward)
                 continue
-            with self.state_lock:
-                dropped = chunk.file.job.abandoned
-                if forward is None and not dropped:
-                    chunk.file.flush_started = True
+            # The write stage starts the flush (a flush starts, or its checkpoint is skipped, never both).
+            dropped = not chunk.file.job.begin_flush() if forward is None else chunk.file.job.abandoned
             if self._failed.is_set() or id(chunk.file) in self._failed_jobs or dropped:
                 self.cache.release_run(chunk.slot, chunk.count)  # keep freeing slots: nobody waits on a dead file
                 continue
@@ -209,7 +205,7 @@ class RankWriter:
 class LevelStager(QueueWorker):
     """Copies files that are durable on the node-local level to the shared level."""
 
-    def __init__(self, ctx: SaveContext, next_stage: "Committer"):
+    def __init__(self, ctx: SaveContext, next_stage: "CommitSignal"):
         self.ctx = ctx
         self.next = next_stage
         self.fail = ctx.fail

@@ -80,13 +80,13 @@ class JobTable:
     def forget_finished(self) -> None:
         """Drop the records of finished checkpoints, keeping only their ids."""
         for key, job in list(self.open.items()):
-            if job.committed.is_set():
+            if job.settled.is_set():
                 del self.open[key]
                 self._committed_ids.add(key)
 
     def in_flight(self, root: str) -> set[str]:
         """Checkpoints under ``root`` saved or committing, not settled yet."""
-        return {j.checkpoint for j in self.jobs() if j.root == root and not j.committed.is_set()}
+        return {j.checkpoint for j in self.jobs() if j.root == root and not j.settled.is_set()}
 
 
 __all__ = ["JobTable", "attempt_tag"]

@@ -1,8 +1,15 @@
-"""The bookkeeping records shared by the engine's threads: one per file, one per checkpoint."""
+"""The bookkeeping records shared by the engine's threads: one per file, one per checkpoint.
+
+A checkpoint's progress on this rank is one ``JobState``, moved only by ``CheckpointJob.advance``
+(and ``skip`` / ``fail``, which record why) under the job's own lock: the moves that exclude each
+other (the writer starts flushing, this rank reports, a skip, a failure) are decided there, so
+no stage shares a lock with another.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import threading
 import time
 from typing import Any, Callable
@@ -14,6 +21,31 @@ from ..format.names import LEVEL_SHARED
 from ..format.safetensors import FileLayout
 
 _POLL_S = 0.05  # how often a wait re-checks for background failures
+
+
+class JobState(enum.Enum):
+    """Where one rank's part of a checkpoint stands."""
+
+    OPEN = "open"  # saved files are being copied; nothing is written yet: a skip still drops it whole
+    FLUSHING = "flushing"  # the writer took its first chunk: this rank may no longer supersede it
+    REPORTED = "reported"  # this rank's report is being written: only a peer's skip or a failure stops it
+    COMMITTED = "committed"  # rank 0 decided: the manifest is durable
+    SKIPPED = "skipped"  # dropped under overload (by this rank or a peer): never committed
+    DISCARDED = "discarded"  # skipped, and the writer was told to remove this rank's files of it
+    FAILED = "failed"  # failed here (``on_failure="continue"``) or its commit failed
+
+
+#: The moves ``advance`` allows; anything else is refused (another thread's move came first).
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.OPEN: frozenset({JobState.FLUSHING, JobState.REPORTED, JobState.SKIPPED, JobState.FAILED}),
+    JobState.FLUSHING: frozenset({JobState.REPORTED, JobState.SKIPPED, JobState.FAILED}),
+    JobState.REPORTED: frozenset({JobState.COMMITTED, JobState.SKIPPED, JobState.FAILED}),
+    JobState.SKIPPED: frozenset({JobState.DISCARDED}),
+    JobState.COMMITTED: frozenset(),
+    JobState.DISCARDED: frozenset(),
+    JobState.FAILED: frozenset(),
+}
+ABANDONED = frozenset({JobState.SKIPPED, JobState.DISCARDED, JobState.FAILED})
 
 
 @dataclasses.dataclass(eq=False)
@@ -36,7 +68,6 @@ class FileJob:
     sidecar_xxh3: str | None = None
     tensor_xxh3: dict[str, str] = dataclasses.field(default_factory=dict)
     snapshot_done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    flush_started: bool = False  # the writer took its first chunk; from then on it cannot be superseded
     # Temporaries that must outlive their asynchronous copies (CUDA .contiguous() results).
     keepalive: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
@@ -84,14 +115,18 @@ class CheckpointJob:
     #: checkpoint id saved again in the same run, one derived from it (``attempt_tag``).
     tag: str = ""
     files: list[FileJob] = dataclasses.field(default_factory=list)
+    #: The caller asked to commit it (set once, by the training thread; ``commit_seq`` is its place in
+    #: the commit order, the same on every rank). Not a state: a skipped checkpoint is still settled in order.
     commit_requested: bool = False
+    commit_seq: int = -1
     on_committed: list[Callable[[dict], None]] = dataclasses.field(default_factory=list)
-    committed: threading.Event = dataclasses.field(default_factory=threading.Event)
+    #: Set once the committer is done with it (committed, skipped or failed): waiters wake up.
+    settled: threading.Event = dataclasses.field(default_factory=threading.Event)
     manifest: dict | None = None
     blocked_s: float = 0.0  # time the training thread spent inside save/wait_snapshot for it
     #: When it was blocked: (monotonic start, seconds) of each save/wait_snapshot call counted in ``blocked_s``.
     blocked_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
-    error: BaseException | None = None  # set when abandoned under on_failure="continue"
+    error: BaseException | None = None  # why it failed (``fail``)
     committed_at: float | None = None
     #: Whether retention runs after this commit, and its own ``keep_last`` (None: the config's).
     retain: bool = False
@@ -99,19 +134,63 @@ class CheckpointJob:
     committed_bytes: int = 0  # rank 0: bytes of every rank's files in the manifest (for telemetry)
     #: "wait" or "supersede": what this checkpoint's snapshot does when the host cache is full.
     policy: str = "wait"
-    #: Set when skipped under overload: {"reason", "superseded_by", "by_rank"}; never committed then.
+    #: Why it was skipped under overload: {"reason", "superseded_by", "by_rank", ...} (``skip``).
     skipped: dict | None = None
-    reported: bool = False  # this rank's report is written: a skip decided here is no longer allowed
-    status_posted: bool = False  # this rank told the others (commit store) what became of it
-    commit_seq: int = -1  # the order commits were requested in, the same on every rank
-    discard_sent: bool = False  # the writer was told to remove this rank's files of it
     #: While the commit waits on other ranks: says for what (a timeout names it, whichever side times out first).
     commit_waiting_for: Callable[[], str] | None = None
+    state: JobState = dataclasses.field(default=JobState.OPEN, init=False)
+    _status_claimed: bool = dataclasses.field(default=False, init=False, repr=False)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
 
+    # ------------------------------------------------------------------ moves (each under the job's lock)
+    def advance(self, to: JobState, *, allowed_from: frozenset[JobState] | None = None) -> bool:
+        """Move to ``to`` if ``TRANSITIONS`` (and ``allowed_from``, when given) allow it from here.
+
+        False: not allowed from the current state, i.e. another thread's move came first (the
+        report beat a skip, a failure beat the report); the caller then leaves the job alone.
+        """
+        with self._lock:
+            return self._move(to, allowed_from)
+
+    def _move(self, to: JobState, allowed_from: frozenset[JobState] | None = None) -> bool:
+        if to not in TRANSITIONS[self.state] or (allowed_from is not None and self.state not in allowed_from):
+            return False
+        self.state = to
+        return True
+
+    def begin_flush(self) -> bool:
+        """The writer takes one of its chunks: from now on this rank cannot supersede it. False if abandoned."""
+        with self._lock:
+            if self.state is JobState.OPEN:
+                self._move(JobState.FLUSHING)
+            return self.state not in ABANDONED
+
+    def skip(self, info: dict, *, allowed_from: frozenset[JobState]) -> bool:
+        """Record a skip (``info``: why, by whom) unless the job moved past ``allowed_from`` or is settled."""
+        with self._lock:
+            if self.settled.is_set() or not self._move(JobState.SKIPPED, allowed_from):
+                return False
+            self.skipped = info
+            return True
+
+    def fail(self, exc: BaseException) -> None:
+        """Record the first failure; a job not yet committed, skipped or failed is failed by it."""
+        with self._lock:
+            if self.error is None:
+                self.error = exc
+            self._move(JobState.FAILED)
+
+    def claim_status(self) -> bool:
+        """True once: the caller posts this rank's one status of the checkpoint to the commit store."""
+        with self._lock:
+            claimed, self._status_claimed = self._status_claimed, True
+            return not claimed
+
+    # ------------------------------------------------------------------ reading
     @property
     def abandoned(self) -> bool:
-        """Failed (``on_failure="continue"``) or skipped: it will not be committed."""
-        return self.error is not None or self.skipped is not None
+        """Failed or skipped: it will not be committed."""
+        return self.state in ABANDONED
 
     @property
     def nbytes(self) -> int:
@@ -125,7 +204,7 @@ class CheckpointJob:
         level or abandoned. ``check`` raises a background failure; every poll runs it, so a failure
         ends the wait at once instead of at the deadline."""
         if self.commit_requested:
-            while not self.committed.wait(_POLL_S):
+            while not self.settled.wait(_POLL_S):
                 check()
                 if time.monotonic() > deadline:
                     waiting_for = self.commit_waiting_for

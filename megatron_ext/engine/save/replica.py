@@ -8,11 +8,9 @@ the holder's process, so a restarted holder still has them), verified against th
 checksums, and keeps only the newest committed replica per source (plus newer, not yet committed
 ones).
 
-Transport: one dedicated gloo process group, created collectively when the engine starts, used
-only by the replication thread and by recovery, so background transfers never interleave with
-training collectives on the default group. Every rank commits the same checkpoints in the same
-order, so each replication is one paired exchange: send to the holder while receiving from the
-source, chunk by chunk, every wait bounded by ``persist_timeout_s``.
+Transport (peer_link.py): one dedicated gloo process group, created collectively when the engine
+starts, used only by the replication thread and by recovery, so background transfers never
+interleave with training collectives on the default group. The holder's copies: replica_store.py.
 
 Recovery (``recover``, a collective at load time): ranks whose node-local copy is gone ask their
 holder; the holder sends its replica if it has the manifest's run and sizes, else says why not;
@@ -20,34 +18,29 @@ the asking rank verifies every byte against the manifest's checksums and otherwi
 shared file system. Each rank logs which source it used.
 """
 
+
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import hashlib
-import json
 import logging
 import os
 import shutil
 import threading
 import time
-from typing import Any, Callable, Iterator
-
-import torch
-import xxhash
 
 from ..config import check_writable_dir
 from ..errors import CheckpointError, ConfigError
-from ..files import atomic_write_json, private_dir
-from ..format.catalog import read_manifest
-from ..format.names import valid_name
-from ..telemetry import Telemetry
+from ..files import private_dir
+from .context import SaveContext
 from .jobs import CheckpointJob
+from .peer_link import Bundle, PeerLink, mismatch
+from .replica_store import ReplicaStore, expected_files
 from .worker import QueueWorker
 
 log = logging.getLogger("megatron_ext.engine")
 
-REPLICA_META = "replica.json"
 _POLL_S = 0.02
 
 
@@ -85,281 +78,6 @@ def default_replica_dir(save_dir: str | None) -> str:
     key = hashlib.sha1(os.path.abspath(save_dir or ".").encode()).hexdigest()[:12]
     return os.path.join(os.path.realpath("/dev/shm"), f"megatron_ext-{os.geteuid()}", f"replicas-{key}")
 
-
-# ---------------------------------------------------------------------------- transport
-@dataclasses.dataclass
-class Bundle:
-    """What one rank sends in one exchange: JSON metadata, then ``meta["files"]`` read from ``base``."""
-
-    meta: dict
-    base: str | None = None
-
-
-def _chunks(files: list[dict], chunk_bytes: int) -> Iterator[tuple[int, int, int]]:
-    """(file index, offset, length) of every chunk, file after file."""
-    for i, f in enumerate(files):
-        offset = 0
-        while offset < f["size"]:
-            n = min(chunk_bytes, f["size"] - offset)
-            yield i, offset, n
-            offset += n
-
-
-class PeerLink:
-    """Paired point-to-point transfers on the replication group: send one bundle, receive one."""
-
-    def __init__(self, group: Any, chunk_bytes: int, timeout_s: float):
-        self.group = group
-        self.chunk_bytes = chunk_bytes
-        self.timeout = datetime.timedelta(seconds=timeout_s)
-        self._send_buf = torch.empty(chunk_bytes, dtype=torch.uint8)
-        self._recv_buf = torch.empty(chunk_bytes, dtype=torch.uint8)
-
-    def _pair(self, send_to: int | None, out: torch.Tensor | None, recv_from: int | None,
-              into: torch.Tensor | None) -> None:
-        import torch.distributed as dist
-
-        works = []
-        if out is not None:
-            works.append(dist.isend(out, send_to, group=self.group))
-        if into is not None:
-            works.append(dist.irecv(into, recv_from, group=self.group))
-        for work in works:
-            work.wait(self.timeout)
-
-    def exchange(self, send_to: int | None, outgoing: Bundle | None, recv_from: int | None,
-                 dest: str | None) -> tuple[dict | None, dict[str, tuple[int, str]]]:
-        """Send ``outgoing`` to ``send_to`` while receiving into ``dest`` from ``recv_from``.
-
-        Returns the received metadata and, per received file (path relative to ``dest``), its
-        size and xxh3-64 as received; judging them is the caller's business.
-        """
-        sending = send_to is not None
-        receiving = recv_from is not None
-        out_meta = json.dumps(outgoing.meta if outgoing else {"files": []}).encode() if sending else b""
-        lengths_in = torch.zeros(1, dtype=torch.int64)
-        self._pair(send_to, torch.tensor([len(out_meta)], dtype=torch.int64) if sending else None,
-                   recv_from, lengths_in if receiving else None)
-        meta_in = torch.empty(int(lengths_in.item()), dtype=torch.uint8)
-        self._pair(send_to, torch.frombuffer(bytearray(out_meta), dtype=torch.uint8) if sending else None,
-                   recv_from, meta_in if receiving else None)
-        meta = json.loads(bytes(meta_in.numpy())) if receiving else None
-        out_files = outgoing.meta["files"] if sending and outgoing else []
-        in_files = meta["files"] if meta else []
-        received: dict[str, tuple[int, str]] = {}
-        sink = _Sink(dest, in_files) if in_files else None
-        source = _Source(outgoing.base, out_files) if out_files else None
-        try:
-            sends = list(_chunks(out_files, self.chunk_bytes))
-            recvs = list(_chunks(in_files, self.chunk_bytes))
-            for step in range(max(len(sends), len(recvs))):
-                out = into = None
-                if step < len(sends):
-                    i, offset, n = sends[step]
-                    source.read(i, offset, memoryview(self._send_buf.numpy())[:n])
-                    out = self._send_buf[:n]
-                if step < len(recvs):
-                    into = self._recv_buf[:recvs[step][2]]
-                self._pair(send_to, out, recv_from, into)
-                if into is not None:
-                    i, offset, n = recvs[step]
-                    sink.write(i, memoryview(self._recv_buf.numpy())[:n])
-            if sink is not None:
-                received = sink.finish()
-        finally:
-            if sink is not None:
-                sink.close()
-            if source is not None:
-                source.close()
-        return meta, received
-
-
-class _Source:
-    """Reads the files of an outgoing bundle in order."""
-
-    def __init__(self, base: str, files: list[dict]):
-        self.base, self.files = base, files
-        self._index, self._file = -1, None
-
-    def read(self, index: int, offset: int, view: memoryview) -> None:
-        if index != self._index:
-            self.close()
-            path = os.path.join(self.base, self.files[index]["rel"])
-            self._file, self._index = open(path, "rb", buffering=0), index
-        self._file.seek(offset)
-        got = 0
-        while got < len(view):
-            n = self._file.readinto(view[got:])
-            if not n:
-                raise CheckpointError(f"{self._file.name} shrank while being sent to a peer")
-            got += n
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-class _Sink:
-    """Writes the files of an incoming bundle under ``dest`` (a private directory), checksumming on the way."""
-
-    def __init__(self, dest: str, files: list[dict]):
-        for f in files:  # names come from a peer: only <checkpoint>/<basename>, as a validated manifest has them
-            parts = f["rel"].split("/") if isinstance(f.get("rel"), str) else []
-            if len(parts) != 2 or not all(valid_name(p) for p in parts):
-                raise CheckpointError(f"a peer sent a replica file named {f.get('rel')!r}; refused")
-        self.dest, self.files = dest, files
-        self._hashes = [xxhash.xxh3_64() for _ in files]
-        self._sizes = [0] * len(files)
-        self._index, self._file = -1, None
-        for f in files:
-            self._open(f["rel"]).close()  # empty files exist too
-
-    def _open(self, rel: str):
-        """A file of the bundle, for writing: its directory checked private, the file never through a link."""
-        path = os.path.join(self.dest, rel)
-        private_dir(os.path.dirname(path), "replica_dir", root=self.dest)
-        return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
-                         "wb")
-
-    def write(self, index: int, data: memoryview) -> None:
-        if index != self._index:
-            self.close()
-            self._file, self._index = self._open(self.files[index]["rel"]), index
-        self._file.write(data)
-        self._hashes[index].update(data)
-        self._sizes[index] += len(data)
-
-    def finish(self) -> dict[str, tuple[int, str]]:
-        self.close()
-        return {f["rel"]: (self._sizes[i], self._hashes[i].hexdigest()) for i, f in enumerate(self.files)}
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-
-def mismatch(expected: list[dict], received: dict[str, tuple[int, str]]) -> str | None:
-    """Why ``received`` is not exactly the ``expected`` files (rel, size, xxh3_64), or None."""
-    if sorted(received) != sorted(f["rel"] for f in expected):
-        return f"it holds {sorted(received)}, not {sorted(f['rel'] for f in expected)}"
-    for f in expected:
-        size, digest = received[f["rel"]]
-        if size != f["size"]:
-            return f"{f['rel']} has {size} bytes, expected {f['size']}"
-        if digest != f["xxh3_64"]:
-            return f"{f['rel']} fails its checksum"
-    return None
-
-
-# ---------------------------------------------------------------------------- holder's store
-class ReplicaStore:
-    """The replicas this rank holds for its source rank: ``<node_dir>/of-rank-RRRRR/<checkpoint>/``.
-
-    Every directory from ``node_dir`` down is checked private (``files.private_dir``) before each
-    use, so a symbolic link or another user's directory put there later is refused, not followed.
-    """
-
-    def __init__(self, node_dir: str, source: int):
-        self.node_dir = node_dir
-        self.base = os.path.join(node_dir, f"of-rank-{source:05d}")
-        self.incoming = os.path.join(self.base, ".incoming")
-
-    def _private(self, path: str, create: bool = True) -> str | None:
-        return private_dir(path, "replica_dir", root=self.node_dir, create=create)
-
-    def begin(self) -> str:
-        self._private(self.base)
-        shutil.rmtree(self.incoming, ignore_errors=True)
-        return self._private(self.incoming)
-
-    def keep(self, meta: dict) -> None:
-        """Make a fully received and verified replica the held one for its checkpoint."""
-        ckpt = meta["checkpoint"]
-        staged = self._private(os.path.join(self.incoming, ckpt))
-        atomic_write_json(os.path.join(staged, REPLICA_META), dict(meta, received_at=time.time()))
-        final = os.path.join(self._private(self.base), ckpt)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(staged, final)
-
-    def held(self, checkpoint: str) -> dict | None:
-        directory = self._private(os.path.join(self.base, checkpoint), create=False)
-        if directory is None:
-            return None
-        try:
-            fd = os.open(os.path.join(directory, REPLICA_META), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, encoding="utf-8") as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
-
-    def offer(self, checkpoint: str, manifest: dict | None, source: int) -> Bundle:
-        """The held replica of ``source``'s files of ``manifest`` if present whole, else why not."""
-        def refuse(reason: str) -> Bundle:
-            return Bundle({"unusable": reason, "files": []})
-
-        if manifest is None:
-            return refuse(f"the holder finds no committed {checkpoint}")
-        try:
-            held = self.held(checkpoint)
-        except CheckpointError as exc:  # not private any more: the source reads from storage instead
-            return refuse(str(exc))
-        if held is None:
-            return refuse(f"no replica of {checkpoint} is held")
-        if held.get("run_id") != manifest["run_id"]:
-            return refuse(f"the replica of {checkpoint} is of run {held.get('run_id')}, the manifest's is "
-                          f"{manifest['run_id']}")
-        files = _expected_files(manifest, source)
-        for f in files:
-            path = os.path.join(self.base, f["rel"])
-            if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) != f["size"]:
-                return refuse(f"the replica of {f['rel']} is missing or has the wrong size")
-        return Bundle({"checkpoint": checkpoint, "run_id": manifest["run_id"], "files": files}, self.base)
-
-    def prune(self, root: str) -> None:
-        """Keep the newest committed replica and any newer ones; delete the rest."""
-        if self._private(self.base, create=False) is None:
-            return
-        held = []
-        for name in os.listdir(self.base):
-            meta = self.held(name) if not name.startswith(".") else None
-            if meta is not None:
-                held.append((name, meta))
-
-        def order(meta: dict) -> tuple:
-            return (meta.get("version") if isinstance(meta.get("version"), int) else -1, meta.get("received_at", 0))
-
-        committed = []
-        for name, meta in held:
-            try:
-                manifest = read_manifest(os.path.join(root, name))
-            except CheckpointError:
-                manifest = None
-            if manifest is not None and manifest.get("run_id") == meta.get("run_id"):
-                committed.append(meta)
-        if not committed:
-            return
-        newest = max(committed, key=order)
-        for name, meta in held:
-            if meta is not newest and order(meta) <= order(newest):
-                shutil.rmtree(os.path.join(self.base, name), ignore_errors=True)
-
-    def clear(self) -> None:
-        shutil.rmtree(self.base, ignore_errors=True)
-
-
-def _expected_files(manifest: dict, rank: int) -> list[dict]:
-    """The files ``rank`` wrote in ``manifest``: tensor file then sidecar, with sizes and checksums."""
-    files = []
-    for entry in manifest["files"].values():
-        if entry["rank"] == rank:
-            files.append({"rel": entry["tensor_file"], "size": entry["size"], "xxh3_64": entry["xxh3_64"]})
-            files.append({"rel": entry["state_file"], "size": entry["state_size"],
-                          "xxh3_64": entry["state_xxh3_64"]})
-    return files
-
-
 # ---------------------------------------------------------------------------- replication thread
 @dataclasses.dataclass
 class _Prune:
@@ -371,12 +89,11 @@ class _Prune:
 class PeerReplicator(QueueWorker):
     """For each committed-to-be checkpoint, in commit order: send ours to the holder, keep the source's."""
 
-    def __init__(self, link: PeerLink, store: ReplicaStore, holder: int, source: int, run_id: str,
-                 first_level: str, level_root: Callable[[CheckpointJob], str], telemetry: Telemetry,
-                 timeout_s: float, fail: Callable[..., bool], check: Callable[[], None]):
-        self.link, self.store, self.holder, self.source, self.run_id = link, store, holder, source, run_id
-        self.first_level, self.level_root = first_level, level_root
-        self.telemetry, self.timeout_s, self.fail, self.check = telemetry, timeout_s, fail, check
+    def __init__(self, ctx: SaveContext, link: PeerLink, store: ReplicaStore, holder: int, source: int):
+        self.ctx = ctx
+        self.link, self.store, self.holder, self.source = link, store, holder, source
+        self.first_level = ctx.first_level  # what is sent: the bytes the writer wrote there
+        self.timeout_s, self.fail, self.check = ctx.timeout_s, ctx.fail, ctx.check
         self._cond = threading.Condition()
         self._pending: list[CheckpointJob | _Prune] = []
         self._dead = False
@@ -433,7 +150,7 @@ class PeerReplicator(QueueWorker):
                 files.append({"rel": f.tensor_rel, "size": f.layout.size, "xxh3_64": f.file_xxh3})
                 files.append({"rel": f.sidecar_rel, "size": len(f.sidecar), "xxh3_64": f.sidecar_xxh3})
             meta = {"checkpoint": job.checkpoint, "version": job.version, "run_id": job.tag, "files": files}
-            outgoing = Bundle(meta, self.level_root(job))
+            outgoing = Bundle(meta, self.ctx.directory(job, self.first_level))
         meta, received = self.link.exchange(self.holder, outgoing, self.source, self.store.begin())
         if meta.get("checkpoint") not in (None, job.checkpoint):
             raise CheckpointError(f"rank {self.source} sent {meta['checkpoint']} while this rank replicates "
@@ -445,21 +162,21 @@ class PeerReplicator(QueueWorker):
             self.store.keep(meta)
         self.store.prune(job.root)
         sent = sum(f["size"] for f in (outgoing.meta["files"] if outgoing else []))
-        self.telemetry.emit("replica", job.checkpoint, "peer", sent, time.monotonic() - started, holder=self.holder)
+        self.ctx.telemetry.emit("replica", job.checkpoint, "peer", sent, time.monotonic() - started, holder=self.holder)
 
 
 # ---------------------------------------------------------------------------- the engine's facade
 class PeerReplicas:
     """Replication of this rank's checkpoints to its holder, and recovery from it at load time."""
 
-    def __init__(self, rank: int, world_size: int, ranks_per_node: int | None, replica_dir: str,
-                 chunk_bytes: int, timeout_s: float, first_level: str, level_root: Callable[[CheckpointJob], str],
-                 run_id: str, telemetry: Telemetry, fail: Callable[..., bool], check: Callable[[], None]):
+    def __init__(self, ctx: SaveContext, ranks_per_node: int | None, replica_dir: str):
+        """``replica_dir``: the host-memory directory the replicas live in (``default_replica_dir``)."""
         import torch.distributed as dist
 
+        rank, world_size, timeout_s = ctx.rank, ctx.world_size, ctx.timeout_s
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world_size:
             raise ConfigError("peer_replica needs torch.distributed initialised with every rank of the job")
-        self.rank, self.world_size, self.run_id = rank, world_size, run_id
+        self.rank, self.world_size, self.run_id = rank, world_size, ctx.run_id
         self.ranks_per_node = resolve_ranks_per_node(ranks_per_node, world_size)
         self.holder = holder_of(rank, world_size, self.ranks_per_node)
         self.source = source_of(rank, world_size, self.ranks_per_node)
@@ -470,10 +187,9 @@ class PeerReplicas:
         self._restored_key: tuple[str, str] | None = None  # (checkpoint, run id) last asked for
         self._restored_files: dict[str, str] = {}
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-        self.link = PeerLink(self.group, chunk_bytes, timeout_s)
+        self.link = PeerLink(self.group, ctx.chunk_bytes, timeout_s)
         self.store = ReplicaStore(self.node_dir, self.source)
-        self.replicator = PeerReplicator(self.link, self.store, self.holder, self.source, run_id, first_level,
-                                         level_root, telemetry, timeout_s, fail, check)
+        self.replicator = PeerReplicator(ctx, self.link, self.store, self.holder, self.source)
 
     def submit(self, job: CheckpointJob) -> None:
         """Replicate ``job`` once durable on the first level; prune older replicas once it commits."""
@@ -495,7 +211,7 @@ class PeerReplicas:
         import torch.distributed as dist
 
         self.wait(time.monotonic() + self.timeout_s)
-        mine = _expected_files(manifest, self.rank) if manifest is not None else []
+        mine = expected_files(manifest, self.rank) if manifest is not None else []
         key = (checkpoint, manifest["run_id"]) if manifest is not None else None
         fetched = key is not None and key == self._restored_key
         need = bool(mine) and not local_complete and not fetched

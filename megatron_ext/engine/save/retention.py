@@ -21,13 +21,17 @@ import dataclasses
 import logging
 import os
 import shutil
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
 from ..format.catalog import list_committed, read_manifest, remember_committed, run_of
 from ..format.names import MANIFEST, REPORTS
+from .job_table import JobTable
 from .jobs import CheckpointJob
 from .worker import QueueWorker
+
+if TYPE_CHECKING:
+    from .replica import PeerReplicas
 
 log = logging.getLogger("megatron_ext.engine")
 
@@ -145,10 +149,11 @@ class RetentionStage:
     manifest just committed is remembered, not read back.
     """
 
-    def __init__(self, config, ownership, in_flight: Callable[[str], set[str]]):
+    def __init__(self, config, ownership, jobs: JobTable, replicas: "PeerReplicas | None"):
         self.config = config
         self.ownership = ownership  # ownership.DirectoryOwnership
-        self.in_flight = in_flight  # root -> checkpoints still being saved or replicated there
+        self.jobs = jobs  # checkpoints still being saved here are never deleted
+        self.replicas = replicas  # nor those still being replicated to the peer
         self.deleter: Deleter | None = None  # started by the first retention that deletes
         self._manifests_seen: dict[str, dict] = {}  # root -> list_committed's cache
 
@@ -172,6 +177,13 @@ class RetentionStage:
                 self.deleter.submit(Removal(os.path.join(root, name), owner[name]))
             if local:
                 self.deleter.submit(Removal(os.path.join(local, name), None))
+
+    def in_flight(self, root: str) -> set[str]:
+        """Checkpoints under ``root`` retention must leave alone: not committed yet, or still replicating."""
+        pending = self.jobs.in_flight(root)
+        if self.replicas is not None:
+            pending |= self.replicas.pending()
+        return pending
 
     def stop(self, timeout: float) -> None:
         if self.deleter is not None:

@@ -9,16 +9,16 @@ taken back once per run rather than once per tensor and chunk. When a file's las
 copied its tensors are released and ``snapshot_done`` is set; ``wait_snapshot`` waits on those
 events.
 
-Under ``overload_policy="supersede"`` a copy that finds the cache full first lets the engine drop
-older checkpoints whose flush has not started, and a copy whose checkpoint was skipped meanwhile
-stops at its next slot, releases the tensors, and the engine sends a ``Discard`` behind its chunks.
+Under ``overload_policy="supersede"`` a copy that finds the cache full first lets the skips
+(skips.py) drop older checkpoints whose flush has not started, and a copy whose checkpoint was
+skipped meanwhile stops at its next slot, releases the tensors, and the skips send a ``Discard``
+behind its chunks.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from .. import faults
 from ..config import OverloadPolicy
@@ -26,12 +26,13 @@ from ..device import bind_thread
 from ..host_cache import HostCache
 from .context import SaveContext
 from .copier import CpuCopier
-from .jobs import CheckpointJob, FileJob
+from .jobs import FileJob
 from .messages import Chunk
 from .worker import QueueWorker
 
 if TYPE_CHECKING:
     from .flush import RankWriter
+    from .skips import Skips
 
 
 class _Abandoned(Exception):
@@ -41,23 +42,23 @@ class _Abandoned(Exception):
 class SnapshotScheduler(QueueWorker):
     """Copies files into the cache in order; under "supersede" it never waits for the flush unasked.
 
-    ``starved`` is the file whose copy is waiting for a free slot right now (backpressure), or
-    None; ``progress`` is set whenever a snapshot finishes or starts waiting, for ``wait_snapshot``.
+    It tells ``skips`` which copy waits for a free slot (backpressure) and when a snapshot
+    finishes, for ``wait_snapshot``.
     """
 
-    def __init__(self, ctx: SaveContext, cache: HostCache, copier: CpuCopier, writer: "RankWriter",
-                 supersede: Callable[[CheckpointJob], None] = lambda job: None,
-                 settled: Callable[[CheckpointJob], None] = lambda job: None):
+    def __init__(self, ctx: SaveContext, cache: HostCache, copier: CpuCopier, writer: "RankWriter", skips: "Skips"):
         self.ctx = ctx
         self.cache = cache
         self.copier = copier
         self.writer = writer  # the next stage: every filled slot goes there at once
-        self.supersede = supersede  # drop older pending checkpoints to make room for this one
-        self.settled = settled  # a skipped checkpoint's files are all handled here: discard it
-        self.starved: FileJob | None = None
-        self.progress = threading.Event()
+        self.skips = skips  # makes room under "supersede"; discards a skipped checkpoint once its copies are done
         self._dead = False
         self.start("datastates-snapshot", lambda: bind_thread(ctx.device))  # device.py
+
+    @property
+    def starved(self) -> FileJob | None:
+        """The file whose copy is waiting for a free slot right now, or None."""
+        return self.skips.starved
 
     def handle(self, fjob: FileJob) -> None:
         if self._dead:  # after a failure nothing more is copied; waiters wake up and see the error
@@ -78,9 +79,9 @@ class SnapshotScheduler(QueueWorker):
             self._dead = True
             self.ctx.fail(exc, None)  # the copy path is shared by all checkpoints: always fatal
             fjob.snapshot_done.set()
-        self.progress.set()
+        self.skips.progress.set()
         if fjob.job.abandoned:
-            self.settled(fjob.job)
+            self.skips.settle(fjob.job)
 
     def _slots(self, fjob: FileJob, most: int) -> tuple[int, int]:
         """Free neighbouring cache slots for ``fjob``'s next chunks, ``(first, count)`` with 1 <= count <= most;
@@ -89,21 +90,17 @@ class SnapshotScheduler(QueueWorker):
         if ckpt.abandoned:
             raise _Abandoned()
         if ckpt.policy == OverloadPolicy.SUPERSEDE and self.cache.free_slots == 0:
-            self.supersede(ckpt)
+            self.skips.supersede_older(ckpt)
 
         def check() -> None:
             self.ctx.check()
             if ckpt.abandoned:
                 raise _Abandoned()
 
-        def starving() -> None:
-            self.starved = fjob
-            self.progress.set()
-
         try:
-            return self.cache.acquire_run(most, self.ctx.timeout_s, check, starving)
+            return self.cache.acquire_run(most, self.ctx.timeout_s, check, lambda: self.skips.starving(fjob))
         finally:
-            self.starved = None
+            self.skips.starving(None)
 
     @staticmethod
     def _release(fjob: FileJob) -> None:

@@ -1,0 +1,98 @@
+"""``SavePipeline``: one rank's save stages, built once, in the order each needs the ones before it.
+
+Control flows one way and nothing is wired after construction:
+
+1. ``CommitSignal`` and the ``CommitChannel`` (the committer's inbox and the ranks' store) come
+   first, so the failure handler, the flush stages and the skips report to them without knowing
+   the committer.
+2. ``FailureHandler`` (the channel tells the other ranks of a failure), then the ``SaveContext``
+   every stage shares.
+3. ``LevelStager`` (with a node-local level) and ``RankWriter``, whose durable files go on to the
+   stager or straight to the signal.
+4. ``Skips``, which removes skipped checkpoints' files through the writer, then the
+   ``SnapshotScheduler`` that consults it.
+5. ``PeerReplicas`` (with ``peer_replica``; a collective), ``RetentionStage`` (which spares what is
+   still saved or replicated) and last the ``Committer``, which settles skips and hands each
+   commit to retention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..config import EngineConfig
+from ..host_cache import HostCache
+from ..telemetry import Telemetry
+from .commit import Committer
+from .context import SaveContext
+from .coordination import CommitChannel, open_stores
+from .copier import make_copier
+from .failure import FailureHandler
+from .flush import LevelStager, RankWriter
+from .job_table import JobTable
+from .ownership import DirectoryOwnership
+from .replica import PeerReplicas, default_replica_dir
+from .retention import RetentionStage
+from .signal import CommitSignal
+from .skips import Skips
+from .snapshot import SnapshotScheduler
+
+
+@dataclasses.dataclass(eq=False)
+class SavePipeline:
+    """The stages of one rank's save path (see the module docstring for their order)."""
+
+    context: SaveContext
+    channel: CommitChannel
+    signal: CommitSignal
+    failures: FailureHandler
+    stager: LevelStager | None
+    writer: RankWriter
+    skips: Skips
+    scheduler: SnapshotScheduler
+    replicas: PeerReplicas | None
+    retention: RetentionStage
+    committer: Committer
+
+    @classmethod
+    def build(cls, config: EngineConfig, *, rank: int, world_size: int, run_id: str, jobs: JobTable,
+              ownership: DirectoryOwnership, telemetry: Telemetry, cache: HostCache, device: int | None,
+              use_cuda: bool, commit_store: Any = None, read_only: bool = False) -> "SavePipeline":
+        """Every stage of a rank's save path, its threads started. A ``read_only`` engine's
+        channel is private: it commits nothing."""
+        timeout_s = config.persist_timeout_s
+        waiting, notices = open_stores(run_id, timeout_s, 1 if read_only else world_size, commit_store,
+                                       private=read_only)
+        channel = CommitChannel(waiting, notices, rank, world_size)
+        signal = CommitSignal()
+        failures = FailureHandler(rank, run_id, config.on_failure, jobs, telemetry, channel, signal)
+        ctx = SaveContext(rank=rank, world_size=world_size, run_id=run_id, fail=failures.fail, check=failures.check,
+                          timeout_s=timeout_s, telemetry=telemetry, local_dir=config.local_dir,
+                          o_direct=config.o_direct, chunk_bytes=cache.chunk_bytes, device=device)
+        stager = LevelStager(ctx, signal) if ctx.local_dir else None
+        writer = RankWriter(ctx, cache, stager if stager is not None else signal)
+        skips = Skips(ctx, config, jobs, cache, writer, channel, signal)
+        scheduler = SnapshotScheduler(ctx, cache, make_copier(use_cuda, device), writer, skips)
+        replicas = None
+        if config.peer_replica:  # creates a process group: collective, like the run id
+            replica_dir = config.replica_dir or default_replica_dir(config.save_dir)
+            replicas = PeerReplicas(ctx, config.ranks_per_node, replica_dir)
+        retention = RetentionStage(config, ownership, jobs, replicas)
+        committer = Committer(ctx, channel=channel, signal=signal, skips=skips, may_remove=ownership.holds,
+                              retention=retention)
+        return cls(ctx, channel, signal, failures, stager, writer, skips, scheduler, replicas, retention, committer)
+
+    def stop(self, clean_end: bool) -> None:
+        """Stop every thread, from the first stage to the last (``clean_end``: free the peer replicas held)."""
+        if self.replicas is not None:
+            self.replicas.close(clean_end)
+        self.scheduler.stop(5)
+        self.writer.stop(5)
+        if self.stager is not None:
+            self.stager.stop(5)
+        self.committer.stop(5)
+        self.retention.stop(60)
+
+
+__all__ = ["SavePipeline"]

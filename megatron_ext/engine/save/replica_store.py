@@ -1,0 +1,129 @@
+"""The holder's side of peer replicas: the verified copies this rank keeps for its source rank.
+
+Replicas live in host memory (``<replica_dir>/node-N/of-rank-RRRRR/<checkpoint>/``, by default
+under ``/dev/shm``), which outlives the holder's process, so a restarted holder still has them;
+only the newest committed replica per source is kept (plus newer, not yet committed ones).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+
+from ..errors import CheckpointError
+from ..files import atomic_write_json, private_dir
+from ..format.catalog import read_manifest
+from .peer_link import Bundle
+
+REPLICA_META = "replica.json"
+
+
+class ReplicaStore:
+    """The replicas this rank holds for its source rank: ``<node_dir>/of-rank-RRRRR/<checkpoint>/``.
+
+    Every directory from ``node_dir`` down is checked private (``files.private_dir``) before each
+    use, so a symbolic link or another user's directory put there later is refused, not followed.
+    """
+
+    def __init__(self, node_dir: str, source: int):
+        self.node_dir = node_dir
+        self.base = os.path.join(node_dir, f"of-rank-{source:05d}")
+        self.incoming = os.path.join(self.base, ".incoming")
+
+    def _private(self, path: str, create: bool = True) -> str | None:
+        return private_dir(path, "replica_dir", root=self.node_dir, create=create)
+
+    def begin(self) -> str:
+        self._private(self.base)
+        shutil.rmtree(self.incoming, ignore_errors=True)
+        return self._private(self.incoming)
+
+    def keep(self, meta: dict) -> None:
+        """Make a fully received and verified replica the held one for its checkpoint."""
+        ckpt = meta["checkpoint"]
+        staged = self._private(os.path.join(self.incoming, ckpt))
+        atomic_write_json(os.path.join(staged, REPLICA_META), dict(meta, received_at=time.time()))
+        final = os.path.join(self._private(self.base), ckpt)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(staged, final)
+
+    def held(self, checkpoint: str) -> dict | None:
+        directory = self._private(os.path.join(self.base, checkpoint), create=False)
+        if directory is None:
+            return None
+        try:
+            fd = os.open(os.path.join(directory, REPLICA_META), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def offer(self, checkpoint: str, manifest: dict | None, source: int) -> Bundle:
+        """The held replica of ``source``'s files of ``manifest`` if present whole, else why not."""
+        def refuse(reason: str) -> Bundle:
+            return Bundle({"unusable": reason, "files": []})
+
+        if manifest is None:
+            return refuse(f"the holder finds no committed {checkpoint}")
+        try:
+            held = self.held(checkpoint)
+        except CheckpointError as exc:  # not private any more: the source reads from storage instead
+            return refuse(str(exc))
+        if held is None:
+            return refuse(f"no replica of {checkpoint} is held")
+        if held.get("run_id") != manifest["run_id"]:
+            return refuse(f"the replica of {checkpoint} is of run {held.get('run_id')}, the manifest's is "
+                          f"{manifest['run_id']}")
+        files = expected_files(manifest, source)
+        for f in files:
+            path = os.path.join(self.base, f["rel"])
+            if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) != f["size"]:
+                return refuse(f"the replica of {f['rel']} is missing or has the wrong size")
+        return Bundle({"checkpoint": checkpoint, "run_id": manifest["run_id"], "files": files}, self.base)
+
+    def prune(self, root: str) -> None:
+        """Keep the newest committed replica and any newer ones; delete the rest."""
+        if self._private(self.base, create=False) is None:
+            return
+        held = []
+        for name in os.listdir(self.base):
+            meta = self.held(name) if not name.startswith(".") else None
+            if meta is not None:
+                held.append((name, meta))
+
+        def order(meta: dict) -> tuple:
+            return (meta.get("version") if isinstance(meta.get("version"), int) else -1, meta.get("received_at", 0))
+
+        committed = []
+        for name, meta in held:
+            try:
+                manifest = read_manifest(os.path.join(root, name))
+            except CheckpointError:
+                manifest = None
+            if manifest is not None and manifest.get("run_id") == meta.get("run_id"):
+                committed.append(meta)
+        if not committed:
+            return
+        newest = max(committed, key=order)
+        for name, meta in held:
+            if meta is not newest and order(meta) <= order(newest):
+                shutil.rmtree(os.path.join(self.base, name), ignore_errors=True)
+
+    def clear(self) -> None:
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+def expected_files(manifest: dict, rank: int) -> list[dict]:
+    """The files ``rank`` wrote in ``manifest``: tensor file then sidecar, with sizes and checksums."""
+    files = []
+    for entry in manifest["files"].values():
+        if entry["rank"] == rank:
+            files.append({"rel": entry["tensor_file"], "size": entry["size"], "xxh3_64": entry["xxh3_64"]})
+            files.append({"rel": entry["state_file"], "size": entry["state_size"],
+                          "xxh3_64": entry["state_xxh3_64"]})
+    return files
+
+
+__all__ = ["REPLICA_META", "ReplicaStore", "expected_files"]
