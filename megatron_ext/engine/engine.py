@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from . import faults
-from .config import EngineConfig, check_retention_count, check_writable_dir
+from .config import EngineConfig, check_retention_count
 from .device import rank_device
 from .errors import CheckpointError, ConfigError
 from .format.catalog import list_committed
@@ -410,4 +410,4 @@ def _shutdown_live_engines() -> None:
 
 atexit.register(_shutdown_live_engines)
 
-__all__ = ["CheckpointEngine", "CheckpointError", "EngineConfig", "ConfigError", "check_writable_dir"]
+__all__ = ["CheckpointEngine"]

@@ -38,7 +38,6 @@ from megatron_ext.engine.errors import CheckpointError
 from megatron_ext.engine.format.catalog import list_committed, read_manifest
 from megatron_ext.engine.host_cache import HostCache
 from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions, open_committed
-from megatron_ext.engine.read.prefetch import Prefetch
 from megatron_ext.megatron import core_state, optimizer_forms, optimizer_load, saved_run, te_extra_state
 from megatron_ext.megatron.args import MegatronAdapterOptions, adapter_engine_config
 from megatron_ext.megatron.checkpoint_layout import (
@@ -225,7 +224,6 @@ class CheckpointLoad:
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         engine = self._run_engine(root, iteration)
         staging: HostCache | None = None
-        prefetch: Prefetch | None = None
         try:
             if engine is not None:
                 ckpt = engine.open_checkpoint(name, root=root)
@@ -240,14 +238,8 @@ class CheckpointLoad:
             self.rank_bytes = _rank_bytes(ckpt.manifest, ckpt.checkpoint)
             level = ckpt.agree_level(rank, world)  # every rank node-local, or every rank shared
             log.info("[datastates] rank %d reads %s from the %s level", rank, ckpt.checkpoint, level)
-            # This rank's own files are read in full: the kernel reads them ahead while the model's
-            # and the optimizer's state are prepared (docs/ARCHITECTURE.md, the load path).
-            if os.environ.get("DS_EXP_NO_PREFETCH") != "1":
-                prefetch = ckpt.prefetch([f.name for f in ckpt.files_of_rank(rank)])
             yield ckpt
         finally:
-            if prefetch is not None:
-                prefetch.finish(timeout_s=60)
             if staging is not None:
                 staging.close()
 

@@ -19,7 +19,6 @@ from ..format.names import LEVEL_LOCAL, LEVEL_PEER, LEVEL_SHARED
 from ..host_cache import HostCache
 from . import file_reader
 from .entries import FileEntry, TensorEntry
-from .prefetch import Prefetch
 
 
 class PeerSource(Protocol):
@@ -180,12 +179,6 @@ class CommittedCheckpoint:
                 raise self._no_file(name)
             self._tensors[name] = {t: TensorEntry.of(t, meta) for t, meta in self.index.tensors(name).items()}
         return self._tensors[name]
-
-    def prefetch(self, names: list[str]) -> Prefetch:
-        """Start the kernel's read-ahead of files ``names`` from the levels their readers use (call it
-        after the level is agreed); files read with ``O_DIRECT`` are left out."""
-        paths = [reader.tensor_path for reader in map(self.reader, names) if reader.o_direct is not True]
-        return Prefetch(paths)
 
     def entry(self, name: str) -> dict:
         """File ``name``'s manifest entry with its tensors (from its rank's report in format 2)."""
