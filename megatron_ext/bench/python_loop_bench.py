@@ -17,6 +17,13 @@ save of the whole state per iteration:
   ``DefaultStager`` of shared-memory buffers, asynchronous staging, ``staging_completion`` waited
   for before the update.
 
+Besides the iteration time, each mode reports the training thread's time *off the CPU* during its
+pure-Python work (``offcpu_s_<mode>``: wall time less the thread's own CPU time). The work never
+blocks by itself, so that is time spent waiting for the GIL or for a core taken by the saver:
+what a checkpoint takes from the training loop, measured inside each process and so not moved by
+the drift of the machine's speed between processes, which on a shared virtual machine is larger
+than the effect (compare ``iter_s_none`` over rounds).
+
 For DCP a new save first waits for the previous upload (one checkpoint in flight, as torchtitan and
 Megatron-LM do); that wait counts as blocked time. Each mode runs in a fresh process (the GIL is a
 per-process affair, and DCP's helper process or threads must not outlive their mode), rounds
@@ -207,13 +214,14 @@ class _Dcp(_Saver):
             self.stager.close()
 
 
-def child(mode: str, rounds_n: int, size_gb: float, iters: int, directory: str, stage_off: str | None) -> dict:
+def child(mode: str, rounds_n: int, size_gb: float, iters: int, directory: str, stage_off: str | None,
+          tensor_mb: float = 64.0) -> dict:
     import torch
 
     from megatron_ext.bench.common import make_state
 
     torch.manual_seed(0)
-    state = make_state(int(size_gb * 1e9))
+    state = make_state(int(size_gb * 1e9), int(tensor_mb * (1 << 20)))
     os.makedirs(directory, exist_ok=True)
     if mode == "none":
         saver: _Saver = _Saver()
@@ -221,13 +229,16 @@ def child(mode: str, rounds_n: int, size_gb: float, iters: int, directory: str, 
         saver = _Datastates(state, directory, stage_off)
     else:
         saver = _Dcp(mode, directory)
-    iter_s, blocked_s = [], []
+    iter_s, blocked_s, offcpu_s = [], [], []
     cpu_before = _thread_cpu()
     started = time.perf_counter()
     for step in range(1, iters + 1):
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         python_work(rounds_n)  # forward and backward: Python launching kernels
         b0 = time.perf_counter()
+        # Off the CPU during pure-Python work: waiting for the GIL or for a core, never its own doing.
+        offcpu_s.append((b0 - t0) - (time.thread_time() - c0))
         saver.before_update()  # the snapshot must be complete before the tensors change
         for t in state.values():  # the optimizer's in-place update (a few elements of each tensor)
             t.view(-1)[:1024].add_(1)
@@ -240,7 +251,7 @@ def child(mode: str, rounds_n: int, size_gb: float, iters: int, directory: str, 
     cpu_after = _thread_cpu()
     saver.close()
     cpu = {name: cpu_after.get(name, 0.0) - cpu_before.get(name, 0.0) for name in cpu_after}
-    return {"iter_s": iter_s, "blocked_s": blocked_s, "loop_s": elapsed,
+    return {"iter_s": iter_s, "blocked_s": blocked_s, "offcpu_s": offcpu_s, "loop_s": elapsed,
             "thread_cpu_s": {k: v for k, v in cpu.items() if v > 0.001}}
 
 
@@ -248,9 +259,9 @@ def child(mode: str, rounds_n: int, size_gb: float, iters: int, directory: str, 
 
 
 def _run_child(mode: str, rounds_n: int, size_gb: float, iters: int, directory: str,
-               stage_off: str | None = None) -> dict:
+               stage_off: str | None = None, tensor_mb: float = 64.0) -> dict:
     cmd = [sys.executable, "-m", "megatron_ext.bench.python_loop_bench", "--child", mode, "--rounds-n", str(rounds_n),
-           "--size-gb", str(size_gb), "--iters", str(iters), "--dir", directory]
+           "--size-gb", str(size_gb), "--iters", str(iters), "--dir", directory, "--tensor-mb", str(tensor_mb)]
     if stage_off is not None:
         cmd += ["--stage-off", stage_off]
     env = dict(os.environ)
@@ -269,13 +280,15 @@ def _steady(values: list[float], warmup: int) -> float:
 
 
 def run(size_gb: float = 0.25, work_s: float = 0.8, iters: int = 8, repeats: int = 2, warmup: int = 2,
-        modes: tuple[str, ...] = MODES, account: bool = False, directory: str | None = None) -> dict:
+        modes: tuple[str, ...] = MODES, account: bool = False, directory: str | None = None,
+        tensor_mb: float = 64.0) -> dict:
     from megatron_ext.bench.common import working_dir
 
     with working_dir(directory, "megatron-ext-bench-") as base:
         rounds_n = calibrate(work_s)
         result: dict = {"size_gb": size_gb, "work_s": work_s, "python_work_rounds": rounds_n, "iters": iters,
-                        "repeats": repeats, "warmup_iters": warmup, "loadavg_start": os.getloadavg()[0]}
+                        "repeats": repeats, "warmup_iters": warmup, "tensor_mb": tensor_mb,
+                        "loadavg_start": os.getloadavg()[0]}
         runs: dict[str, list[dict]] = {m: [] for m in modes}
         variants = [(m, None) for m in modes]
         if account:
@@ -286,12 +299,14 @@ def run(size_gb: float = 0.25, work_s: float = 0.8, iters: int = 8, repeats: int
             for mode, stage in order:
                 key = mode if stage is None else f"{mode}_no_{stage}"
                 _progress(f"round {r + 1}/{repeats}: {key}")
-                runs[key].append(_run_child(mode, rounds_n, size_gb, iters, os.path.join(base, key), stage))
+                runs[key].append(_run_child(mode, rounds_n, size_gb, iters, os.path.join(base, key), stage,
+                                            tensor_mb))
         for key, outs in runs.items():
             per_round = [_steady(o["iter_s"], warmup) for o in outs]
             result[f"iter_s_{key}"] = statistics.median(per_round)
             result[f"iter_s_{key}_rounds"] = per_round
             result[f"blocked_s_{key}"] = statistics.median(_steady(o["blocked_s"], warmup) for o in outs)
+            result[f"offcpu_s_{key}"] = statistics.median(_steady(o["offcpu_s"], warmup) for o in outs)
             cpu: dict[str, float] = {}
             for o in outs:
                 for name, seconds in o["thread_cpu_s"].items():
@@ -315,11 +330,11 @@ def run(size_gb: float = 0.25, work_s: float = 0.8, iters: int = 8, repeats: int
 def format_table(r: dict) -> str:
     lines = [f"{r['size_gb']} GB saved every iteration, {r['work_s']} s of pure-Python work per iteration, "
              f"median of {r['repeats']} rounds (load {r['loadavg_start']:.1f} -> {r['loadavg_end']:.1f})",
-             f"  {'mode':<26} {'iteration':>10} {'vs none':>8} {'blocked':>9}"]
+             f"  {'mode':<26} {'iteration':>10} {'vs none':>8} {'blocked':>9} {'off-CPU':>9}"]
     for key in [k[len("iter_s_"):] for k in r if k.startswith("iter_s_") and not k.endswith("_rounds")]:
         ratio = r.get(f"ratio_{key}")
         lines.append(f"  {key:<26} {r['iter_s_' + key]:>9.3f}s {'' if ratio is None else f'{ratio:>7.3f}x'}"
-                     f" {r['blocked_s_' + key] * 1e3:>7.1f}ms")
+                     f" {r['blocked_s_' + key] * 1e3:>7.1f}ms {r['offcpu_s_' + key] * 1e3:>7.1f}ms")
     if "gil_account_s_per_iter" in r:
         acc = r["gil_account_s_per_iter"]
         lines.append("  training thread's lost time per iteration, by engine stage (engine less that stage): "
@@ -341,6 +356,8 @@ def plot(r: dict, path: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``megatron-ext bench python-loop``."""
     p.add_argument("--size-gb", type=POSITIVE, default=0.25, help="state saved every iteration, in GB (default 0.25)")
+    p.add_argument("--tensor-mb", type=POSITIVE, default=64.0,
+                   help="size of each saved tensor in MiB (default 64; e.g. 2 for a Megatron-like count of tensors)")
     p.add_argument("--work-s", type=POSITIVE, default=0.8,
                    help="seconds of pure-Python work per iteration, calibrated once (default 0.8)")
     p.add_argument("--iters", type=number(int, 2), default=8, help="iterations per run (default 8)")
@@ -367,7 +384,7 @@ def main(args) -> int:
     if "none" not in args.modes:
         args.modes = ["none", *args.modes]  # the ratios need the baseline
     result = run(args.size_gb, args.work_s, args.iters, args.repeats, args.warmup, tuple(args.modes), args.account,
-                 args.dir)
+                 args.dir, args.tensor_mb)
     if args.plot:
         result["plot"] = plot(result, args.plot)
     print(json.dumps(result, indent=1, sort_keys=True) if args.json else format_table(result))
@@ -382,8 +399,9 @@ def _child_main() -> int:
     p.add_argument("--iters", type=int, required=True)
     p.add_argument("--dir", required=True)
     p.add_argument("--stage-off", default=None, choices=STAGES)
+    p.add_argument("--tensor-mb", type=float, default=64.0)
     a = p.parse_args()
-    out = child(a.child, a.rounds_n, a.size_gb, a.iters, a.dir, a.stage_off)
+    out = child(a.child, a.rounds_n, a.size_gb, a.iters, a.dir, a.stage_off, a.tensor_mb)
     print(json.dumps(out), flush=True)
     return 0
 

@@ -94,7 +94,7 @@ class TensorSpan:
     """One tensor's place in the file: [start, end) are absolute file offsets (a "slot" is a cache buffer)."""
 
     name: str
-    tensor: torch.Tensor | None  # dropped once copied, so the caller's memory can be freed
+    tensor: torch.Tensor | None  # the data (or its bytes); dropped once copied, so the caller's memory can be freed
     dtype: str
     shape: list[int]
     start: int

@@ -221,7 +221,9 @@ class Committer:
             if job is None:
                 return
             try:
-                self._commit(job)
+                with self.telemetry.batch():  # the commit's records in one write, before waiters wake
+                    self._commit(job)
+                job.settled.set()
             except CheckpointSkipped as exc:
                 if self.skips is not None:
                     self.skips.abandon_for_peer(job, exc)
@@ -239,6 +241,7 @@ class Committer:
                     return
 
     def _commit(self, job: CheckpointJob) -> None:
+        """Report, post, decide (rank 0) or learn the decision; the caller then settles the job."""
         key = job_key(job)
         abandoned = not job.advance(JobState.REPORTED)  # skipped or failed before it could be reported: say so
         post = job.claim_status()
@@ -247,7 +250,6 @@ class Committer:
                 self.channel.post(key, abandoned_status(job))
             if self.rank == 0:
                 self._decide(job, key)
-            job.settled.set()
             return
         try:
             status, shares = self._write_reports(job)
@@ -284,7 +286,6 @@ class Committer:
         if self.rank == 0:
             self.telemetry.emit("commit", job.checkpoint, "all", job.committed_bytes, job.committed_at - first,
                                 world_size=self.world_size, run=self.run_id)
-        job.settled.set()
 
     def _write_reports(self, job: CheckpointJob) -> tuple[list, dict[str, bytes]]:
         """This rank's report, durable on the shared level (and the local one); returns its durable status."""
@@ -292,12 +293,12 @@ class Committer:
         check_report(report, self.rank)  # what a loader will ask of it, before it counts
         data = encode_json(report)
         reports_dir = os.path.join(job.root, job.checkpoint, REPORTS)
-        os.makedirs(reports_dir, exist_ok=True)
+        job.make_directory(reports_dir)
         atomic_write(os.path.join(reports_dir, report_name(self.rank, job.tag)), data)
         local = self.local_root(job)
         if local is not None:
             local_reports = os.path.join(local, job.checkpoint, REPORTS)
-            os.makedirs(local_reports, exist_ok=True)
+            job.make_directory(local_reports)
             atomic_write(os.path.join(local_reports, report_name(self.rank, job.tag)), data)
         return durable_status(report, data, f"{job.checkpoint}/{REPORTS}/{report_name(self.rank, job.tag)}")
 
@@ -374,7 +375,7 @@ class Committer:
         path = os.path.join(ckpt_dir, MANIFEST)
         check_assembled(job.checkpoint, data, collected.durable, collected.shares, path)  # before it counts
         atomic_write(path, data)
-        if self.may_remove(job.root):
+        if self.may_remove(job.root) and not job.created(ckpt_dir):  # a new directory holds no other run's files
             _remove_other_runs(ckpt_dir, job.tag)
         return header
 

@@ -14,6 +14,12 @@ specific part stays in ``CudaCopier`` alone:
 * ``chunk_ready()``: a callable the writer runs before reading the slot (CUDA: the event of the
   copies issued so far; CPU: nothing, copies are synchronous).
 
+Every torch call releases the GIL and takes it back, which on the copy thread costs a Python-bound
+training thread one forced switch each time. So ``save`` turns each contiguous tensor into a flat
+byte view on the training thread (``byte_source``), the copy thread only slices those (indexing
+keeps the GIL), and each run of cache slots is one ``torch._foreach_copy_`` call, on CPU and CUDA
+alike: a checkpoint costs the training thread a few switches per run, not two per tensor.
+
 Tensors, and CUDA temporaries made by ``.contiguous()``, are kept referenced by the scheduler until
 the save's last copy is known complete.
 """
@@ -62,10 +68,23 @@ def element_pairs(src: torch.Tensor, first: int, last: int, dst: torch.Tensor,
         first += n
 
 
+def byte_source(tensor: torch.Tensor) -> torch.Tensor:
+    """What the copy thread reads ``tensor``'s bytes from: a flat uint8 view of a contiguous tensor
+    (made here, on the caller's thread), else the tensor itself (copied by rows, ``element_pairs``)."""
+    if tensor.is_contiguous():
+        return tensor.reshape(-1).view(torch.uint8)
+    return tensor
+
+
 def byte_pairs(src: torch.Tensor, lo: int, hi: int, dst: torch.Tensor,
                out: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Append the (destination, source) views that copy bytes [lo, hi) of ``src``'s row-major image
-    into the uint8 tensor ``dst``."""
+    into the uint8 tensor ``dst``. A flat uint8 ``src`` (``byte_source``) is only sliced: no torch
+    call that releases the GIL."""
+    if src.dtype == torch.uint8 and src.dim() == 1:
+        if hi > lo:
+            out.append((dst, src[lo:hi]))
+        return
     if src.is_contiguous():
         if hi > lo:
             out.append((dst, src.reshape(-1).view(torch.uint8)[lo:hi]))
@@ -95,6 +114,21 @@ def copy_bytes(src: torch.Tensor, lo: int, hi: int, dst: torch.Tensor) -> None:
 Part = tuple[torch.Tensor, int, int, torch.Tensor]  # (tensor, lo, hi, destination bytes)
 
 
+def copy_parts(parts: list[Part], non_blocking: bool) -> None:
+    """Bytes [lo, hi) of every part's tensor into its destination, in one ``torch._foreach_copy_``
+    (device-to-host copies are queued on the current stream when ``non_blocking``)."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for tensor, lo, hi, dst in parts:
+        byte_pairs(tensor, lo, hi, dst, pairs)
+    if not pairs:
+        return
+    if _foreach_copy is None:  # older torch: one call per part
+        for d, s in pairs:
+            d.copy_(s, non_blocking=non_blocking)
+        return
+    _foreach_copy([d for d, _ in pairs], [s for _, s in pairs], non_blocking=non_blocking)
+
+
 class CpuCopier:
     """Synchronous copies on the copy thread; torch releases the GIL inside ``copy_``."""
 
@@ -112,16 +146,7 @@ class CpuCopier:
 
     def copy_many(self, parts: list[Part]) -> None:
         """Every part in one ``torch._foreach_copy_`` call: the GIL is released once for all of them."""
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for tensor, lo, hi, dst in parts:
-            byte_pairs(tensor, lo, hi, dst, pairs)
-        if not pairs:
-            return
-        if _foreach_copy is None:  # older torch: one call per part
-            for d, s in pairs:
-                d.copy_(s)
-            return
-        _foreach_copy([d for d, _ in pairs], [s for _, s in pairs])
+        copy_parts(parts, non_blocking=False)
 
     def chunk_ready(self) -> Callable[[], None]:
         return _noop
@@ -179,10 +204,9 @@ class CudaCopier(CpuCopier):
             copy_bytes(tensor, lo, hi, dst)
 
     def copy_many(self, parts: list[Part]) -> None:
-        # Each copy is queued on the copy stream (the GIL is held only to launch it).
+        # Every copy queued on the copy stream by one call (the GIL is held only to launch them).
         with torch.cuda.stream(self.stream):
-            for tensor, lo, hi, dst in parts:
-                copy_bytes(tensor, lo, hi, dst)
+            copy_parts(parts, non_blocking=True)
 
     def chunk_ready(self) -> Callable[[], None]:
         event = torch.cuda.Event()

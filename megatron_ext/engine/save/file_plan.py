@@ -14,7 +14,7 @@ from ..format import codec
 from ..format import safetensors as file_layout
 from ..format.names import valid_name
 from ..format.sidecar import check_sidecar_volume
-from .copier import CpuCopier
+from .copier import CpuCopier, byte_source
 from .jobs import CheckpointJob, FileJob
 
 
@@ -49,6 +49,8 @@ class PlannedFile:
         check_sidecar_volume(sidecar, len(encoder.tensors), f"checkpoint {checkpoint}, file {name!r}")
         layout = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name, "rank": str(rank),
                                                     "run_id": tag})
+        for span in layout.spans:  # torch calls here, not on the copy thread (copier.py)
+            span.tensor = byte_source(span.tensor)
         return cls(checkpoint, name, tag, sidecar, [t for _, t in encoder.tensors], layout)
 
     def file_job(self, job: CheckpointJob, copier: CpuCopier, gate: Any = None, extra: dict | None = None) -> FileJob:

@@ -14,6 +14,7 @@ shared level unnoticed.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import queue
@@ -49,39 +50,53 @@ def _use_direct(setting, directory: str) -> bool:
 
 
 class RankWriter:
-    """Two pipelined threads: one checksums chunk k+1 while the other writes chunk k."""
+    """Checksums and writes runs of chunks, in file order, on one thread or two.
 
-    def __init__(self, ctx: SaveContext, cache: HostCache, next_stage: "LevelStager | CommitSignal"):
+    Two threads (``pipelined``) checksum run k+1 while run k is written: the flush's bandwidth where
+    cores are to spare. One thread does both in turn where they are not (``flush_threads``,
+    config.py): a checksum running beside the writer then keeps a core the writer's system calls
+    wait for, and each such wait delays the thread that holds the GIL, so the training thread's
+    with it (docs/ARCHITECTURE.md, "The GIL").
+    """
+
+    def __init__(self, ctx: SaveContext, cache: HostCache, next_stage: "LevelStager | CommitSignal",
+                 pipelined: bool = True):
         self.ctx = ctx
         self.cache = cache
         self.next = next_stage  # told of each durable file and each discard, in order
         self.level = ctx.first_level
         self.fail = ctx.fail
-        self._hash_queue: "queue.Queue[Chunk | None]" = queue.Queue()
-        self._write_queue: "queue.Queue[Chunk | None]" = queue.Queue()
         # Per file being checksummed: whole-file hash, per-tensor hashes, first unfinished tensor.
         self._hashing: dict[int, list] = {}
         self._files: dict[int, ChunkFile] = {}
+        self._direct: dict[str, bool] = {}  # whether O_DIRECT works, by level root (probed once each)
         self._failed = threading.Event()  # a fatal failure: stop writing anything
         self._failed_jobs: set[int] = set()  # files abandoned after a failure the engine survives
-        # The checksum thread waits on each chunk's CUDA event (``chunk.ready``): both threads bind
+        # The checksum stage waits on each chunk's CUDA event (``chunk.ready``): every thread binds
         # to the rank's device first (device.py).
-        self._threads = [
-            threading.Thread(target=self._loop, args=(self._hash_queue, self._checksum, self._write_queue),
-                             name=f"datastates-checksum-{self.level}", daemon=True),
-            threading.Thread(target=self._loop, args=(self._write_queue, self._write, None),
-                             name=f"datastates-writer-{self.level}", daemon=True),
-        ]
+        if pipelined:
+            hashes: "queue.Queue[Chunk | Discard | None]" = queue.Queue()
+            writes: "queue.Queue[Chunk | Discard | None]" = queue.Queue()
+            self._queues = [hashes, writes]
+            stages = [(hashes, True, False, writes, f"datastates-checksum-{self.level}"),
+                      (writes, False, True, None, f"datastates-writer-{self.level}")]
+        else:
+            both: "queue.Queue[Chunk | Discard | None]" = queue.Queue()
+            self._queues = [both]
+            stages = [(both, True, True, None, f"datastates-writer-{self.level}")]
+        self._threads = [threading.Thread(target=self._loop, args=(source, hashes_, writes_, forward),
+                                          name=name, daemon=True)
+                         for source, hashes_, writes_, forward, name in stages]
         for thread in self._threads:
             thread.start()
 
     def submit(self, item: Chunk | Discard) -> None:
-        self._hash_queue.put(item)
+        self._queues[0].put(item)
 
     def take_back(self, job: CheckpointJob) -> None:
         """Pull a skipped checkpoint's queued chunks out of the pipeline and free their slots now."""
         runs = []
-        for q in (self._hash_queue, self._write_queue):
+        for q in self._queues:
             with q.mutex:
                 mine = [c for c in q.queue if isinstance(c, Chunk) and c.file.job is job]
                 if mine:
@@ -93,11 +108,12 @@ class RankWriter:
             self.cache.release_run(slot, count)
 
     def stop(self, timeout: float) -> None:
-        self._hash_queue.put(None)
+        self._queues[0].put(None)
         for thread in self._threads:
             thread.join(timeout)
 
-    def _loop(self, source: "queue.Queue", step: Callable[[Chunk], None], forward: "queue.Queue | None") -> None:
+    def _loop(self, source: "queue.Queue", hashes: bool, writes: bool, forward: "queue.Queue | None") -> None:
+        """One thread's stage: checksums (``hashes``), writes (``writes``) or both; passes each item on."""
         bind_thread(self.ctx.device)
         while True:
             chunk = source.get()
@@ -106,15 +122,18 @@ class RankWriter:
                     forward.put(None)
                 return
             if isinstance(chunk, Discard):
-                self._discard(chunk, forward)
+                self._discard(chunk, hashes, writes, forward)
                 continue
             # The write stage starts the flush (a flush starts, or its checkpoint is skipped, never both).
-            dropped = not chunk.file.job.begin_flush() if forward is None else chunk.file.job.abandoned
+            dropped = not chunk.file.job.begin_flush() if writes else chunk.file.job.abandoned
             if self._failed.is_set() or id(chunk.file) in self._failed_jobs or dropped:
                 self.cache.release_run(chunk.slot, chunk.count)  # keep freeing slots: nobody waits on a dead file
                 continue
             try:
-                step(chunk)
+                if hashes:
+                    self._checksum(chunk)
+                if writes:
+                    self._write(chunk)
             except BaseException as exc:
                 self.cache.release_run(chunk.slot, chunk.count)
                 self._failed_jobs.add(id(chunk.file))
@@ -129,12 +148,13 @@ class RankWriter:
             if forward is not None:
                 forward.put(chunk)
 
-    def _discard(self, item: Discard, forward: "queue.Queue | None") -> None:
+    def _discard(self, item: Discard, hashes: bool, writes: bool, forward: "queue.Queue | None") -> None:
         """Every earlier chunk of the skipped checkpoint has passed: drop its state, remove its files."""
         job = item.job
-        if forward is not None:  # the checksum stage
+        if hashes:
             for f in job.files:
                 self._hashing.pop(id(f), None)
+        if not writes:
             forward.put(item)
             return
         try:
@@ -182,10 +202,7 @@ class RankWriter:
         fjob = chunk.file
         key = id(fjob)
         if chunk.index == 0:
-            path = os.path.join(self.ctx.directory(fjob, self.level), fjob.tensor_rel)
-            directory = os.path.dirname(path)
-            os.makedirs(directory, exist_ok=True)
-            self._files[key] = ChunkFile(path, _use_direct(self.ctx.o_direct, directory))
+            self._files[key] = self._open(fjob)
         f = self._files[key]
         data = self.cache.memory(chunk.slot, round_up(chunk.nbytes) if f.direct else chunk.nbytes)
         faults.before_write(self.level, f.path, chunk.offset, chunk.nbytes)
@@ -200,6 +217,27 @@ class RankWriter:
             fsync_dir(os.path.dirname(sidecar_path))
             fjob.durable_at[self.level] = time.monotonic()
             self.next.durable(fjob)
+
+    def _open(self, fjob: FileJob) -> ChunkFile:
+        """The file's first chunk: its directory made (once per checkpoint), the file created.
+
+        Whether O_DIRECT works is probed once per level root, not per checkpoint directory (each
+        probe is six system calls, each a GIL switch for the training thread); a directory under the
+        root that refuses it anyway (another file system mounted there) is probed on its own.
+        """
+        root = self.ctx.directory(fjob, self.level)
+        path = os.path.join(root, fjob.tensor_rel)
+        directory = os.path.dirname(path)
+        fjob.job.make_directory(directory)
+        direct = self._direct.get(root)
+        if direct is None:
+            direct = self._direct[root] = _use_direct(self.ctx.o_direct, root)
+        try:
+            return ChunkFile(path, direct)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+        return ChunkFile(path, _use_direct(self.ctx.o_direct, directory))
 
 
 class LevelStager(QueueWorker):
@@ -245,7 +283,7 @@ class LevelStager(QueueWorker):
         src_path = os.path.join(self.ctx.directory(fjob, LEVEL_LOCAL), rel)
         dst_path = os.path.join(self.ctx.directory(fjob, LEVEL_SHARED), rel)
         directory = os.path.dirname(dst_path)
-        os.makedirs(directory, exist_ok=True)
+        fjob.job.make_directory(directory)
         size = os.path.getsize(src_path)
         out = ChunkFile(dst_path, _use_direct(self.ctx.o_direct, directory))
         digest = xxhash.xxh3_64()

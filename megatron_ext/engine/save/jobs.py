@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -139,6 +140,9 @@ class CheckpointJob:
     #: While the commit waits on other ranks: says for what (a timeout names it, whichever side times out first).
     commit_waiting_for: Callable[[], str] | None = None
     state: JobState = dataclasses.field(default=JobState.OPEN, init=False)
+    #: Directories of this checkpoint known to exist (``make_directory``), and those this run created.
+    _directories: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
+    _created: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
     _status_claimed: bool = dataclasses.field(default=False, init=False, repr=False)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -185,6 +189,25 @@ class CheckpointJob:
         with self._lock:
             claimed, self._status_claimed = self._status_claimed, True
             return not claimed
+
+    def make_directory(self, path: str) -> None:
+        """``path`` exists once this returns: one ``mkdir`` per directory of the checkpoint, not one
+        per file (each system call on a background thread is a GIL switch for the training thread)."""
+        if path in self._directories:
+            return
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:  # the root itself is missing (removed meanwhile): make the chain
+            os.makedirs(path, exist_ok=True)
+        else:
+            self._created.add(path)
+        self._directories.add(path)
+
+    def created(self, path: str) -> bool:
+        """Whether this run created ``path`` (``make_directory``): then no earlier run left files there."""
+        return path in self._created
 
     # ------------------------------------------------------------------ reading
     @property

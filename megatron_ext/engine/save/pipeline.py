@@ -71,7 +71,7 @@ class SavePipeline:
                           timeout_s=timeout_s, telemetry=telemetry, local_dir=config.local_dir,
                           o_direct=config.o_direct, chunk_bytes=cache.chunk_bytes, device=device)
         stager = LevelStager(ctx, signal) if ctx.local_dir else None
-        writer = RankWriter(ctx, cache, stager if stager is not None else signal)
+        writer = RankWriter(ctx, cache, stager if stager is not None else signal, config.flush_pipelined())
         skips = Skips(ctx, config, jobs, cache, writer, channel, signal)
         scheduler = SnapshotScheduler(ctx, cache, make_copier(use_cuda, device), writer, skips)
         replicas = None
