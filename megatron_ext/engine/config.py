@@ -55,7 +55,7 @@ class EngineConfig:
     save_dir: str | None = None
     #: Optional node-local directory: ranks flush here first, a background stage copies to the root.
     local_dir: str | None = None
-    #: "auto" probes each directory, True requires O_DIRECT, False never uses it (writes). Restore
+    #: "auto" probes each level's root, True requires O_DIRECT, False never uses it (writes). Restore
     #: reads are buffered with kernel read-ahead unless True (``fast_read``).
     o_direct: bool | str = "auto"
     #: Seconds any single wait may take before it fails with an error instead of hanging.
@@ -87,9 +87,9 @@ class EngineConfig:
     safe_classes: tuple[str, ...] = ()
     #: Threads reading a checkpoint file in parallel at restore (O_DIRECT per ``o_direct``).
     restore_threads: int = 4
-    #: Threads of the flush's first level: 2 checksum one run while the previous one is written, 1
-    #: does both in turn; "auto": 2 where this rank has at least ``PIPELINE_CORES`` cores to itself.
-    flush_threads: int | str = "auto"
+    #: Checksum and write in the I/O worker process (save/io_worker.py), which takes none of the
+    #: training process's GIL; False: on the engine's threads in this process.
+    flush_process: bool = True
     #: Also send each rank's files to the host memory of a rank on the next node (replica.py), so a
     #: lost node is recovered from its peers' memory instead of the shared file system.
     peer_replica: bool = False
@@ -105,12 +105,6 @@ class EngineConfig:
     @property
     def host_cache_bytes(self) -> int:
         return int(self.host_cache_size * GIB)
-
-    def flush_pipelined(self) -> bool:
-        """Whether the flush checksums and writes on two threads (``flush_threads``)."""
-        if self.flush_threads != "auto":
-            return self.flush_threads == 2
-        return cores_per_rank() >= PIPELINE_CORES
 
     @property
     def chunk_bytes(self) -> int:
@@ -175,7 +169,7 @@ class EngineConfig:
             raise ConfigError(f"safe_classes must be a list of class names (\"package.module.Class\"), got {self.safe_classes!r}")
         object.__setattr__(self, "safe_classes", names)
         self.allowed_classes()  # each name must be a class defined under exactly that name
-        for name in ("pickle_fallback", "remove_partial_on_start", "peer_replica"):
+        for name in ("pickle_fallback", "remove_partial_on_start", "peer_replica", "flush_process"):
             if type(getattr(self, name)) is not bool:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name, choices in (("on_failure", OnFailure), ("overload_policy", OverloadPolicy)):
@@ -190,8 +184,6 @@ class EngineConfig:
             check_retention_count(name, getattr(self, name))
         if type(self.restore_threads) is not int or not 1 <= self.restore_threads <= 64:
             raise ConfigError(f"restore_threads must be a whole number in [1, 64], got {self.restore_threads!r}")
-        if not (self.flush_threads == "auto" or (type(self.flush_threads) is int and self.flush_threads in (1, 2))):
-            raise ConfigError(f"flush_threads must be 1, 2 or \"auto\", got {self.flush_threads!r}")
         if self.peer_replica and self.overload_policy == "supersede":
             # Replication pairs ranks checkpoint by checkpoint in commit order; a checkpoint skipped
             # at different moments on different ranks would break the pairing.
@@ -262,24 +254,6 @@ class EngineConfig:
             return resolve_class_names(self.safe_classes)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-
-
-#: Cores a rank needs to itself before ``flush_threads="auto"`` overlaps checksums and writes: the
-#: training thread's, the copy's, the checksum's and the writer's.
-PIPELINE_CORES = 4
-
-
-def cores_per_rank() -> int:
-    """The cores this process may run on, shared by the ranks of its node (torchrun's LOCAL_WORLD_SIZE)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        local = 1
-    return max(1, cores // max(local, 1))
 
 
 def check_retention_count(name: str, value: Any) -> None:

@@ -314,7 +314,6 @@ class CheckpointEngine:
                 clean = normal_end
         finally:
             self.pipeline.stop(clean)
-            self.telemetry.close()
             self.cache.close()
             self.ownership.release()
             _live_engines.discard(self)

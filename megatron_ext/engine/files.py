@@ -14,13 +14,14 @@ import json
 import mmap
 import os
 import stat
-import tempfile
 import threading
 from typing import Any
 
 from .errors import CheckpointError
-from .format.safetensors import ALIGN
 
+#: The block O_DIRECT needs offsets, lengths and memory aligned to; the tensor file's header is
+#: padded to it (format/safetensors.py) and the host cache's slots are multiples of it.
+ALIGN = 4096
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _probe_lock = threading.Lock()
 _probe_cache: dict[str, bool] = {}
@@ -187,6 +188,8 @@ def _unsafe_dir(st: os.stat_result, inside: bool) -> str | None:
 def probe_write(directory: str) -> None:
     """Prove ``directory`` takes files by writing one (``OSError`` if not): ``os.access`` says yes
     to root everywhere, ``/proc`` included, where no file can be made."""
+    import tempfile  # here: the I/O worker process imports this module and should start fast
+
     with tempfile.NamedTemporaryFile(dir=directory, prefix=".datastates-probe-") as f:
         f.write(b"\0")
         f.flush()

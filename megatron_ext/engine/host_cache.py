@@ -4,17 +4,20 @@ Snapshots copy into free slots; flushes release them once written. When no slot 
 waits (backpressure), so host memory never grows past the buffer, and a tensor bigger than the
 whole cache simply streams through it slot by slot.
 
-Allocation happens on a background thread so constructing the engine never stalls training. On
-CPU the thread also touches every page and hands slots out as soon as they are touched, so the
-first snapshot starts copying after the first slot instead of after the whole buffer. It touches
-one byte per page (the kernel zero-fills the page) on its own thread at the lowest CPU priority:
-a checkpoint load that runs meanwhile, on as many threads as there are cores, keeps them. With CUDA
-the buffer is pinned (``cudaHostAlloc`` of many GB takes seconds); slots become available when
-pinning finishes, which the first snapshot's copies wait for, never ``save`` itself.
+The buffer is shared memory (a memfd, mapped here and by the I/O worker process, which checksums
+and writes the slots: save/io_worker.py). Faulting its pages in happens on a background thread so
+constructing the engine never stalls training. On CPU the thread touches every page and hands
+slots out as soon as they are touched, so the first snapshot starts copying after the first slot
+instead of after the whole buffer. It touches one byte per page (the kernel zero-fills the page)
+on its own thread at the lowest CPU priority: a checkpoint load that runs meanwhile, on as many
+threads as there are cores, keeps them. With CUDA the buffer is pinned (``cudaHostRegister`` of
+many GB takes seconds); slots become available when pinning finishes, which the first snapshot's
+copies wait for, never ``save`` itself.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import sys
 import threading
@@ -26,7 +29,7 @@ import torch
 
 from .device import bind_thread
 from .errors import CacheError
-from .format.safetensors import ALIGN
+from .files import ALIGN
 
 _PAGE = 4096
 
@@ -50,6 +53,15 @@ class HostCache:
         self.nbytes = self.num_slots * chunk_bytes
         self.pinned = pin
         self.device = device
+        self._registered = False  # pinned with cudaHostRegister: unregistered at close
+        # The memory, shared with the I/O worker process; its pages are faulted in (or pinned) below.
+        self.shared_fd: int | None = None
+        if hasattr(os, "memfd_create"):
+            self.shared_fd = os.memfd_create("datastates-host-cache", getattr(os, "MFD_CLOEXEC", 0))
+            os.ftruncate(self.shared_fd, self.nbytes)
+            self._mmap = mmap.mmap(self.shared_fd, self.nbytes)
+        else:  # no memfd (not Linux): private memory, flushed from this process only
+            self._mmap = mmap.mmap(-1, self.nbytes)
         self._cond = threading.Condition()
         self._free: list[int] = []
         self._error: BaseException | None = None
@@ -64,11 +76,14 @@ class HostCache:
         _lowest_cpu_priority()
         try:
             bind_thread(self.device)  # pinning makes a CUDA context current: the rank's, not GPU 0's
-            raw = torch.empty(self.nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pinned)
-            # O_DIRECT needs page-aligned memory: start the usable part on a 4 KiB boundary.
-            skip = (-raw.data_ptr()) % ALIGN
-            self._buffer = raw[skip: skip + self.nbytes]
-            self._array = self._buffer.numpy()
+            buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)  # page-aligned, as O_DIRECT needs
+            if self.pinned:
+                status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), self.nbytes, 0)
+                if int(status) != 0:
+                    raise CacheError(f"cudaHostRegister of {self.nbytes} bytes failed (CUDA error {int(status)})")
+                self._registered = True
+            self._buffer = buffer
+            self._array = np.frombuffer(self._mmap, dtype=np.uint8)
             self._ready.set()
             for slot in range(self.num_slots):
                 if self._closing.is_set():
@@ -94,8 +109,18 @@ class HostCache:
         """Stop pre-faulting and drop the buffer (a thread inside torch must not outlive exit)."""
         self._closing.set()
         self._thread.join(timeout)
+        if self._registered and self._buffer is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
+            self._registered = False
         self._buffer = None
         self._array = None
+        try:
+            self._mmap.close()
+        except BufferError:  # a view of it is still referenced: it goes with the last one
+            pass
+        if self.shared_fd is not None:
+            os.close(self.shared_fd)
+            self.shared_fd = None
 
     def acquire(self, timeout: float, check: Callable[[], None] = lambda: None,
                 on_wait: Callable[[], None] | None = None) -> int:
@@ -173,6 +198,10 @@ class HostCache:
         """The slot as a uint8 tensor (for copies)."""
         base = slot * self.chunk_bytes
         return self._buffer[base: base + self.chunk_bytes]
+
+    def shared_memory(self) -> memoryview:
+        """The whole buffer (available at once, before its pages are faulted in)."""
+        return memoryview(self._mmap)
 
     def memory(self, slot: int, nbytes: int) -> memoryview:
         """The first ``nbytes`` from ``slot`` on (a slot or a run of neighbouring ones) as a buffer, no copy."""

@@ -25,7 +25,6 @@ class Telemetry:
         self.records: collections.deque[dict] = collections.deque(maxlen=10_000)  # the latest, for benchmarks and tests
         self.write_errors = 0  # records that could not be written to ``path``
         self._reported: set[int | None] = set()
-        self._fd: int | None = None  # ``path`` opened for appending at the first record, kept open
         self._batches = threading.local()  # per thread: lines held by ``batch()`` (None: write at once)
 
     @contextlib.contextmanager
@@ -44,19 +43,22 @@ class Telemetry:
                 with self._lock:
                     self._write(b"".join(lines))
 
-    def _append(self, line: bytes) -> None:
-        """One ``write`` per record on a descriptor kept open: reopening the file for every record
-        cost a background thread five system calls, each a GIL switch for the training thread."""
-        if self._fd is None:
-            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        view = memoryview(line)
+    def _append(self, data: bytes) -> None:
+        """``data`` appended in three system calls (open, write, close), reopened each time so a
+        rotated or removed file is written anew; the records of one commit come as one ``data``
+        (``batch``): each system call on a background thread is a GIL switch for the training thread."""
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
         try:
+            fd = os.open(self.path, flags, 0o644)
+        except FileNotFoundError:  # its directory was removed: make it again
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            fd = os.open(self.path, flags, 0o644)
+        try:
+            view = memoryview(data)
             while view:
-                view = view[os.write(self._fd, view):]
-        except OSError:
-            self._close_fd()  # the next record opens the file again (it may have been removed or replaced)
-            raise
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
 
     def _write(self, data: bytes) -> None:
         """Under the lock: ``data`` appended; a failure is counted and logged, never raised."""
@@ -71,16 +73,6 @@ class Telemetry:
                 log.warning("[datastates] rank %d cannot write telemetry to %s: %s (checkpoints go on; "
                             "further failures like this one are counted, not logged)",
                             self.rank, self.path, exc.strerror or exc)
-
-    def close(self) -> None:
-        """Close the file (a later record opens it again)."""
-        with self._lock:
-            self._close_fd()
-
-    def _close_fd(self) -> None:
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
 
     def emit(self, event: str, checkpoint: str, level: str, nbytes: int, seconds: float | None = None,
              **extra) -> dict:

@@ -59,6 +59,10 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--datastates-max-durable-age", type=int, default=None, metavar="ITERS",
                        help="With 'supersede': when the newest committed checkpoint is more than ITERS iterations "
                             "older than a new save, that save waits instead. Default: no bound.")
+    group.add_argument("--datastates-flush-in-process", action="store_true", default=None,
+                       help="Checksum and write on the engine's threads in the training process instead of its "
+                            "I/O worker process (which takes none of the training process's GIL); for systems "
+                            "that forbid starting a process. Off by default.")
     group.add_argument("--datastates-load-fallback", action="store_true",
                        help="If the newest committed checkpoint fails its checks (a flipped byte, a truncated "
                             "or missing file), load the next older committed one instead of stopping.")
@@ -143,6 +147,8 @@ def engine_config_from_args(args: Any) -> dict:
     for flag, key in _OPTIONAL_FLAGS:
         if getattr(args, flag, None) is not None:
             cfg[key] = getattr(args, flag)
+    if getattr(args, "datastates_flush_in_process", None):
+        cfg["flush_process"] = False
     return cfg
 
 

@@ -18,15 +18,14 @@ def make_engine(tmp_path):
     """``make_engine(**config)``: an engine on ``tmp_path/ckpt`` (rank 0 of 1), shut down at teardown.
 
     A second writing engine on the same directory is refused (the directory lock); loaders that
-    run beside a writer pass ``read_only=True``. The flush runs on two threads here (what GPU nodes
-    get); the other suites get ``flush_threads="auto"``, one thread on a machine of two cores.
+    run beside a writer pass ``read_only=True``.
     """
     engines: list[CheckpointEngine] = []
     store = dist.HashStore()  # in-process ranks of one test agree on commits through it
 
     def factory(rank: int = 0, world_size: int = 1, run_id: str | None = None, read_only: bool = False,
                 **config: Any) -> CheckpointEngine:
-        cfg = dict(FAST, flush_threads=2)
+        cfg = dict(FAST)
         cfg.setdefault("save_dir", str(tmp_path / "ckpt"))
         cfg.update(config)
         engine = CheckpointEngine(cfg, rank=rank, world_size=world_size, run_id=run_id, read_only=read_only,

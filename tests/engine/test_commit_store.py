@@ -4,6 +4,7 @@ rank 0's decision (long before the timeout), and every rank's callback sees the 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -75,9 +76,11 @@ def test_the_store_holds_the_keys_of_a_bounded_number_of_checkpoints(tmp_path):
 
 def test_a_peer_failure_reaches_the_other_rank_with_the_decision(tmp_path, fault):
     engines = _pair(tmp_path)
+    committed = threading.Event()  # rank 1's disk fills once both commits are asked for
 
     def fail_rank_one(level, path, offset, nbytes):
         if "/r1." in path:
+            committed.wait(30)
             raise OSError(28, "No space left on device (injected)")
 
     fault(fail_rank_one)
@@ -86,6 +89,7 @@ def test_a_peer_failure_reaches_the_other_rank_with_the_decision(tmp_path, fault
         for r, engine in enumerate(engines):
             engine.save({"w": torch.ones(5000) * r}, "A", f"r{r}", version=1)
             engine.commit("A")
+        committed.set()
         with pytest.raises(CheckpointError, match="failed on rank 1: .*No space left"):
             engines[0].wait_persisted(timeout=60)
         assert time.monotonic() - started < FAST["persist_timeout_s"], "rank 0 waited out its timeout"

@@ -23,9 +23,12 @@ def _state(i: int, n: int = 20_000) -> dict:
     return seeded_state(i, n, (30, 40))
 
 
-def _enospc_for(checkpoint: str):
+def _enospc_for(checkpoint: str, after: threading.Event | None = None):
+    """A write hook: ENOSPC for ``checkpoint``'s files (once ``after`` is set, when given)."""
     def hook(level, path, offset, nbytes):
         if f"/{checkpoint}/" in path:
+            if after is not None:
+                after.wait(30)
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
     return hook
 
@@ -82,9 +85,11 @@ def test_enospc_reaches_wait_snapshot_and_every_later_call(make_engine, fault, t
 
 def test_enospc_after_snapshot_reaches_wait_persisted(make_engine, fault, tmp_path):
     engine = make_engine(host_cache_size=0.01, chunk_size_mb=0.25)  # the whole snapshot fits the cache
-    fault(_enospc_for("B"))
+    committed = threading.Event()  # the disk fills once the commit is asked for, not before
+    fault(_enospc_for("B", after=committed))
     engine.save(_state(2), "B", version=2)
     engine.commit("B")
+    committed.set()
     with pytest.raises(CheckpointError, match="No space left on device") as info:
         engine.wait_snapshot()
         engine.wait_persisted()

@@ -131,9 +131,10 @@ def test_graph_safe_cuda_generators_round_trip_through_a_checkpoint(tmp_path):
 
 
 def _devices_seen(engine, seen: dict) -> None:
-    """Record ``torch.cuda.current_device()`` on the copy thread (each copy) and the checksum thread (each wait)."""
+    """Record ``torch.cuda.current_device()`` on the copy thread (each run's copies) and the writer
+    thread (each wait for a run's copies)."""
     copier = engine.scheduler.copier
-    inner_copy, inner_ready = copier.copy, copier.chunk_ready
+    inner_copy, inner_ready = copier.copy_many, copier.chunk_ready
 
     def copy(*args):
         seen.setdefault("copy", set()).add(torch.cuda.current_device())
@@ -148,13 +149,13 @@ def _devices_seen(engine, seen: dict) -> None:
 
         return wait
 
-    copier.copy, copier.chunk_ready = copy, chunk_ready
+    copier.copy_many, copier.chunk_ready = copy, chunk_ready
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a device other than GPU 0 needs two GPUs")
 def test_engine_threads_work_on_the_ranks_device_not_gpu_0(tmp_path):
-    """A rank on GPU 1: the copy thread works on the saved tensors' device, the checksum thread on the
-    rank's, and the pinned cache is allocated there; none of them on GPU 0 (device.py)."""
+    """A rank on GPU 1: the copy thread works on the saved tensors' device, the writer thread on the
+    rank's, and the pinned cache is registered there; none of them on GPU 0 (device.py)."""
     torch.cuda.set_device(1)
     try:
         seen: dict = {}

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-ALIGN = 4096
+from ..files import ALIGN  # the O_DIRECT block (4 KiB): the header is padded to it
+
 #: The checkpoint format's one version number (the manifest's and the rank reports' ``format_version``;
 #: docs/FORMAT.md). Defined here, below ``manifest``, so both modules share it.
 FORMAT_VERSION = 2

@@ -54,6 +54,7 @@ from .jobs import CheckpointJob, JobState
 from .signal import CommitSignal
 
 if TYPE_CHECKING:
+    from .io_worker import IoChannel
     from .retention import RetentionStage
     from .skips import Skips
 
@@ -154,7 +155,7 @@ class Committer:
 
     def __init__(self, ctx: SaveContext, *, channel: CommitChannel, signal: CommitSignal,
                  skips: "Skips | None" = None, may_remove: Callable[[str], bool] = lambda root: False,
-                 retention: "RetentionStage | None" = None):
+                 retention: "RetentionStage | None" = None, io: "IoChannel | None" = None):
         self.ctx = ctx
         self.rank = ctx.rank
         self.world_size = ctx.world_size
@@ -169,6 +170,7 @@ class Committer:
         self.skips = skips  # a peer skipped a checkpoint: drop it here too (None: nothing skips here)
         self.may_remove = may_remove  # whether this rank holds the lock of a root (lock.py)
         self.retention = retention  # the next stage (retention.RetentionStage), or None
+        self.io = io  # writes the reports and the manifest (io_worker.py); None: on this thread
         self._lock = threading.Lock()  # guards the pending list (the training thread adds)
         self._pending: list[CheckpointJob] = []
         self._stopping = False
@@ -294,13 +296,20 @@ class Committer:
         data = encode_json(report)
         reports_dir = os.path.join(job.root, job.checkpoint, REPORTS)
         job.make_directory(reports_dir)
-        atomic_write(os.path.join(reports_dir, report_name(self.rank, job.tag)), data)
+        self._atomic_write(os.path.join(reports_dir, report_name(self.rank, job.tag)), data)
         local = self.local_root(job)
         if local is not None:
             local_reports = os.path.join(local, job.checkpoint, REPORTS)
             job.make_directory(local_reports)
-            atomic_write(os.path.join(local_reports, report_name(self.rank, job.tag)), data)
+            self._atomic_write(os.path.join(local_reports, report_name(self.rank, job.tag)), data)
         return durable_status(report, data, f"{job.checkpoint}/{REPORTS}/{report_name(self.rank, job.tag)}")
+
+    def _atomic_write(self, path: str, data: bytes) -> None:
+        """Temp file, fsync, rename, directory fsync: eight system calls, one request to the worker."""
+        if self.io is None:
+            atomic_write(path, data)
+        else:
+            self.io.atomic_write(path, data)
 
     def _emit_levels(self, job: CheckpointJob) -> None:
         if not job.files:
@@ -374,7 +383,7 @@ class Committer:
                                          collected.durable, collected.shares, attempt_of)
         path = os.path.join(ckpt_dir, MANIFEST)
         check_assembled(job.checkpoint, data, collected.durable, collected.shares, path)  # before it counts
-        atomic_write(path, data)
+        self._atomic_write(path, data)
         if self.may_remove(job.root) and not job.created(ckpt_dir):  # a new directory holds no other run's files
             _remove_other_runs(ckpt_dir, job.tag)
         return header

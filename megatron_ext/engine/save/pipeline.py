@@ -7,8 +7,9 @@ Control flows one way and nothing is wired after construction:
    the committer.
 2. ``FailureHandler`` (the channel tells the other ranks of a failure), then the ``SaveContext``
    every stage shares.
-3. ``LevelStager`` (with a node-local level) and ``RankWriter``, whose durable files go on to the
-   stager or straight to the signal.
+3. The I/O worker (io_worker.py, started at its first request), then ``LevelStager`` (with a
+   node-local level) and ``RankWriter``, whose durable files go on to the stager or straight to
+   the signal; each stage talks to the worker on a channel of its own.
 4. ``Skips``, which removes skipped checkpoints' files through the writer, then the
    ``SnapshotScheduler`` that consults it.
 5. ``PeerReplicas`` (with ``peer_replica``; a collective), ``RetentionStage`` (which spares what is
@@ -30,6 +31,7 @@ from .coordination import CommitChannel, open_stores
 from .copier import make_copier
 from .failure import FailureHandler
 from .flush import LevelStager, RankWriter
+from .io_worker import IoWorker, LocalIo
 from .job_table import JobTable
 from .ownership import DirectoryOwnership
 from .replica import PeerReplicas, default_replica_dir
@@ -47,6 +49,7 @@ class SavePipeline:
     channel: CommitChannel
     signal: CommitSignal
     failures: FailureHandler
+    io: "IoWorker | LocalIo"
     stager: LevelStager | None
     writer: RankWriter
     skips: Skips
@@ -70,8 +73,9 @@ class SavePipeline:
         ctx = SaveContext(rank=rank, world_size=world_size, run_id=run_id, fail=failures.fail, check=failures.check,
                           timeout_s=timeout_s, telemetry=telemetry, local_dir=config.local_dir,
                           o_direct=config.o_direct, chunk_bytes=cache.chunk_bytes, device=device)
-        stager = LevelStager(ctx, signal) if ctx.local_dir else None
-        writer = RankWriter(ctx, cache, stager if stager is not None else signal, config.flush_pipelined())
+        io = open_io(config.flush_process, cache, timeout_s)
+        stager = LevelStager(ctx, signal, io.channel("stager")) if ctx.local_dir else None
+        writer = RankWriter(ctx, cache, stager if stager is not None else signal, io.channel("writer"))
         skips = Skips(ctx, config, jobs, cache, writer, channel, signal)
         scheduler = SnapshotScheduler(ctx, cache, make_copier(use_cuda, device), writer, skips)
         replicas = None
@@ -80,8 +84,9 @@ class SavePipeline:
             replicas = PeerReplicas(ctx, config.ranks_per_node, replica_dir)
         retention = RetentionStage(config, ownership, jobs, replicas)
         committer = Committer(ctx, channel=channel, signal=signal, skips=skips, may_remove=ownership.holds,
-                              retention=retention)
-        return cls(ctx, channel, signal, failures, stager, writer, skips, scheduler, replicas, retention, committer)
+                              retention=retention, io=io.channel("committer"))
+        return cls(ctx, channel, signal, failures, io, stager, writer, skips, scheduler, replicas, retention,
+                   committer)
 
     def stop(self, clean_end: bool) -> None:
         """Stop every thread, from the first stage to the last (``clean_end``: free the peer replicas held)."""
@@ -92,7 +97,16 @@ class SavePipeline:
         if self.stager is not None:
             self.stager.stop(5)
         self.committer.stop(5)
+        self.io.close()
         self.retention.stop(60)
+
+
+def open_io(in_process: bool, cache: HostCache, timeout_s: float) -> "IoWorker | LocalIo":
+    """The I/O worker process over the cache's shared memory, or the same operations on the calling
+    threads (``flush_process: false``, or no memfd on this system)."""
+    if in_process and cache.shared_fd is not None:
+        return IoWorker(cache.shared_fd, cache.nbytes, timeout_s)
+    return LocalIo(cache.shared_memory())
 
 
 __all__ = ["SavePipeline"]

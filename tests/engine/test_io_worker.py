@@ -1,0 +1,210 @@
+"""The I/O worker process (save/io_worker.py) and the operations it runs (save/io_ops.py).
+
+The worker checksums and writes what the training process put in the shared host cache. What it
+must get right: the same bytes and checksums as before, with or without the overlap of checksum
+and write; a request count per checkpoint that does not grow with the number of tensors (the
+point of it: each request is a GIL switch for the training thread); its failures reaching the
+training thread as errors (an ``OSError`` with its errno and file, its death, a missing reply);
+and its life bound to the engine's: started at the first write, ended at shutdown or when the
+training process dies, deaf to SIGINT and SIGTERM in between.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import xxhash
+
+from megatron_ext.engine import CheckpointEngine, CheckpointError, open_committed, read_manifest
+from megatron_ext.engine.save.io_ops import FileIo
+from megatron_ext.engine.save.io_worker import IoWorker, LocalIo
+
+from helpers.procs import child_env
+from helpers.states import FAST, TINY, assert_same, committed_names, seeded_state
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (ended, not reaped yet) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _until(condition, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting until {what}")
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_runs_give_the_file_and_its_checksums_with_or_without_overlap(tmp_path, overlap):
+    """Three runs over four tensors (one split across runs, one empty): the file's bytes, the
+    whole-file, per-tensor and sidecar checksums are what hashing the bytes directly gives."""
+    data = bytes(range(256)) * 64  # 16 KiB of file: header-less, tensors back to back
+    spans = [0, 5000, 5000, 5000, 5000, 12000, 12000, 16384]
+    memory = mmap.mmap(-1, 3 * 8192)
+    io = FileIo(memoryview(memory), overlap=overlap)
+    path = str(tmp_path / "f.safetensors")
+    sidecar = b'{"state": 1}'
+    try:
+        # The runs sit in the cache in another order than in the file (slots are where they were free).
+        for i, (offset, slot) in enumerate(((0, 2), (8192, 0))):
+            n = min(8192, len(data) - offset)
+            memory[slot * 8192:slot * 8192 + n] = data[offset:offset + n]
+            io.run(7, offset, slot * 8192, n, **({"path": path, "direct": False, "spans": spans} if i == 0 else {}))
+        sums = io.finish(7, len(data), str(tmp_path / "f.state.json"), sidecar)
+    finally:
+        io.close()
+    assert (tmp_path / "f.safetensors").read_bytes() == data
+    assert (tmp_path / "f.state.json").read_bytes() == sidecar
+    assert sums["file"] == xxhash.xxh3_64_hexdigest(data)
+    assert sums["tensors"] == [xxhash.xxh3_64_hexdigest(data[a:b]) for a, b in zip(spans[::2], spans[1::2])]
+    assert sums["sidecar"] == xxhash.xxh3_64_hexdigest(sidecar)
+
+
+def test_the_worker_starts_at_the_first_write_and_ends_at_shutdown(tmp_path):
+    engine = CheckpointEngine({"save_dir": str(tmp_path / "ckpt"), **TINY, **FAST})
+    try:
+        worker = engine.pipeline.io
+        assert isinstance(worker, IoWorker) and worker.pid is None  # nothing saved: no process
+        engine.save(seeded_state(1, 5000, (10, 10)), "A", version=1)
+        engine.commit("A")
+        engine.wait_persisted()
+        pid = worker.pid
+        assert pid is not None and _alive(pid)
+    finally:
+        engine.shutdown()
+    _until(lambda: not _alive(pid), "the worker ends with the engine")
+    with CheckpointEngine({"save_dir": str(tmp_path / "ckpt"), **FAST}, read_only=True) as reader:
+        assert_same(reader.load("A"), seeded_state(1, 5000, (10, 10)))
+        assert reader.pipeline.io.pid is None  # reading starts no worker
+
+
+def test_requests_per_checkpoint_do_not_grow_with_the_number_of_tensors(tmp_path):
+    """Each request costs the training thread a GIL switch: a checkpoint of 300 tensors makes as
+    many as one of 3 (one per run of cache slots, one per file, one per report and manifest)."""
+    def requests(count: int) -> dict:
+        calls: dict[str, int] = {}
+        with CheckpointEngine({"save_dir": str(tmp_path / f"n{count}"), "host_cache_size": 0.05, **FAST}) as engine:
+            for name in ("writer", "committer"):
+                channel = engine.pipeline.io.channel(name)
+                call = channel._call
+
+                def counted(op, args, payload=b"", call=call):
+                    calls[op] = calls.get(op, 0) + 1
+                    return call(op, args, payload)
+
+                channel._call = counted
+            state = {f"t{i}": torch.full((2000,), float(i)) for i in range(count)}
+            engine.save(state, "A", version=1)
+            engine.commit("A")
+            engine.wait_persisted()
+            assert_same(engine.load("A"), state)
+        return calls
+
+    few, many = requests(3), requests(300)
+    assert few == many == {"run": 1, "finish": 1, "atomic_write": 2}
+
+
+def test_an_os_error_in_the_worker_reaches_the_caller_with_its_errno_and_file(tmp_path):
+    engine = CheckpointEngine({"save_dir": str(tmp_path / "ckpt"), **TINY, **FAST})
+    try:
+        # A directory where the tensor file goes: the worker's open fails with EISDIR.
+        target = tmp_path / "ckpt" / "A" / f"rank00000.{engine.run_id}.safetensors"
+        target.mkdir(parents=True)
+        engine.save(seeded_state(1, 5000, (10, 10)), "A", version=1)
+        with pytest.raises(CheckpointError) as info:
+            engine.wait_persisted()
+        cause = info.value.__cause__
+        assert isinstance(cause, OSError) and cause.errno == errno.EISDIR and cause.filename == str(target)
+    finally:
+        with pytest.raises(CheckpointError):
+            engine.shutdown(timeout=10)
+
+
+def test_a_killed_worker_fails_the_checkpoint_on_the_training_thread(tmp_path):
+    root = tmp_path / "ckpt"
+    engine = CheckpointEngine({"save_dir": str(root), **TINY, **FAST})
+    try:
+        engine.save(seeded_state(1, 5000, (10, 10)), "A", version=1)
+        engine.commit("A")
+        engine.wait_persisted()
+        os.kill(engine.pipeline.io.pid, signal.SIGKILL)
+        _until(lambda: engine.pipeline.io._proc.poll() is not None, "the worker is gone")
+        engine.save(seeded_state(2, 5000, (10, 10)), "B", version=2)
+        engine.commit("B")
+        with pytest.raises(CheckpointError, match="I/O worker process .* ended with signal 9"):
+            engine.wait_persisted()
+    finally:
+        with pytest.raises(CheckpointError):
+            engine.shutdown(timeout=10)
+    assert committed_names(root) == ["A"]
+    assert read_manifest(str(root / "B")) is None
+
+
+def test_the_worker_ignores_sigint_and_sigterm(tmp_path):
+    """An interrupt or a scheduler's SIGTERM reaches the whole job: the training process may still
+    be saving its last checkpoint, which the worker must write."""
+    with CheckpointEngine({"save_dir": str(tmp_path / "ckpt"), **TINY, **FAST}) as engine:
+        engine.save(seeded_state(1, 5000, (10, 10)), "A", version=1)
+        engine.commit("A")
+        engine.wait_persisted()
+        pid = engine.pipeline.io.pid
+        os.kill(pid, signal.SIGINT)
+        os.kill(pid, signal.SIGTERM)
+        engine.save(seeded_state(2, 5000, (10, 10)), "B", version=2)
+        engine.commit("B")
+        engine.wait_persisted()
+        assert engine.pipeline.io.pid == pid and _alive(pid)
+        assert_same(engine.load("B"), seeded_state(2, 5000, (10, 10)))
+
+
+_ORPHAN = """
+import os, signal, sys, torch
+from megatron_ext.engine import CheckpointEngine
+e = CheckpointEngine({"save_dir": sys.argv[1], "host_cache_size": 0.01})
+e.save({"x": torch.ones(1000)}, "A", version=1); e.commit("A"); e.wait_persisted()
+print(e.pipeline.io.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_worker_ends_when_the_training_process_is_killed(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _ORPHAN, str(tmp_path / "ckpt")], env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    pid = int(proc.stdout.split()[-1])
+    _until(lambda: not _alive(pid), "the orphaned worker exits")
+
+
+def test_without_the_worker_process_the_same_files_are_written(tmp_path):
+    """``flush_process: false``: the operations on the engine's own threads, the same checkpoint."""
+    state = seeded_state(3, 20_000, (30, 40))
+    names: dict = {}
+    for mode in (True, False):
+        root = tmp_path / f"p{mode}"
+        with CheckpointEngine({"save_dir": str(root), **TINY, **FAST, "flush_process": mode}) as engine:
+            engine.save(state, "A", version=1)
+            engine.commit("A")
+            engine.wait_persisted()
+            io = engine.pipeline.io
+            assert isinstance(io, IoWorker) and io.pid is not None if mode else isinstance(io, LocalIo)
+            assert_same(engine.load("A"), state)
+            tensors = open_committed(str(root), "A").tensors("rank00000")
+            names[mode] = {name: (t.begin, t.end, t.checksum) for name, t in tensors.items()}
+    assert names[True] == names[False]  # the files differ only in their run ids
