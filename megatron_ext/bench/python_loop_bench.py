@@ -22,7 +22,9 @@ pure-Python work (``offcpu_s_<mode>``: wall time less the thread's own CPU time)
 blocks by itself, so that is time spent waiting for the GIL or for a core taken by the saver:
 what a checkpoint takes from the training loop, measured inside each process and so not moved by
 the drift of the machine's speed between processes, which on a shared virtual machine is larger
-than the effect (compare ``iter_s_none`` over rounds).
+than the effect (compare ``iter_s_none`` over rounds). Children run with ``OMP_NUM_THREADS=1``
+unless it is set, as torchrun starts every rank: torch's intra-op threads in a CPU copy would
+otherwise take the training thread's core, for every mode alike.
 
 For DCP a new save first waits for the previous upload (one checkpoint in flight, as torchtitan and
 Megatron-LM do); that wait counts as blocked time. Each mode runs in a fresh process (the GIL is a
@@ -261,6 +263,7 @@ def _run_child(mode: str, rounds_n: int, size_gb: float, iters: int, directory: 
     if stage_off is not None:
         cmd += ["--stage-off", stage_off]
     env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default per rank: torch copies on one core
     env.setdefault("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     shutil.rmtree(directory, ignore_errors=True)
