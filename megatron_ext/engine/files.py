@@ -22,6 +22,13 @@ from .errors import CheckpointError
 #: The block O_DIRECT needs offsets, lengths and memory aligned to; the tensor file's header is
 #: padded to it (format/safetensors.py) and the host cache's slots are multiples of it.
 ALIGN = 4096
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align`` (an O_DIRECT length, a padded header)."""
+    return (n + align - 1) // align * align
+
+
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _probe_lock = threading.Lock()
 _probe_cache: dict[str, bool] = {}

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..files import ALIGN  # the O_DIRECT block (4 KiB): the header is padded to it
+from ..files import round_up  # to the O_DIRECT block (files.ALIGN, 4 KiB): the header is padded to it
 
 #: The checkpoint format's one version number (the manifest's and the rank reports' ``format_version``;
 #: docs/FORMAT.md). Defined here, below ``manifest``, so both modules share it.
@@ -84,10 +84,6 @@ def shape_elements(shape: Any, itemsize: int = 1) -> int:
         if extent > INT64_MAX:
             raise ValueError(f"shape {shape} does not fit an int64 (at {itemsize} bytes an element)")
     return math.prod(shape)
-
-
-def round_up(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
 
 
 @dataclasses.dataclass

@@ -37,7 +37,8 @@ import torch
 import xxhash
 
 from ..errors import CacheError, CheckpointError
-from ..format.safetensors import round_up, torch_dtype
+from ..files import round_up
+from ..format.safetensors import torch_dtype
 from .read_plan import (
     O_DIRECT_FLAG,
     READ_PIECE,

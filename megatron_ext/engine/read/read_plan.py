@@ -22,8 +22,7 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError
-from ..files import open_regular
-from ..format.safetensors import ALIGN, round_up
+from ..files import ALIGN, open_regular, round_up
 
 O_DIRECT_FLAG = getattr(os, "O_DIRECT", 0)
 #: Bytes one thread reads per request: large enough to stream, small enough to spread over threads.

@@ -23,7 +23,7 @@ import errno
 import itertools
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .. import faults
 from ..device import bind_thread
@@ -64,12 +64,16 @@ class _DirectChoice:
             direct = self._by_root[root] = _use_direct(self.setting, root)
         return direct
 
-    def retry(self, exc: OSError, direct: bool, directory: str) -> bool | None:
-        """After a write that failed with ``exc``: the choice for ``directory`` itself when O_DIRECT
-        was refused there (another file system mounted under the root), else None (a real failure)."""
-        if not direct or exc.errno != errno.EINVAL:
-            return None
-        return _use_direct(self.setting, directory)
+    def attempt(self, root: str, directory: str, write: Callable[[bool], None]) -> None:
+        """``write(direct)`` with the root's choice; where O_DIRECT is refused with EINVAL anyway
+        (another file system mounted under the root), once more with ``directory``'s own."""
+        direct = self(root)
+        try:
+            write(direct)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            write(_use_direct(self.setting, directory))
 
 
 class RankWriter(QueueWorker):
@@ -142,14 +146,8 @@ class RankWriter(QueueWorker):
         fjob.job.make_directory(directory)
         number = self._open[id(fjob)] = next(self._numbers)
         spans = [bound for s in fjob.layout.spans for bound in (s.start, s.end)]
-        direct = self._direct(root)
-        try:
-            self.io.run(number, chunk.offset, cache_offset, chunk.nbytes, path=path, direct=direct, spans=spans)
-        except OSError as exc:
-            direct = self._direct.retry(exc, direct, directory)
-            if direct is None:
-                raise
-            self.io.run(number, chunk.offset, cache_offset, chunk.nbytes, path=path, direct=direct, spans=spans)
+        self._direct.attempt(root, directory, lambda direct: self.io.run(
+            number, chunk.offset, cache_offset, chunk.nbytes, path=path, direct=direct, spans=spans))
 
     def _finish(self, fjob: FileJob) -> None:
         """The file's last run is written: the worker makes it and its sidecar durable."""
@@ -234,14 +232,8 @@ class LevelStager(QueueWorker):
         directory = os.path.dirname(dst_path)
         fjob.job.make_directory(directory)
         faults.before_write(LEVEL_SHARED, dst_path, 0, size)
-        direct = self._direct(root)
-        try:
-            self.io.stage(src_path, dst_path, direct, expected, self.ctx.chunk_bytes)
-        except OSError as exc:
-            direct = self._direct.retry(exc, direct, directory)
-            if direct is None:
-                raise
-            self.io.stage(src_path, dst_path, direct, expected, self.ctx.chunk_bytes)
+        self._direct.attempt(root, directory, lambda direct: self.io.stage(
+            src_path, dst_path, direct, expected, self.ctx.chunk_bytes))
 
 
 def remove_files(root: str, job: FileJob) -> None:

@@ -19,15 +19,11 @@ import os
 
 import xxhash
 
-from ..files import ALIGN, ChunkFile, atomic_write, fsync_dir, write_durable
+from ..files import ChunkFile, atomic_write, fsync_dir, round_up, write_durable
 
 
 class IoError(Exception):
     """An operation failed for a reason other than the operating system's (a checksum mismatch)."""
-
-
-def round_up(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
 
 
 _EMPTY_DIGEST = xxhash.xxh3_64().hexdigest()

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-fd", type=int, required=True)
     p.add_argument("--cache-bytes", type=int, required=True)
     p.add_argument("--channel-fd", type=int, action="append", required=True)
-    p.add_argument("--overlap", action="store_true", help="checksum each run while it is written (two cores)")
+    p.add_argument("--overlap", action="store_true", help="checksum each run on a second thread while it is written")
     args = p.parse_args(argv)
     # The training process decides when the flush ends: an interrupt or a scheduler's SIGTERM to the
     # job must not stop the writes of the checkpoint it is finishing.

@@ -101,10 +101,10 @@ class SavePipeline:
         self.retention.stop(60)
 
 
-def open_io(in_process: bool, cache: HostCache, timeout_s: float) -> "IoWorker | LocalIo":
-    """The I/O worker process over the cache's shared memory, or the same operations on the calling
-    threads (``flush_process: false``, or no memfd on this system)."""
-    if in_process and cache.shared_fd is not None:
+def open_io(use_worker: bool, cache: HostCache, timeout_s: float) -> "IoWorker | LocalIo":
+    """The I/O worker process over the cache's shared memory (``use_worker``: ``flush_process``), or
+    the same operations on the calling threads (``flush_process: false``, or no memfd on this system)."""
+    if use_worker and cache.shared_fd is not None:
         return IoWorker(cache.shared_fd, cache.nbytes, timeout_s)
     return LocalIo(cache.shared_memory())
 
