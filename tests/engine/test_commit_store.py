@@ -15,6 +15,7 @@ from megatron_ext.bench.commit_bench import OpCounter
 from megatron_ext.engine import CheckpointEngine, CheckpointError
 from megatron_ext.engine.save.commit import job_key
 
+from helpers.procs import wait_until
 from helpers.states import FAST, TINY
 
 RUN = "0123456789ab"
@@ -26,13 +27,6 @@ def _pair(tmp_path, store=None, **config):
     return [CheckpointEngine(cfg, rank=r, world_size=2, run_id=RUN, commit_store=store) for r in (0, 1)]
 
 
-def _until(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("early", [0, 1])
 def test_a_rank_waiting_for_the_commit_makes_no_file_system_call(tmp_path, early):
     engines = _pair(tmp_path)
@@ -41,7 +35,7 @@ def test_a_rank_waiting_for_the_commit_makes_no_file_system_call(tmp_path, early
         engines[early].save({"w": torch.ones(1000) * early}, "A", f"r{early}", version=1)
         job = engines[early].commit("A")
         key = job_key(job)
-        _until(lambda: early not in engines[early].channel.missing(key), "the early rank posts its status")
+        wait_until(lambda: early not in engines[early].channel.missing(key), "the early rank posts its status")
         waiter = engines[early].committer._thread.ident
         with OpCounter() as ops:
             time.sleep(1.5)  # the early rank waits for the late one: the file-based protocol polled here

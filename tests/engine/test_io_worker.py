@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -27,28 +26,8 @@ from megatron_ext.engine import CheckpointEngine, CheckpointError, open_committe
 from megatron_ext.engine.save.io_ops import FileIo
 from megatron_ext.engine.save.io_worker import IoWorker, LocalIo
 
-from helpers.procs import child_env
+from helpers.procs import alive, child_env, wait_until
 from helpers.states import FAST, TINY, assert_same, committed_names, seeded_state
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie (ended, not reaped yet) counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _until(condition, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -86,10 +65,10 @@ def test_the_worker_starts_at_the_first_write_and_ends_at_shutdown(tmp_path):
         engine.commit("A")
         engine.wait_persisted()
         pid = worker.pid
-        assert pid is not None and _alive(pid)
+        assert pid is not None and alive(pid)
     finally:
         engine.shutdown()
-    _until(lambda: not _alive(pid), "the worker ends with the engine")
+    wait_until(lambda: not alive(pid), "the worker ends with the engine", timeout=20)
     with CheckpointEngine({"save_dir": str(tmp_path / "ckpt"), **FAST}, read_only=True) as reader:
         assert_same(reader.load("A"), seeded_state(1, 5000, (10, 10)))
         assert reader.pipeline.io.pid is None  # reading starts no worker
@@ -145,7 +124,7 @@ def test_a_killed_worker_fails_the_checkpoint_on_the_training_thread(tmp_path):
         engine.commit("A")
         engine.wait_persisted()
         os.kill(engine.pipeline.io.pid, signal.SIGKILL)
-        _until(lambda: engine.pipeline.io._proc.poll() is not None, "the worker is gone")
+        wait_until(lambda: engine.pipeline.io._proc.poll() is not None, "the worker is gone", timeout=20)
         engine.save(seeded_state(2, 5000, (10, 10)), "B", version=2)
         engine.commit("B")
         with pytest.raises(CheckpointError, match="I/O worker process .* ended with signal 9"):
@@ -170,7 +149,7 @@ def test_the_worker_ignores_sigint_and_sigterm(tmp_path):
         engine.save(seeded_state(2, 5000, (10, 10)), "B", version=2)
         engine.commit("B")
         engine.wait_persisted()
-        assert engine.pipeline.io.pid == pid and _alive(pid)
+        assert engine.pipeline.io.pid == pid and alive(pid)
         assert_same(engine.load("B"), seeded_state(2, 5000, (10, 10)))
 
 
@@ -189,7 +168,7 @@ def test_the_worker_ends_when_the_training_process_is_killed(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     pid = int(proc.stdout.split()[-1])
-    _until(lambda: not _alive(pid), "the orphaned worker exits")
+    wait_until(lambda: not alive(pid), "the orphaned worker exits", timeout=20)
 
 
 def test_without_the_worker_process_the_same_files_are_written(tmp_path):

@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 from megatron_ext.procs import free_port, torchrun_command
 
-__all__ = ["REPO", "TESTS", "child_env", "free_port", "run_worker", "torchrun_command"]
+__all__ = ["REPO", "TESTS", "alive", "child_env", "free_port", "run_worker", "torchrun_command", "wait_until"]
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
@@ -38,3 +40,27 @@ def _checked(proc: subprocess.CompletedProcess, check_rc: int | None) -> subproc
             f"child exited {proc.returncode}, expected {check_rc}\nstdout:\n{proc.stdout[-3000:]}\n"
             f"stderr:\n{proc.stderr[-5000:]}")
     return proc
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs; a zombie (ended, not reaped yet) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # the state follows the command name, which may itself hold spaces or parentheses
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll ``predicate`` until it holds; an ``AssertionError`` naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting until {what}")
+        time.sleep(0.01)

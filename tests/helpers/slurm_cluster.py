@@ -21,6 +21,8 @@ from pathlib import Path
 
 from megatron_ext.procs import free_port
 
+from helpers.procs import alive
+
 PACKAGES = ["slurm-wlm", "munge"]
 BINARIES = ["munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo"]
 APT_TIMEOUT_S = 240
@@ -71,20 +73,6 @@ def _read_pid(path: Path) -> int | None:
         return int(path.read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie is not alive for our purposes.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 class Cluster:
@@ -248,15 +236,15 @@ PartitionName=debug Nodes={self.hostname} Default=YES MaxTime=INFINITE State=UP
                 pass
         for name in ("slurmd", "slurmctld", "munged"):
             pid = _read_pid(self.pidfiles[name])
-            if pid is None or not _alive(pid):
+            if pid is None or not alive(pid):
                 continue
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 continue
             deadline = time.monotonic() + 15
-            while _alive(pid) and time.monotonic() < deadline:
+            while alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(self.base, ignore_errors=True)
