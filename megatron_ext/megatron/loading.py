@@ -17,6 +17,9 @@ The steps of one checkpoint (``CheckpointLoad._load_from``), as Megatron-LM's ow
 5. load the model chunks (Transformer Engine's extra state checked first), then the optimizer
    and the scheduler;
 6. the rerun state machine and the RNGs, where Megatron-LM restores them.
+
+The "loaded" line in the log gives the seconds of each (``open``, ``meta``, ``allocate``, ``template``,
+``read``, ``model``, ``optimizer``, ``rng``) on that rank.
 """
 
 from __future__ import annotations
@@ -124,6 +127,16 @@ class CheckpointLoad:
         self.owner, self.args, self.native, self.request = owner, args, native, request
         # This rank's bytes in the checkpoint last opened, and whence: an ``auto`` host cache's size.
         self.rank_bytes: tuple[int | None, str] = (None, "")
+        self.step_seconds: dict[str, float] = {}  # of the last checkpoint tried, for the log
+
+    @contextlib.contextmanager
+    def _step(self, name: str) -> Iterator[None]:
+        """Time one step of a checkpoint's load (summed when it repeats) for the "loaded" log line."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.step_seconds[name] = self.step_seconds.get(name, 0.0) + time.perf_counter() - started
 
     def run(self) -> tuple[int, Any]:
         """``(iteration, num_floating_point_operations_so_far)`` of the checkpoint loaded; ``(0, 0)`` for none."""
@@ -175,8 +188,9 @@ class CheckpointLoad:
             outcome = 0 if error is None else 2 if isinstance(error, ModelMismatch) else 1
             outcome = all_reduce_int(outcome, torch.distributed.ReduceOp.MAX)
             if not outcome:
-                log.warning("[datastates] loaded %s from %s (%s level) in %.2fs: iteration %d",
-                            checkpoint_name(candidate), root, levels, time.monotonic() - started, result[0])
+                steps = ", ".join(f"{name} {seconds:.2f}s" for name, seconds in self.step_seconds.items())
+                log.warning("[datastates] loaded %s from %s (%s level) in %.2fs (%s): iteration %d",
+                            checkpoint_name(candidate), root, levels, time.monotonic() - started, steps, result[0])
                 if getattr(self.args, "save", None):  # now, so its cache is ready before the first save's copies
                     self.owner.get_engine(self.args, *self.rank_bytes)
                 return tuple(result)
@@ -202,6 +216,7 @@ class CheckpointLoad:
         are refreshed from the loaded weights); RNGs unless ``--no-load-rng``, ``--finetune``, a
         release, or another TP/PP layout; the rerun state machine only on the same world and layout.
         """
+        self.step_seconds = {}
         with self._opened(root, iteration) as ckpt:
             return self._load_from(root, ckpt, iteration)
 
@@ -222,6 +237,7 @@ class CheckpointLoad:
         freed after the load) and every rank's level agreed."""
         name = checkpoint_name(iteration)
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        started = time.perf_counter()
         engine = self._run_engine(root, iteration)
         staging: HostCache | None = None
         try:
@@ -238,6 +254,7 @@ class CheckpointLoad:
             self.rank_bytes = _rank_bytes(ckpt.manifest, ckpt.checkpoint)
             level = ckpt.agree_level(rank, world)  # every rank node-local, or every rank shared
             log.info("[datastates] rank %d reads %s from the %s level", rank, ckpt.checkpoint, level)
+            self.step_seconds["open"] = time.perf_counter() - started
             yield ckpt
         finally:
             if staging is not None:
@@ -248,21 +265,26 @@ class CheckpointLoad:
         args, request = self.args, self.request
         release = iteration == RELEASE
         finetune = bool(getattr(args, "finetune", False))
-        saved = self._saved_run(root, ckpt, finetune)
+        with self._step("meta"):
+            saved = self._saved_run(root, ckpt, finetune)
         optimizer_format = core_state.optimizer_format(saved.common.get("optimizer"))
         with_optimizer = (request.optimizer is not None and not release and not finetune
                           and not getattr(args, "no_load_optim", False))
         if with_optimizer:
-            self._prepare_optimizer(saved, optimizer_format)
+            with self._step("allocate"):
+                self._prepare_optimizer(saved, optimizer_format)
         state, object_sources = self._read_state(saved, optimizer_format, with_optimizer)
-        if not request.skip_load_to_model_and_opt:
-            self._load_model(state, saved, object_sources)
-        if with_optimizer:
-            self._load_optimizer(state, saved, optimizer_format)
-        elif request.optimizer is not None and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):
-            request.optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
-        if not release and not finetune:
-            self._load_run_state(saved)
+        with self._step("model"):
+            if not request.skip_load_to_model_and_opt:
+                self._load_model(state, saved, object_sources)
+        with self._step("optimizer"):
+            if with_optimizer:
+                self._load_optimizer(state, saved, optimizer_format)
+            elif request.optimizer is not None and (getattr(args, "fp16", False) or getattr(args, "bf16", False)):
+                request.optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
+        with self._step("rng"):
+            if not release and not finetune:
+                self._load_run_state(saved)
         if request.optimizer is not None:  # as Megatron-LM, for optimizers of checkpoints that predate the field
             for group in request.optimizer.param_groups:
                 group.setdefault("default_config", True)
@@ -313,15 +335,17 @@ class CheckpointLoad:
         from megatron.core.dist_checkpointing.utils import extract_sharded_base
 
         model = core_state.unwrap(self.request.ddp_model)
-        template = core_state.sharded_state(model, self.request.optimizer, with_optimizer, optimizer_format,
-                                            is_loading=True)
-        sharded, nonpersistent, factories = load_preprocess(template)
-        sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"
+        with self._step("template"):
+            template = core_state.sharded_state(model, self.request.optimizer, with_optimizer, optimizer_format,
+                                                is_loading=True)
+            sharded, nonpersistent, factories = load_preprocess(template)
+            sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"
         # Converted from fully_reshardable: the optimizer's boxes are whole, each rank's slices are cut from them.
         boxes = (saved.reshard or SavedShards(saved.ckpt)) if with_optimizer and optimizer_forms.whole_boxes(
             saved.common.get("optimizer")) else None
-        object_sources = fill_sharded(saved.ckpt, sharded, saved.tensor_index, saved.object_index, saved.reshard,
-                                      boxes)
+        with self._step("read"):
+            object_sources = fill_sharded(saved.ckpt, sharded, saved.tensor_index, saved.object_index, saved.reshard,
+                                          boxes)
         common = saved.common
         merge(common, nonpersistent)
         merge(common, sharded)
