@@ -43,6 +43,14 @@ def test_megatron_load_timer_parsing():
         megatron_load_bench.load_timer_s("nothing")
 
 
+def test_megatron_runs_keep_bytecode_as_a_cluster_does(monkeypatch):
+    # Compiling megatron_ext at the first load_checkpoint would land in its timer (docs/BENCHMARKS.md).
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    env = megatron_load_bench._environment()
+    assert "PYTHONDONTWRITEBYTECODE" not in env
+    assert env["OMP_NUM_THREADS"] == "1" and env["CUDA_VISIBLE_DEVICES"] == ""
+
+
 def test_plain_read_reads_each_ranks_files_in_processes_of_their_own(tmp_path):
     """The Megatron load's disk limit: one process per rank, each reading that rank's tensor files."""
     import torch
