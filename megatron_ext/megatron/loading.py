@@ -237,24 +237,23 @@ class CheckpointLoad:
         freed after the load) and every rank's level agreed."""
         name = checkpoint_name(iteration)
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        started = time.perf_counter()
-        engine = self._run_engine(root, iteration)
         staging: HostCache | None = None
         try:
-            if engine is not None:
-                ckpt = engine.open_checkpoint(name, root=root)
-            else:
-                config = EngineConfig.from_dict({**adapter_engine_config(self.args), "save_dir": root,
-                                                 "host_cache_size": READER_CACHE_GB}, probe=False)
-                staging = HostCache(config.host_cache_bytes, config.chunk_bytes, pin=torch.cuda.is_available(),
-                                    device=rank_device())
-                options = ReadOptions.from_config(config, rank=rank, staging=staging,
-                                                  classes=config.allowed_classes())
-                ckpt = open_committed(os.path.abspath(root), name, options)
-            self.rank_bytes = _rank_bytes(ckpt.manifest, ckpt.checkpoint)
-            level = ckpt.agree_level(rank, world)  # every rank node-local, or every rank shared
-            log.info("[datastates] rank %d reads %s from the %s level", rank, ckpt.checkpoint, level)
-            self.step_seconds["open"] = time.perf_counter() - started
+            with self._step("open"):
+                engine = self._run_engine(root, iteration)
+                if engine is not None:
+                    ckpt = engine.open_checkpoint(name, root=root)
+                else:
+                    config = EngineConfig.from_dict({**adapter_engine_config(self.args), "save_dir": root,
+                                                     "host_cache_size": READER_CACHE_GB}, probe=False)
+                    staging = HostCache(config.host_cache_bytes, config.chunk_bytes, pin=torch.cuda.is_available(),
+                                        device=rank_device())
+                    options = ReadOptions.from_config(config, rank=rank, staging=staging,
+                                                      classes=config.allowed_classes())
+                    ckpt = open_committed(os.path.abspath(root), name, options)
+                self.rank_bytes = _rank_bytes(ckpt.manifest, ckpt.checkpoint)
+                level = ckpt.agree_level(rank, world)  # every rank node-local, or every rank shared
+                log.info("[datastates] rank %d reads %s from the %s level", rank, ckpt.checkpoint, level)
             yield ckpt
         finally:
             if staging is not None:
