@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 #: One colour per approach, the same in every figure.
 COLORS = {"datastates": "tab:green", "torch.save": "tab:red", "DCP async (thread)": "tab:blue",
-          "DCP async (process)": "tab:cyan", "megatron-core async": "tab:purple",
+          "DCP async (process)": "tab:cyan", "DCP + DefaultStager": "tab:brown", "megatron-core async": "tab:purple",
           "DeepSpeed default": "tab:orange", "no checkpoints": "tab:gray"}
 PHASE_COLORS = {"snapshot": "tab:green", "flush local": "tab:olive", "flush shared": "tab:blue",
                 "commit": "tab:purple", "training blocked": "tab:red"}
@@ -106,13 +106,14 @@ def _finish(ax, title: str, xlabel: str, ylabel: str, log: bool) -> None:
 
 def _save(fig, path: str) -> str:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # the title and the outside legend too
     plt.close(fig)
     return path
 
 
 def _short(v: float) -> str:
-    return f"{v:.3g}"
+    """Three significant digits, trailing zeros kept (a ratio of 1.004 reads 1.00, not 1)."""
+    return f"{v:#.3g}".rstrip(".")
 
 
 def _natural(row: str) -> tuple:
