@@ -498,10 +498,20 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
 
 
 def _saves_with_torch_dist(argv: list[str]) -> bool:
-    """Whether this run saves with Megatron-LM's own ``torch_dist`` format (the default one)."""
-    if "--save" not in argv or "--use-datastates" in argv:
+    """Whether this run saves with Megatron-LM's own ``torch_dist`` format (the default one).
+
+    Read as Megatron-LM's parser reads these three flags (``--flag value`` or ``--flag=value``);
+    a flag without its value is left for that parser to refuse.
+    """
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    parser.add_argument("--save")
+    parser.add_argument("--use-datastates", action="store_true")
+    parser.add_argument("--ckpt-format", default="torch_dist")
+    try:
+        args, _ = parser.parse_known_args(argv)
+    except argparse.ArgumentError:
         return False
-    return "--ckpt-format" not in argv or argv[argv.index("--ckpt-format") + 1] == "torch_dist"
+    return args.save is not None and not args.use_datastates and args.ckpt_format == "torch_dist"
 
 
 def _start_torch_dist_results_queue() -> None:
@@ -510,8 +520,8 @@ def _start_torch_dist_results_queue() -> None:
     The queue lives in a manager process started with ``spawn``, and a spawned child imports the
     parent's ``__main__``: at the first save that is ``pretrain_gpt.py``, which imports all of
     Megatron-LM (measured at 8 ranks on 2 cores: that save took 53 s on a slow VM and 20.6 s on a
-    faster one, against 3.2 s with the queue started here). Started here, the child imports this module. The queue is the one the writer would have made; only the
-    time it is made moves.
+    faster one, against 3.2 s with the queue started here). Started here, the child imports this
+    module. The queue is the one the writer would have made; only the time it is made moves.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
