@@ -8,6 +8,8 @@
   iteration's loss and grad norm, and can SIGKILL every rank at a chosen iteration.
 * ``deepspeed_harness``: a tiny model trained with real DeepSpeed on CPU ranks, saving through
   ``datastates`` or DeepSpeed's own engine.
+* ``commit_wait``: crash tests wait (bounded) for a committed checkpoint before the kill, so a
+  loaded machine's slower commits cannot leave nothing to resume from.
 * ``demo``: the engine alone on a toy model (``megatron-ext demo``).
 * ``main_job``: the README's main job (``megatron-ext main-job``, ``scripts/run_main.sh``):
   ``pretrain_gpt.py`` through ``megatron_lm`` with ``--use-datastates --save-interval 1``, SIGKILL,

@@ -144,26 +144,14 @@ def _datastates_wait_total(engine) -> float:
     return getattr(getattr(adapter, "engine", None), "wait_total_s", 0.0)
 
 
-def _await_committed(save_dir: str, step: int, rank: int, timeout_s: float = 300.0) -> None:
-    """Rank 0 waits until ``latest`` names ``step`` or later; every rank then goes on together.
-
-    The checkpoints after it may still be in flight: the kill that follows lands mid-flush, and
-    the restart has a committed tag to resume from however slow the machine is.
-    """
+def _await_committed(save_dir: str, step: int, rank: int) -> None:
+    """Rank 0 waits until ``latest`` names ``step`` or later (``commit_wait``); every rank then goes on together."""
     import torch.distributed as dist
 
+    from megatron_ext.testing.commit_wait import await_tracker
+
     if rank == 0:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with open(os.path.join(save_dir, "latest")) as f:
-                    if int(f.read().strip().removeprefix("global_step")) >= step:
-                        break
-            except (FileNotFoundError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"no checkpoint of step {step} or later was committed within {timeout_s:.0f}s")
-            time.sleep(0.05)
+        await_tracker(os.path.join(save_dir, "latest"), step, lambda tag: int(tag.removeprefix("global_step")))
     dist.barrier()
 
 

@@ -407,13 +407,23 @@ def _age_training_clock() -> None:
     training._TRAIN_START_TIME -= 24 * 3600
 
 
-def _install_killer(iteration: int) -> None:
-    """SIGKILL this rank once iteration ``iteration`` is trained and its save (if any) was called."""
+def _install_killer(iteration: int, committed_before: int | None = None, save_dir: str | None = None) -> None:
+    """SIGKILL this rank once iteration ``iteration`` is trained and its save (if any) was called.
+
+    With ``committed_before``, that save is called only once the tracker under ``save_dir`` names
+    that iteration or a later one (``commit_wait``). Every rank reads the tracker itself: a
+    collective there would meet Megatron-LM's own.
+    """
     from megatron.training import training
+
+    from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE
+    from megatron_ext.testing.commit_wait import await_tracker
 
     inner = training.checkpoint_and_decide_exit
 
     def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, it, *args: Any, **kwargs: Any):
+        if it == iteration and committed_before is not None:
+            await_tracker(os.path.join(save_dir, TRACKER_FILE), committed_before, int)
         decision = inner(model, optimizer, opt_param_scheduler, it, *args, **kwargs)
         if it == iteration:
             kill_process_tree()
@@ -435,7 +445,8 @@ def environment(base: dict | None = None, gpu: bool = False) -> dict:
 
 def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, record: str | None = None,
                      kill_at: int | None = None, sigterm_at: int | None = None,
-                     expire_at: int | None = None, late_copies: bool = False) -> list[str]:
+                     expire_at: int | None = None, late_copies: bool = False,
+                     committed_before_kill: int | None = None) -> list[str]:
     """torchrun on this machine running ``pretrain_gpt.py`` of ``checkout`` through this harness."""
     from megatron_ext.procs import torchrun_command as torchrun
 
@@ -444,6 +455,8 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
         harness += ["--record", str(record)]
     if kill_at is not None:
         harness += ["--kill-at-iteration", str(kill_at)]
+    if committed_before_kill is not None:
+        harness += ["--committed-before-kill", str(committed_before_kill)]
     if sigterm_at is not None:
         harness += ["--sigterm-at-iteration", str(sigterm_at)]
     if expire_at is not None:
@@ -463,7 +476,8 @@ def read_records(path: str | Path) -> list[dict]:
 
 # ---------------------------------------------------------------------------- entry point
 def run(script: Path, argv: list[str], record: str | None = None, kill_at: int | None = None,
-        signal_at: int | None = None, expire_at: int | None = None, late_copies: bool = False) -> None:
+        signal_at: int | None = None, expire_at: int | None = None, late_copies: bool = False,
+        committed_before_kill: int | None = None) -> None:
     """Run ``script`` (a checkout's ``pretrain_gpt.py``) as ``__main__`` with ``argv`` on CPU ranks."""
     from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
     from megatron_ext.testing.emulated_nccl import enable_emulated_nccl
@@ -482,7 +496,7 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
     if record:
         _install_recorder(record)
     if kill_at is not None:
-        _install_killer(kill_at)
+        _install_killer(kill_at, committed_before_kill, _checkpoint_flags(argv).save)
     if signal_at is not None:  # a scheduler's SIGTERM, for --exit-signal-handler
         _after_step(signal_at, lambda: os.kill(os.getpid(), signal.SIGTERM))
     if expire_at is not None:
@@ -498,20 +512,25 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
 
 
 def _saves_with_torch_dist(argv: list[str]) -> bool:
-    """Whether this run saves with Megatron-LM's own ``torch_dist`` format (the default one).
+    """Whether this run saves with Megatron-LM's own ``torch_dist`` format (the default one)."""
+    flags = _checkpoint_flags(argv)
+    return flags.save is not None and not flags.use_datastates and flags.ckpt_format == "torch_dist"
 
-    Read as Megatron-LM's parser reads these three flags (``--flag value`` or ``--flag=value``);
-    a flag without its value is left for that parser to refuse.
+
+def _checkpoint_flags(argv: list[str]) -> argparse.Namespace:
+    """``--save``, ``--use-datastates`` and ``--ckpt-format``, read as Megatron-LM's parser reads them.
+
+    ``--flag value`` or ``--flag=value``; a flag without its value reads as absent, left for that
+    parser to refuse.
     """
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     parser.add_argument("--save")
     parser.add_argument("--use-datastates", action="store_true")
     parser.add_argument("--ckpt-format", default="torch_dist")
     try:
-        args, _ = parser.parse_known_args(argv)
+        return parser.parse_known_args(argv)[0]
     except argparse.ArgumentError:
-        return False
-    return args.save is not None and not args.use_datastates and args.ckpt_format == "torch_dist"
+        return argparse.Namespace(save=None, use_datastates=False, ckpt_format=None)
 
 
 def _start_torch_dist_results_queue() -> None:
@@ -538,6 +557,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--script", default="pretrain_gpt.py", help="training script in the checkout")
     parser.add_argument("--record", help="append one JSON line per training step here")
     parser.add_argument("--kill-at-iteration", type=int, help="SIGKILL every rank after this iteration's save call")
+    parser.add_argument("--committed-before-kill", type=int, metavar="ITERATION",
+                        help="with --kill-at-iteration: before that iteration's save, wait (bounded) until the "
+                             "tracker under --save names this iteration or a later one, so the crash always "
+                             "leaves a committed checkpoint behind")
     parser.add_argument("--sigterm-at-iteration", type=int,
                         help="send SIGTERM to every rank right after this iteration's step (--exit-signal-handler)")
     parser.add_argument("--expire-duration-at-iteration", type=int,
@@ -546,6 +569,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="start each checkpoint's copies only when training waits for them (right before the "
                              "optimizer step), so a tensor changed before that step is always caught")
     opts = parser.parse_args(argv[:split])
+    if opts.committed_before_kill is not None and (opts.kill_at_iteration is None
+                                                   or _checkpoint_flags(argv[split + 1:]).save is None):
+        parser.error("--committed-before-kill needs --kill-at-iteration and a --save directory")
     checkout = Path(opts.checkout) if opts.checkout else None
     if checkout is None:
         checkout, reason = find_checkout()
@@ -556,7 +582,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no {opts.script} in {checkout}")
     run(script, argv[split + 1:], record=opts.record, kill_at=opts.kill_at_iteration,
         signal_at=opts.sigterm_at_iteration, expire_at=opts.expire_duration_at_iteration,
-        late_copies=opts.late_copies)
+        late_copies=opts.late_copies, committed_before_kill=opts.committed_before_kill)
 
 
 if __name__ == "__main__":

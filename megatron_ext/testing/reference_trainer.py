@@ -37,8 +37,10 @@ from megatron_ext.engine import faults
 from megatron_ext.megatron.args import add_datastates_args, validate_datastates_args
 from megatron_ext.megatron import optimizer_load
 from megatron_ext.megatron import checkpoint_layout
-from megatron_ext.megatron.checkpoint_layout import (capture_rng_state, checkpoint_dir, from_megatron_lm_rng,
-                                                     megatron_lm_rng_object, restore_rng_state, write_tracker)
+from megatron_ext.megatron.checkpoint_layout import (TRACKER_FILE, capture_rng_state, checkpoint_dir,
+                                                     from_megatron_lm_rng, megatron_lm_rng_object, restore_rng_state,
+                                                     write_tracker)
+from megatron_ext.testing.commit_wait import await_tracker
 from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
 
 # Per-rank bucket-space optimizer state, no gathers or copies (``DistributedOptimizer.
@@ -99,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "file system), through the engine's fault hook")
     g.add_argument("--crash-at-iteration", type=int, default=None,
                    help="test aid: SIGKILL this process right after iteration N's save call returns")
+    g.add_argument("--committed-before-crash", type=int, default=None, metavar="ITERATION",
+                   help="test aid, with --crash-at-iteration: before that iteration's save, wait (bounded) until "
+                        "the tracker under --save names this iteration or a later one, so the crash always "
+                        "leaves a committed checkpoint behind")
     g.add_argument("--resave-on-load", action="store_true",
                    help="test aid: right after loading iteration N, save the loaded state as iteration N into "
                         "--save (another directory), e.g. to compare a resharded load with its source")
@@ -621,6 +627,8 @@ def train(args: argparse.Namespace) -> List[float]:
             blocked_before = checkpoint_blocked_seconds(args)
             loss = train_step(args, iteration + 1, model, optimizer, scheduler)
             iteration += 1
+            if args.committed_before_crash is not None and args.crash_at_iteration == iteration:
+                await_tracker(os.path.join(args.save, TRACKER_FILE), args.committed_before_crash, int)
             if checkpointing_on and iteration % args.save_interval == 0:
                 timed_checkpoint_call(save_checkpoint_fn, iteration, model, optimizer, scheduler, args)
                 if args.eval_fixed_batch:
@@ -669,7 +677,10 @@ def train(args: argparse.Namespace) -> List[float]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.committed_before_crash is not None and (args.crash_at_iteration is None or not args.save):
+        parser.error("--committed-before-crash needs --crash-at-iteration and --save")
     try:
         train(args)
     finally:

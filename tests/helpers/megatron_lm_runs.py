@@ -40,6 +40,8 @@ class Phase:
     sigterm_at: int | None = None  # SIGTERM to every rank after that iteration's step
     expire_at: int | None = None  # the training clock jumps a day after that iteration's step
     late_copies: bool = False  # each snapshot's copies start only at the optimizer's wait
+    # With kill_at: that iteration's save waits until this iteration (or a later one) is committed.
+    committed_before_kill: int | None = None
 
 
 @dataclasses.dataclass
@@ -55,14 +57,15 @@ class RunResult:
 
 def run(checkout: Path, nproc: int, args: list[str], workdir: Path, name: str, kill_at: int | None = None,
         expect_failure: bool = False, model: list[str] = megatron_lm.TINY_GPT,
-        sigterm_at: int | None = None, expire_at: int | None = None, late_copies: bool = False) -> RunResult:
+        sigterm_at: int | None = None, expire_at: int | None = None, late_copies: bool = False,
+        committed_before_kill: int | None = None) -> RunResult:
     """One torchrun of ``pretrain_gpt.py``; fails the test (with the log's tail) on an unexpected exit code."""
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / f"{name}.jsonl"
     record.unlink(missing_ok=True)
     cmd = megatron_lm.torchrun_command(nproc, [*model, *args], checkout, record=str(record),
                                        kill_at=kill_at, sigterm_at=sigterm_at, expire_at=expire_at,
-                                       late_copies=late_copies)
+                                       late_copies=late_copies, committed_before_kill=committed_before_kill)
     log_path = workdir / f"{name}.log"
     returncode = run_to_completion(cmd, megatron_lm.environment(), log_path, RUN_TIMEOUT_S)
     log = log_path.read_text(errors="replace")
@@ -130,7 +133,7 @@ def run_scenario(checkout: Path, nproc: int, phases: list[Phase], workdir: Path,
     for n, phase in enumerate(phases):
         args = [*common, "--save", str(save_dir), "--load", str(save_dir), *checkpointing, *phase.args]
         runs.append(run(checkout, nproc, args, workdir, f"phase{n}", phase.kill_at, phase.expect_failure, model,
-                        phase.sigterm_at, phase.expire_at, phase.late_copies))
+                        phase.sigterm_at, phase.expire_at, phase.late_copies, phase.committed_before_kill))
         trackers.append(read_tracker(save_dir))
     return ScenarioResult(runs, trajectory(*runs), save_dir, trackers)
 

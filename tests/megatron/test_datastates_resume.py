@@ -1,7 +1,8 @@
 """--use-datastates on the reference trainer: SIGKILL mid-run, resume, bit-exact continuation.
 
 Every rank SIGKILLs itself right after an iteration's save call returns, with that checkpoint's
-copies and flushes still in flight. The restart must load the newest *committed* checkpoint
+copies and flushes still in flight (that save first waits until iteration 1 is committed: commits
+trail the saves, on a loaded machine by several iterations). The restart must load the newest *committed* checkpoint
 (named by the tracker file), and every later iteration's loss and learning rate must equal an
 uninterrupted run's bit for bit. The manifests must show every shard written exactly once and
 the bytes spread evenly over the data-parallel ranks.
@@ -84,7 +85,8 @@ def test_sigkill_and_resume_is_bit_exact(tmp_path: Path, layout: str):
     ckpt = tmp_path / "ckpt"
     datastates = ["--save", str(ckpt), "--save-interval", "1", "--use-datastates",
                   "--datastates-host-cache-size", "0.02"]
-    crashed = run_trainer(nproc, [*common, *datastates, "--crash-at-iteration", str(CRASH_AT)],
+    crashed = run_trainer(nproc, [*common, *datastates, "--crash-at-iteration", str(CRASH_AT),
+                                  "--committed-before-crash", "1"],
                           tmp_path / "crashed.jsonl", expect_crash=True)
     assert max(r["iteration"] for r in crashed) == CRASH_AT
     committed = _read_tracker(ckpt)

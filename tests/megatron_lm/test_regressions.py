@@ -81,7 +81,7 @@ def test_batch_size_rampup_saves_an_iteration_twice_and_resumes(checkout, tmp_pa
     model = _without(TINY_GPT, "--lr-warmup-iters", "--lr-decay-iters")
     common = [*COMMON, "--rampup-batch-size", "4", "4", "16", "--train-samples", "48", "--lr-warmup-samples", "8",
               "--lr-decay-samples", "96"]
-    phases = [Phase([], kill_at=6), Phase([])]
+    phases = [Phase([], kill_at=6, committed_before_kill=4), Phase([])]
     ours = run_scenario(checkout, 2, phases, tmp_path / "datastates", DATASTATES, common, model=model)
     theirs = run_scenario(checkout, 2, phases, tmp_path / "torch_dist", NATIVE, common, model=model)
     assert "iter_0000004 is saved again" in ours.runs[0].log

@@ -4,9 +4,9 @@ The model is gated (SwiGLU), with RMSNorm, rotary embeddings, grouped-query atte
 embeddings, as the models users train, with the distributed optimizer's communication overlapped;
 the default process group is ``nccl`` (the harness's
 emulation refuses host tensors as NCCL does). Every rank SIGKILLs itself right after iteration 3's
-save call; with ``--use-datastates`` that
-checkpoint's copies and flushes are still in flight, so the restart loads the newest committed
-one (the tracker's). Both runs' per-iteration losses, grad norms and learning rates must be
+save call, which waits until iteration 1 is committed (commits trail the saves, and on a loaded
+machine by more than two iterations); with ``--use-datastates`` iteration 3's copies and flushes
+are still in flight, so the restart loads the newest committed checkpoint (the tracker's). Both runs' per-iteration losses, grad norms and learning rates must be
 bit-identical to Megatron-LM's own checkpointing doing the same, including the iterations the
 restart repeats.
 """
@@ -29,12 +29,12 @@ COMMON = ["--bf16", "--use-distributed-optimizer", *OVERLAP, "--save-interval", 
 
 
 def test_llama_style_sigkill_resume_tp2_pp2_dp2_matches_megatron_torch_dist(checkout, tmp_path):
-    phases = [Phase([], kill_at=KILL_AT), Phase([])]
+    phases = [Phase([], kill_at=KILL_AT, committed_before_kill=KILL_AT - 2), Phase([])]
     ours = run_scenario(checkout, 8, phases, tmp_path / "datastates", DATASTATES, COMMON)
     theirs = run_scenario(checkout, 8, phases, tmp_path / "torch_dist", NATIVE, COMMON)
 
     committed_at_kill = int(ours.trackers[0])
-    assert KILL_AT - 2 <= committed_at_kill <= KILL_AT  # at most the in-flight ones are lost
+    assert KILL_AT - 2 <= committed_at_kill <= KILL_AT  # at most the ones in flight are lost
     assert ours.runs[1].first_iteration == committed_at_kill + 1  # resumed from the committed one
     assert theirs.runs[1].first_iteration == KILL_AT + 1  # Megatron's save returns once written
     assert list(ours.trajectory) == list(range(1, ITERS + 1))
