@@ -29,6 +29,12 @@ that path, so it would compare us with ourselves.
    fault per page, zeroed by the kernel), is ``megatron_fresh_read_ceiling_s``: the disk's limit plus the memory's, for these
    bytes, which ``megatron_load_speedup_fresh_bound`` turns into the most a loader that fills
    freshly allocated moments could show against torch_dist here.
+4. In each round, one more job with the datastates checkpoint: right before ``load_checkpoint``
+   each rank runs that fresh-pages read (``READ_STREAMS`` streams) of its own files, cold, inside
+   the rank (``read_in_rank``, through the harness's ``--before-load``). The slowest rank's time,
+   ``megatron_in_rank_read_s``, is the limit where and when a load runs: on the VMs this was
+   measured on, the first read of a Megatron-LM rank took up to 2x the same read by the bench's
+   spawned readers (docs/BENCHMARKS.md). ``megatron_load_vs_in_rank_read`` holds the cold load to it.
 
 The default model (8 layers, hidden 1024, vocab 16384, bf16, distributed optimizer) makes a
 1.65 GB checkpoint, 0.8 GB per rank, so that bytes rather than fixed costs dominate.
@@ -46,6 +52,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from megatron_ext.bench.common import drop_page_cache, read_seconds
 from megatron_ext.engine import read_manifest
@@ -63,6 +70,7 @@ MODEL = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", 
 FORMATS = {"datastates": ["--use-datastates", "--datastates-host-cache-size", "0.25"],
            "torch_dist": ["--ckpt-format", "torch_dist"]}
 _TIMER = re.compile(r"load-checkpoint \.*: \(([\d.]+), ([\d.]+)\)")
+_IN_RANK = re.compile(r"\[bench megatron-load\] rank (\d+) read its files cold in ([\d.]+)s")
 RUN_TIMEOUT_S = 1200
 READ_STREAMS = 4  # the engine's default restore_threads
 #: Tensors a load allocates for itself (torch Adam's moments, by a part of their names): fresh pages.
@@ -92,9 +100,10 @@ def _environment() -> dict:
     return env
 
 
-def _run(checkout: Path, nproc: int, args: list[str], workdir: str, name: str, record: str | None = None) -> str:
+def _run(checkout: Path, nproc: int, args: list[str], workdir: str, name: str, record: str | None = None,
+         before_load: str | None = None) -> str:
     log_path = os.path.join(workdir, f"{name}.log")
-    cmd = megatron_lm.torchrun_command(nproc, args, checkout, record=record)
+    cmd = megatron_lm.torchrun_command(nproc, args, checkout, record=record, before_load=before_load)
     code = run_logged(cmd, _environment(), log_path, RUN_TIMEOUT_S)
     with open(log_path, errors="replace") as f:
         log = f.read()
@@ -127,6 +136,7 @@ def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = M
     ceiling: list[float] = []
     fresh_ceiling: list[float] = []
     needed_ceiling: list[float] = []
+    in_rank: list[float] = []
     for rep in range(repeats):
         _progress(f"round {rep + 1}/{repeats}: plain cold read of the datastates checkpoint's files by {nproc} processes")
         ceiling.append(min(plain_read_s(saved["datastates"], ITERS, nproc, streams) for streams in (1, READ_STREAMS)))
@@ -146,6 +156,12 @@ def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = M
                 log = _run(checkout, nproc, [*model, *FORMATS[fmt], "--train-iters", str(ITERS), "--load", saved[fmt],
                                              *extra], workdir, f"load-{fmt}-{temp}-{rep}")
                 seconds[f"{fmt}_{temp}"].append(load_timer_s(log))
+        _progress(f"round {rep + 1}/{repeats}: the fresh-pages read inside the Megatron-LM ranks, at their load")
+        drop_page_cache(saved["datastates"])
+        log = _run(checkout, nproc, [*model, *FORMATS["datastates"], "--train-iters", str(ITERS), "--load",
+                                     saved["datastates"], "--save", os.path.join(workdir, "scratch"), "--save-interval",
+                                     str(ITERS)], workdir, f"in-rank-read-{rep}", before_load=IN_RANK_HOOK)
+        in_rank.append(in_rank_read_s(log, nproc))
     result = {
         "megatron_nproc": nproc,
         "megatron_ckpt_bytes_datastates": _tree_bytes(saved["datastates"]),
@@ -170,6 +186,9 @@ def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = M
                                                    / result["megatron_fresh_read_ceiling_s"])
     result["megatron_load_vs_fresh_ceiling"] = (result["megatron_fresh_read_ceiling_s"]
                                                 / result["megatron_load_s_datastates"])
+    result["megatron_in_rank_read_s"] = statistics.median(in_rank)
+    result["megatron_in_rank_read_s_runs"] = in_rank
+    result["megatron_load_vs_in_rank_read"] = result["megatron_in_rank_read_s"] / result["megatron_load_s_datastates"]
     result["megatron_needed_read_ceiling_s"] = statistics.median(needed_ceiling)
     result["megatron_needed_read_ceiling_s_runs"] = needed_ceiling
     result["megatron_load_vs_needed_ceiling"] = (result["megatron_needed_read_ceiling_s"]
@@ -191,8 +210,7 @@ def plain_read_s(root: str, iteration: int, nproc: int, streams: int, fresh: tup
     checkpoint = os.path.join(root, f"iter_{iteration:07d}")
     manifest = read_manifest(checkpoint)
     index = TensorIndex(checkpoint, manifest)
-    per_rank = [[(os.path.join(root, e["tensor_file"]), _segments(index.tensors(name), fresh))
-                 for name, e in manifest["files"].items() if e["rank"] == r] for r in range(nproc)]
+    per_rank = [_own_plans(root, manifest, index, r, fresh) for r in range(nproc)]
     if replicas:
         for r in range(nproc):
             per_rank[r] += [(os.path.join(root, e["tensor_file"]), _segments(_replicated(index.tensors(name)), fresh))
@@ -222,6 +240,52 @@ def plain_read_s(root: str, iteration: int, nproc: int, streams: int, fresh: tup
             if proc.is_alive():
                 proc.kill()
     return max(took)
+
+
+def _own_plans(root: str, manifest: dict, index: TensorIndex, rank: int,
+               fresh: tuple[str, ...]) -> list[tuple[str, list[tuple[int, int, bool]]]]:
+    """What ``rank`` reads of its own tensor files: ``(path, segments)`` each (``_segments``)."""
+    return [(os.path.join(root, e["tensor_file"]), _segments(index.tensors(name), fresh))
+            for name, e in manifest["files"].items() if e["rank"] == rank]
+
+
+#: ``--before-load`` hook of the harness (``megatron_lm``) that times the plain read inside the ranks.
+IN_RANK_HOOK = f"{__name__}:read_in_rank"
+
+
+def read_in_rank(args: Any) -> None:
+    """On every rank, right before Megatron-LM's ``load_checkpoint``: the fresh-pages read of its own files.
+
+    The same read as ``plain_read_s(..., READ_STREAMS, fresh=MOMENTS)``, cold (rank 0 evicts the
+    files, a barrier on either side), but in the rank, as the first read of its memory, where and when
+    the load runs. The bytes go nowhere; the files are evicted again before the load (not timed).
+    """
+    import torch.distributed as dist
+
+    from megatron_ext.megatron.checkpoint_layout import read_tracker
+
+    checkpoint = os.path.join(args.load, f"iter_{read_tracker(args.load):07d}")
+    manifest = read_manifest(checkpoint)
+    plans = _own_plans(args.load, manifest, TensorIndex(checkpoint, manifest), dist.get_rank(), MOMENTS)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        drop_page_cache(checkpoint)
+    dist.barrier()
+    start = time.perf_counter()
+    _read_into_fresh(plans, READ_STREAMS)
+    _progress(f"rank {dist.get_rank()} read its files cold in {time.perf_counter() - start:.4f}s")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        drop_page_cache(checkpoint)
+    dist.barrier()
+
+
+def in_rank_read_s(log: str, nproc: int) -> float:
+    """The slowest rank's ``read_in_rank`` time, from a Megatron-LM log."""
+    took = {int(rank): float(seconds) for rank, seconds in _IN_RANK.findall(log)}
+    if sorted(took) != list(range(nproc)):
+        raise RuntimeError(f"the Megatron-LM log has the in-rank read of ranks {sorted(took)}, not of all {nproc}")
+    return max(took.values())
 
 
 def _replicated(tensors: dict) -> dict:
@@ -265,9 +329,14 @@ def _read_files(plans: list[tuple[str, list[tuple[int, int, bool]]]], streams: i
     results.put(time.perf_counter() - start)
 
 
+def _private(nbytes: int) -> mmap.mmap:
+    """New private anonymous memory, as a tensor's (``mmap.mmap(-1, n)`` alone is shared memory: shmem pages)."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 def _read_into_fresh(plans: list[tuple[str, list[tuple[int, int, bool]]]], streams: int) -> None:
     """Read the planned bytes by ``streams`` threads, each a contiguous run of requests in file order
-    on descriptors of its own; bytes marked fresh land in one new anonymous mapping, the rest in
+    on descriptors of its own; bytes marked fresh land in one new private anonymous mapping, the rest in
     each thread's reused buffer."""
     requests: list[tuple[str, int, int, int]] = []  # (path, file offset, length, place in fresh memory or -1)
     landed = 0
@@ -277,7 +346,7 @@ def _read_into_fresh(plans: list[tuple[str, list[tuple[int, int, bool]]]], strea
                 n = min(CHUNK, end - off)
                 requests.append((path, off, n, landed if into_fresh else -1))
                 landed += n if into_fresh else 0
-    target = memoryview(mmap.mmap(-1, max(1, landed)))
+    target = memoryview(_private(max(1, landed)))
     per_stream = -(-sum(r[2] for r in requests) // streams)
     runs: list[list[tuple[str, int, int, int]]] = [[]]
     in_run = 0

@@ -266,6 +266,9 @@ def format_table(r: dict) -> str:
         lines.append(f"  + replicated model  and each process also reading the model shards another data-parallel"
                      f" rank wrote (every load needs them) {r['megatron_needed_read_ceiling_s']:.2f}s:"
                      f" datastates at {r['megatron_load_vs_needed_ceiling']:.2f} of it")
+        lines.append(f"  in the ranks        the fresh-pages read done inside each Megatron-LM rank right before its"
+                     f" load_checkpoint {r['megatron_in_rank_read_s']:.2f}s: datastates at"
+                     f" {r['megatron_load_vs_in_rank_read']:.2f} of it (target >= 0.90)")
     elif "megatron_load_skipped" in r:
         lines.append(f"  Megatron-LM load    skipped: {r['megatron_load_skipped']}")
     return "\n".join(lines)

@@ -432,6 +432,26 @@ def _install_killer(iteration: int, committed_before: int | None = None, save_di
     training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
 
 
+def _call_before_load(hook: str) -> None:
+    """Call ``hook`` (``module:function``, test or bench code) on every rank right before each ``load_checkpoint``.
+
+    It gets Megatron-LM's parsed arguments; ``bench restore`` times a plain read inside the rank this way.
+    """
+    import importlib
+
+    from megatron.training import get_args, training
+
+    module, _, name = hook.partition(":")
+    function = getattr(importlib.import_module(module), name)
+    inner = training.load_checkpoint
+
+    def load_checkpoint(*args: Any, **kwargs: Any):
+        function(get_args())
+        return inner(*args, **kwargs)
+
+    training.load_checkpoint = load_checkpoint
+
+
 # ---------------------------------------------------------------------------- launching
 def environment(base: dict | None = None, gpu: bool = False) -> dict:
     """The environment of a run: one thread per rank, what TP > 1 asks of a GPU run; no GPU unless ``gpu``."""
@@ -446,7 +466,7 @@ def environment(base: dict | None = None, gpu: bool = False) -> dict:
 def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, record: str | None = None,
                      kill_at: int | None = None, sigterm_at: int | None = None,
                      expire_at: int | None = None, late_copies: bool = False,
-                     committed_before_kill: int | None = None) -> list[str]:
+                     committed_before_kill: int | None = None, before_load: str | None = None) -> list[str]:
     """torchrun on this machine running ``pretrain_gpt.py`` of ``checkout`` through this harness."""
     from megatron_ext.procs import torchrun_command as torchrun
 
@@ -463,6 +483,8 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
         harness += ["--expire-duration-at-iteration", str(expire_at)]
     if late_copies:
         harness += ["--late-copies"]
+    if before_load is not None:
+        harness += ["--before-load", before_load]
     return torchrun(nproc, *harness, "--", *CPU_FLAGS, *megatron_args)
 
 
@@ -477,7 +499,7 @@ def read_records(path: str | Path) -> list[dict]:
 # ---------------------------------------------------------------------------- entry point
 def run(script: Path, argv: list[str], record: str | None = None, kill_at: int | None = None,
         signal_at: int | None = None, expire_at: int | None = None, late_copies: bool = False,
-        committed_before_kill: int | None = None) -> None:
+        committed_before_kill: int | None = None, before_load: str | None = None) -> None:
     """Run ``script`` (a checkout's ``pretrain_gpt.py``) as ``__main__`` with ``argv`` on CPU ranks."""
     from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
     from megatron_ext.testing.emulated_nccl import enable_emulated_nccl
@@ -505,6 +527,8 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
         from megatron_ext.engine import faults
 
         faults.hold_copies_until_wait()
+    if before_load is not None:
+        _call_before_load(before_load)
     if _saves_with_torch_dist(argv):
         _start_torch_dist_results_queue()
     sys.argv = [str(script), *argv]
@@ -568,6 +592,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--late-copies", action="store_true",
                         help="start each checkpoint's copies only when training waits for them (right before the "
                              "optimizer step), so a tensor changed before that step is always caught")
+    parser.add_argument("--before-load", metavar="MODULE:FUNCTION",
+                        help="call this function with Megatron-LM's arguments on every rank right before each "
+                             "load_checkpoint (test and bench code)")
     opts = parser.parse_args(argv[:split])
     if opts.committed_before_kill is not None and (opts.kill_at_iteration is None
                                                    or _checkpoint_flags(argv[split + 1:]).save is None):
@@ -582,7 +609,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no {opts.script} in {checkout}")
     run(script, argv[split + 1:], record=opts.record, kill_at=opts.kill_at_iteration,
         signal_at=opts.sigterm_at_iteration, expire_at=opts.expire_duration_at_iteration,
-        late_copies=opts.late_copies, committed_before_kill=opts.committed_before_kill)
+        late_copies=opts.late_copies, committed_before_kill=opts.committed_before_kill,
+        before_load=opts.before_load)
 
 
 if __name__ == "__main__":

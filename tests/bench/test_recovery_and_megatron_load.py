@@ -74,6 +74,29 @@ def test_plain_read_reads_each_ranks_files_in_processes_of_their_own(tmp_path):
         megatron_load_bench.plain_read_s(str(tmp_path), 2, 2, 0)
 
 
+def test_in_rank_read_is_the_slowest_ranks_and_needs_every_rank():
+    log = ("[bench megatron-load] rank 1 read its files cold in 0.7500s\n"
+           "[bench megatron-load] rank 0 read its files cold in 0.5000s\n")
+    assert megatron_load_bench.in_rank_read_s(log, 2) == pytest.approx(0.75)
+    with pytest.raises(RuntimeError, match=r"in-rank read of ranks \[1\], not of all 2"):
+        megatron_load_bench.in_rank_read_s(log.splitlines()[0], 2)
+
+
+def test_the_fresh_pages_land_in_private_memory_as_a_tensors_do():
+    """``mmap.mmap(-1, n)`` alone maps shared memory (shmem pages, faulted in differently from a tensor's)."""
+
+    def resident_kib() -> dict[str, int]:
+        with open("/proc/self/status") as f:
+            return {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("RssAnon", "RssShmem")}
+
+    before = resident_kib()
+    memory = megatron_load_bench._private(64 << 20)
+    memory[:] = b"\x01" * (64 << 20)
+    after = resident_kib()
+    assert after["RssAnon"] - before["RssAnon"] >= 60 << 10
+    assert after["RssShmem"] - before["RssShmem"] < 4 << 10
+
+
 def test_fresh_read_plan_sends_only_the_moments_to_fresh_memory():
     """The fresh-memory ceiling reads the moments' bytes into new pages, everything else into a reused buffer."""
     tensors = {"shards/embedding": [0, 64], "shards/optimizer.state.exp_avg.w@0": [64, 96],
@@ -126,7 +149,8 @@ def test_megatron_load_cold_and_warm(tmp_path):
                 "megatron_load_s_torch_dist_warm", "megatron_load_speedup", "megatron_load_speedup_warm",
                 "megatron_read_ceiling_s", "megatron_load_vs_ceiling", "megatron_load_speedup_bound",
                 "megatron_fresh_read_ceiling_s", "megatron_load_speedup_fresh_bound", "megatron_load_vs_fresh_ceiling",
-                "megatron_needed_read_ceiling_s", "megatron_load_vs_needed_ceiling"):
+                "megatron_needed_read_ceiling_s", "megatron_load_vs_needed_ceiling", "megatron_in_rank_read_s",
+                "megatron_load_vs_in_rank_read"):
         assert r[key] > 0, key
     assert r["megatron_same_training"] is True and len(r["megatron_load_s_datastates_runs"]) == 1
     json.dumps(r)
