@@ -35,7 +35,8 @@ def test_trainer_recovers_a_lost_node_from_peer_memory(tmp_path: Path):
              "--datastates-host-cache-size", "0.02", "--datastates-peer-replica", "--datastates-ranks-per-node", "2",
              "--datastates-replica-dir", str(replica_dir)]
     try:
-        run_trainer(4, [*flags, "--crash-at-iteration", str(CRASH_AT)], tmp_path / "crashed.jsonl", expect_crash=True)
+        run_trainer(4, [*flags, "--crash-at-iteration", str(CRASH_AT), "--committed-before-crash", str(SAVE_AT)],
+                    tmp_path / "crashed.jsonl", expect_crash=True)
         assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == str(SAVE_AT)
         markers = replica_dir.glob(f"node-00000/of-rank-*/iter_{SAVE_AT:07d}/replica.json")
         held = sorted(p.parent.parent.name for p in markers)
