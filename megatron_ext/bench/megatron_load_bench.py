@@ -137,6 +137,14 @@ def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = M
     fresh_ceiling: list[float] = []
     needed_ceiling: list[float] = []
     in_rank: list[float] = []
+
+    def load_args(fmt: str) -> list[str]:
+        """A job that loads ``saved[fmt]`` and trains nothing more."""
+        # --use-datastates needs --save: a scratch directory, so nothing is written next to the checkpoint.
+        extra = (["--save", os.path.join(workdir, "scratch"), "--save-interval", str(ITERS)]
+                 if fmt == "datastates" else [])
+        return [*model, *FORMATS[fmt], "--train-iters", str(ITERS), "--load", saved[fmt], *extra]
+
     for rep in range(repeats):
         _progress(f"round {rep + 1}/{repeats}: plain cold read of the datastates checkpoint's files by {nproc} processes")
         ceiling.append(min(plain_read_s(saved["datastates"], ITERS, nproc, streams) for streams in (1, READ_STREAMS)))
@@ -147,20 +155,14 @@ def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = M
         for fmt in (list(FORMATS) if rep % 2 == 0 else list(FORMATS)[::-1]):
             for temp in ("cold", "warm"):
                 _progress(f"round {rep + 1}/{repeats}: Megatron-LM load_checkpoint of the {fmt} checkpoint ({temp})")
-                # --use-datastates needs --save: a scratch directory, so nothing is written next to the checkpoint.
-                extra = (["--save", os.path.join(workdir, "scratch"), "--save-interval", str(ITERS)]
-                         if fmt == "datastates" else [])
                 drop_page_cache(saved[fmt])
                 if temp == "warm":
                     read_tree(saved[fmt])
-                log = _run(checkout, nproc, [*model, *FORMATS[fmt], "--train-iters", str(ITERS), "--load", saved[fmt],
-                                             *extra], workdir, f"load-{fmt}-{temp}-{rep}")
+                log = _run(checkout, nproc, load_args(fmt), workdir, f"load-{fmt}-{temp}-{rep}")
                 seconds[f"{fmt}_{temp}"].append(load_timer_s(log))
         _progress(f"round {rep + 1}/{repeats}: the fresh-pages read inside the Megatron-LM ranks, at their load")
         drop_page_cache(saved["datastates"])
-        log = _run(checkout, nproc, [*model, *FORMATS["datastates"], "--train-iters", str(ITERS), "--load",
-                                     saved["datastates"], "--save", os.path.join(workdir, "scratch"), "--save-interval",
-                                     str(ITERS)], workdir, f"in-rank-read-{rep}", before_load=IN_RANK_HOOK)
+        log = _run(checkout, nproc, load_args("datastates"), workdir, f"in-rank-read-{rep}", before_load=IN_RANK_HOOK)
         in_rank.append(in_rank_read_s(log, nproc))
     result = {
         "megatron_nproc": nproc,
@@ -267,17 +269,18 @@ def read_in_rank(args: Any) -> None:
     checkpoint = os.path.join(args.load, f"iter_{read_tracker(args.load):07d}")
     manifest = read_manifest(checkpoint)
     plans = _own_plans(args.load, manifest, TensorIndex(checkpoint, manifest), dist.get_rank(), MOMENTS)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        drop_page_cache(checkpoint)
-    dist.barrier()
+
+    def evict() -> None:  # by rank 0, with no rank reading meanwhile
+        dist.barrier()
+        if dist.get_rank() == 0:
+            drop_page_cache(checkpoint)
+        dist.barrier()
+
+    evict()
     start = time.perf_counter()
     _read_into_fresh(plans, READ_STREAMS)
     _progress(f"rank {dist.get_rank()} read its files cold in {time.perf_counter() - start:.4f}s")
-    dist.barrier()
-    if dist.get_rank() == 0:
-        drop_page_cache(checkpoint)
-    dist.barrier()
+    evict()
 
 
 def in_rank_read_s(log: str, nproc: int) -> float:

@@ -2,9 +2,9 @@
 
 Every rank SIGKILLs itself right after an iteration's save call returns, with that checkpoint's
 copies and flushes still in flight (that save first waits until iteration 1 is committed: commits
-trail the saves, on a loaded machine by several iterations). The restart must load the newest *committed* checkpoint
-(named by the tracker file), and every later iteration's loss and learning rate must equal an
-uninterrupted run's bit for bit. The manifests must show every shard written exactly once and
+trail the saves, on a loaded machine by several iterations). The restart must load the newest
+*committed* checkpoint (named by the tracker file), and every later iteration's loss and learning
+rate must equal an uninterrupted run's bit for bit. The manifests must show every shard written exactly once and
 the bytes spread evenly over the data-parallel ranks.
 """
 

@@ -6,9 +6,9 @@ the default process group is ``nccl`` (the harness's
 emulation refuses host tensors as NCCL does). Every rank SIGKILLs itself right after iteration 3's
 save call, which waits until iteration 1 is committed (commits trail the saves, and on a loaded
 machine by more than two iterations); with ``--use-datastates`` iteration 3's copies and flushes
-are still in flight, so the restart loads the newest committed checkpoint (the tracker's). Both runs' per-iteration losses, grad norms and learning rates must be
-bit-identical to Megatron-LM's own checkpointing doing the same, including the iterations the
-restart repeats.
+are still in flight, so the restart loads the newest committed checkpoint (the tracker's). Both
+runs' per-iteration losses, grad norms and learning rates must be bit-identical to Megatron-LM's
+own checkpointing doing the same, including the iterations the restart repeats.
 """
 
 from __future__ import annotations
