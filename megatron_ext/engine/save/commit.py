@@ -49,7 +49,7 @@ from ..format.names import FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, M
 from ..format.safetensors import FORMAT_VERSION
 from ..format.validation import check_report
 from .context import SaveContext
-from .coordination import COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, checkpoint_key
+from .coordination import COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, DecisionTimeout, checkpoint_key
 from .jobs import CheckpointJob, JobState
 from .signal import CommitSignal
 
@@ -59,7 +59,9 @@ if TYPE_CHECKING:
     from .skips import Skips
 
 #: Ranks other than 0 wait this much longer than rank 0 for the decision, so that when a rank is
-#: missing, rank 0's timeout (which names it) comes first and reaches everyone.
+#: missing, rank 0's timeout (which names it) comes first and reaches everyone. Rank 0's clock
+#: starts when its own files are durable, which may be later still: a rank whose wait runs out
+#: while rank 0 has posted (so rank 0 is alive and collecting) waits once more (``_await_decision``).
 DECISION_GRACE_S = 30.0
 
 
@@ -254,6 +256,7 @@ class Committer:
                 self._decide(job, key)
             return
         try:
+            job.commit_stage.hold(self.timeout_s, lambda: "this rank's report to be written")
             status, shares = self._write_reports(job)
         except BaseException as exc:
             if post:  # the others learn it now, not when rank 0's wait runs out
@@ -265,11 +268,7 @@ class Committer:
         if self.rank == 0:
             decision = self._decide(job, key)
         else:
-            job.commit_waiting_for = lambda: "rank 0's decision (rank 0 waits for every rank's report)"
-            try:
-                decision = self.channel.await_decision(key, self.timeout_s + DECISION_GRACE_S)
-            finally:
-                job.commit_waiting_for = None
+            decision = self._await_decision(job, key)
         if decision["state"] == SKIPPED:
             raise CheckpointSkipped(decision["message"], decision["report"])
         if decision["state"] != COMMITTED:
@@ -326,16 +325,36 @@ class Committer:
                 self.telemetry.emit("flush", job.checkpoint, level, job.nbytes, max(done) - first,
                                     blocked_s=job.blocked_s, run=self.run_id)
 
+    def _await_decision(self, job: CheckpointJob, key: str) -> dict:
+        """Ranks other than 0: rank 0's decision on ``job``, the one verdict every rank reports.
+
+        If the wait runs out while rank 0 has posted its own status, rank 0 is alive and collecting
+        on a clock that started when its files became durable, later than this rank's: wait once
+        more, so its verdict (naming the missing ranks) still comes from rank 0.
+        """
+        wait_s = self.timeout_s + DECISION_GRACE_S
+        for attempt in (1, 2):
+            job.commit_stage.hold(wait_s, lambda: "rank 0's decision (rank 0 waits for every rank's report)")
+            try:
+                return self.channel.await_decision(key, wait_s)
+            except DecisionTimeout:
+                rank0_posted = 0 not in self.channel.missing(key)
+                if not rank0_posted:
+                    raise CheckpointError(f"checkpoint {job.checkpoint}: rank 0 did not report or decide within "
+                                          f"{wait_s * attempt:.0f}s (rank 0 is gone or stuck)") from None
+                if attempt == 2:
+                    raise CheckpointError(f"checkpoint {job.checkpoint}: rank 0 reported but did not decide within "
+                                          f"{wait_s * attempt:.0f}s (rank 0 is stuck)") from None
+        raise AssertionError("unreachable")
+
     def _decide(self, job: CheckpointJob, key: str) -> dict:
         """Rank 0: every rank's status, then the manifest (if all are durable), then the decision.
 
-        Returns the decision that stands (one published earlier, by a failure, wins).
+        Returns the decision that stands (one published earlier, by a failure, wins). This wait is
+        the deadline of the commit: the training thread's own wait defers to it (deadlines.py).
         """
-        job.commit_waiting_for = lambda: "not every rank reported its files durable" + self._missing(key)
-        try:
-            collected = self.channel.collect(key, self.timeout_s, MANIFEST_SHARES)
-        finally:
-            job.commit_waiting_for = None
+        job.commit_stage.hold(self.timeout_s, lambda: "every rank's report of its files" + self._missing(key))
+        collected = self.channel.collect(key, self.timeout_s, MANIFEST_SHARES)
         with gc_paused():
             return self._settle(job, key, collected)
 
@@ -359,6 +378,7 @@ class Committer:
         elif job.abandoned:  # rank 0 alone dropped it (its own failure decided already, or a race with it)
             decision = {"state": FAILED, "error": f"checkpoint {job.checkpoint} was abandoned on rank 0"}
         else:
+            job.commit_stage.hold(self.timeout_s, lambda: "rank 0 to write the manifest")
             try:
                 header = self._write_manifest(job, collected)
             except CheckpointError as exc:

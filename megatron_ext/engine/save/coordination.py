@@ -49,6 +49,10 @@ SKIPPED, FAILED, COMMITTED = "skipped", "failed", "committed"
 _KEYS = ("statuses", "count", "all", "decision")  # and "skip" where a rank skipped
 
 
+class DecisionTimeout(CheckpointError):
+    """No decision came within the wait; the caller judges whether rank 0 is still deciding."""
+
+
 def checkpoint_key(root: str, checkpoint: str, tag: str) -> str:
     """The store prefix of one attempt at a checkpoint (roots are hashed: keys stay short)."""
     digest = hashlib.sha1(os.path.abspath(root).encode("utf-8", "surrogatepass")).hexdigest()[:10]
@@ -111,13 +115,13 @@ class CommitChannel:
         return _loads(self.notices.get(f"{key}/skip"), f"{key}/skip")
 
     def await_decision(self, key: str, timeout_s: float) -> dict:
-        """Rank 0's decision on ``key``; a ``CheckpointError`` if none comes within ``timeout_s``."""
+        """Rank 0's decision on ``key``; ``DecisionTimeout`` if none comes within ``timeout_s``."""
         try:
             self.waiting.wait([f"{key}/decision"], datetime.timedelta(seconds=timeout_s))
         except Exception as exc:  # DistStoreError on timeout, or the store's server is gone
             if not _is_timeout(exc):
                 raise CheckpointError(f"the commit store failed while waiting for rank 0: {exc}") from exc
-            raise CheckpointError(f"rank 0 did not decide within {timeout_s:.0f}s (rank 0 is gone or "
+            raise DecisionTimeout(f"rank 0 did not decide within {timeout_s:.0f}s (rank 0 is gone or "
                                   "stuck, or a rank never reported)") from None
         return _loads(self.waiting.get(f"{key}/decision"), f"{key}/decision")
 

@@ -116,6 +116,8 @@ class RankWriter(QueueWorker):
         if self._failed or id(chunk.file) in self._failed_jobs or dropped:
             self.cache.release_run(chunk.slot, chunk.count)  # keep freeing slots: nobody waits on a dead file
             return
+        stage = chunk.file.job.flush_stage
+        held = stage.hold(self.ctx.timeout_s, lambda: f"the I/O worker to write {chunk.file.tensor_rel}")
         try:
             try:
                 self._write(chunk)
@@ -130,6 +132,8 @@ class RankWriter(QueueWorker):
                 self._failed = True
                 for key in list(self._open):
                     self._abort_number(self._open.pop(key))
+        finally:
+            stage.release(held)
 
     def _write(self, chunk: Chunk) -> None:
         """One run to the worker: checksummed and written when this returns."""
@@ -217,6 +221,8 @@ class LevelStager(QueueWorker):
         fjob = item
         if self._failed or fjob.job.abandoned:
             return
+        stage = fjob.job.flush_stage
+        held = stage.hold(2 * self.ctx.timeout_s, lambda: f"the I/O worker to copy {fjob.tensor_rel} to the shared level")
         try:
             self._copy(fjob.tensor_rel, fjob, fjob.file_xxh3, fjob.layout.size)
             self._copy(fjob.sidecar_rel, fjob, fjob.sidecar_xxh3, len(fjob.sidecar))
@@ -224,6 +230,8 @@ class LevelStager(QueueWorker):
             self.next.durable(fjob)
         except BaseException as exc:
             self._failed = self.fail(exc, fjob.job)
+        finally:
+            stage.release(held)
 
     def _copy(self, rel: str, fjob: FileJob, expected: str | None, size: int) -> None:
         src_path = os.path.join(self.ctx.directory(fjob, LEVEL_LOCAL), rel)

@@ -20,6 +20,7 @@ import torch
 from ..errors import CheckpointError
 from ..format.names import LEVEL_SHARED
 from ..format.safetensors import FileLayout
+from .deadlines import StageDeadline
 
 _POLL_S = 0.05  # how often a wait re-checks for background failures
 
@@ -137,8 +138,12 @@ class CheckpointJob:
     policy: str = "wait"
     #: Why it was skipped under overload: {"reason", "superseded_by", "by_rank", ...} (``skip``).
     skipped: dict | None = None
-    #: While the commit waits on other ranks: says for what (a timeout names it, whichever side times out first).
-    commit_waiting_for: Callable[[], str] | None = None
+    #: The committer's bounded wait for this checkpoint (its report, the other ranks, rank 0's decision):
+    #: a training-thread wait that runs out defers to it, so the committer's error names what is missing.
+    commit_stage: StageDeadline = dataclasses.field(default_factory=StageDeadline, repr=False)
+    #: The writer's or stager's request to the I/O worker for this checkpoint, bounded by the worker's
+    #: reply timeout: on a near tie with a flush wait, the request's error is the one raised.
+    flush_stage: StageDeadline = dataclasses.field(default_factory=StageDeadline, repr=False)
     state: JobState = dataclasses.field(default=JobState.OPEN, init=False)
     #: Directories of this checkpoint known to exist (``make_directory``), and those this run created.
     _directories: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
@@ -225,18 +230,32 @@ class CheckpointJob:
     def wait_settled(self, deadline: float, check: Callable[[], None]) -> None:
         """Block until committed (once its commit was requested), else until durable on the shared
         level or abandoned. ``check`` raises a background failure; every poll runs it, so a failure
-        ends the wait at once instead of at the deadline."""
+        ends the wait at once instead of at the deadline.
+
+        Past ``deadline`` the wait goes on while the committer holds a deadline of its own for this
+        checkpoint (deadlines.py): its verdict, which names the missing ranks, is the error raised.
+        """
         if self.commit_requested:
             while not self.settled.wait(_POLL_S):
                 check()
-                if time.monotonic() > deadline:
-                    waiting_for = self.commit_waiting_for
-                    reason = f": {waiting_for()}" if waiting_for is not None else ""
-                    raise CheckpointError(f"commit of {self.checkpoint} did not finish in time (timeout){reason}")
+                if time.monotonic() > self.commit_stage.ends(deadline):
+                    raise CheckpointError(f"commit of {self.checkpoint} did not finish in time (timeout): "
+                                          f"{self._waiting_for()}")
         else:
             while not self.durable_on(LEVEL_SHARED) and not self.abandoned:
                 check()
-                if time.monotonic() > deadline:
-                    raise CheckpointError(f"flush of {self.checkpoint} did not finish in time")
+                if time.monotonic() > self.flush_stage.ends_on_tie(deadline):
+                    stage = self.flush_stage.describe()
+                    raise CheckpointError(f"flush of {self.checkpoint} did not finish in time"
+                                          + (f": still waiting for {stage}" if stage else ""))
                 time.sleep(_POLL_S)
         check()
+
+    def _waiting_for(self) -> str:
+        """What this rank's commit of it still waits for (for the timeout's message)."""
+        stage = self.commit_stage.describe()
+        if stage:
+            return f"still waiting for {stage}"
+        if not self.durable_on(LEVEL_SHARED):
+            return "this rank's files are not durable on the shared level yet"
+        return "the committer has not taken it up (an earlier checkpoint's commit is still pending)"

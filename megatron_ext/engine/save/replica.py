@@ -34,6 +34,7 @@ from ..config import check_writable_dir
 from ..errors import CheckpointError, ConfigError
 from ..files import private_dir
 from .context import SaveContext
+from .deadlines import StageDeadline
 from .jobs import CheckpointJob
 from .peer_link import Bundle, PeerLink, mismatch
 from .replica_store import ReplicaStore, expected_files
@@ -97,6 +98,9 @@ class PeerReplicator(QueueWorker):
         self._cond = threading.Condition()
         self._pending: list[CheckpointJob | _Prune] = []
         self._dead = False
+        #: The bounded wait this thread is in (durability here, the exchange with the peers): a
+        #: training-thread wait defers to it, so the replicator's error says what is missing.
+        self.stage = StageDeadline()
         self.start("datastates-replicator")
 
     def submit(self, item: CheckpointJob | _Prune) -> None:
@@ -109,12 +113,15 @@ class PeerReplicator(QueueWorker):
             return {item.checkpoint for item in self._pending if isinstance(item, CheckpointJob)}
 
     def wait_idle(self, deadline: float) -> None:
+        """Until nothing is pending; past ``deadline`` only while this thread's own bounded wait lasts."""
         with self._cond:
             while self._pending:
                 self.check()
-                if time.monotonic() > deadline:
+                if time.monotonic() > self.stage.ends(deadline):
+                    stage = self.stage.describe()
                     raise CheckpointError(f"replication to the peer did not finish in time "
-                                          f"({len(self._pending)} item(s) pending)")
+                                          f"({len(self._pending)} item(s) pending"
+                                          + (f"; still waiting for {stage})" if stage else ")"))
                 self._cond.wait(_POLL_S * 5)
         self.check()
 
@@ -131,12 +138,14 @@ class PeerReplicator(QueueWorker):
             what = "pruning the replicas" if isinstance(item, _Prune) else f"replication of {item.checkpoint}"
             self.fail(CheckpointError(f"{what} with the peers failed: {type(exc).__name__}: {exc}"))
         finally:
+            self.stage.release()
             with self._cond:
                 self._pending.remove(item)
                 self._cond.notify_all()
 
     def _replicate(self, job: CheckpointJob) -> None:
         deadline = time.monotonic() + self.timeout_s
+        self.stage.hold(self.timeout_s, lambda: f"{job.checkpoint} to become durable on the {self.first_level} level")
         while not job.durable_on(self.first_level) and job.error is None:
             self.check()
             if time.monotonic() > deadline:
@@ -151,6 +160,8 @@ class PeerReplicator(QueueWorker):
                 files.append({"rel": f.sidecar_rel, "size": len(f.sidecar), "xxh3_64": f.sidecar_xxh3})
             meta = {"checkpoint": job.checkpoint, "version": job.version, "run_id": job.tag, "files": files}
             outgoing = Bundle(meta, self.ctx.directory(job, self.first_level))
+        self.stage.hold(self.timeout_s, lambda: f"the exchange of {job.checkpoint} with ranks {self.holder} "
+                        f"(holder) and {self.source} (source)")
         meta, received = self.link.exchange(self.holder, outgoing, self.source, self.store.begin())
         if meta.get("checkpoint") not in (None, job.checkpoint):
             raise CheckpointError(f"rank {self.source} sent {meta['checkpoint']} while this rank replicates "

@@ -26,6 +26,7 @@ from ..host_cache import HostCache
 from .commit import job_key, skip_report_name
 from .context import SaveContext
 from .coordination import CommitChannel
+from .deadlines import StageDeadline
 from .flush import RankWriter
 from .job_table import JobTable
 from .jobs import CheckpointJob, FileJob, JobState
@@ -66,6 +67,9 @@ class Skips:
         self.starved: FileJob | None = None
         #: Set whenever a snapshot finishes or starts waiting for space, for ``await_snapshots``.
         self.progress = threading.Event()
+        #: The starved copy's own bounded wait for cache space (held by the snapshot thread): on a near
+        #: tie with ``wait_snapshot``'s deadline, the copy's error ("the flush is stuck") is the one raised.
+        self.slot_wait = StageDeadline()
 
     # ------------------------------------------------------------------ the training thread
     def new_job(self, root: str, checkpoint: str, version: int | None, tag: str) -> CheckpointJob:
@@ -90,25 +94,32 @@ class Skips:
         """
         waited_for_flush = False
         for fjob in pending:
-            while True:
-                self.progress.clear()
-                if fjob.snapshot_done.is_set():
-                    break
-                self.ctx.check()
-                if time.monotonic() > deadline:
-                    raise CheckpointError(f"snapshot of {fjob.job.checkpoint} did not finish in time (timeout)")
-                starved = self.starved is fjob
-                if starved and fjob.job.policy == OverloadPolicy.SUPERSEDE:
-                    self._skip(fjob.job, "no_cache_space")
-                    self.cache.wake()  # the copy gives up at once and releases the tensors
-                    fjob.snapshot_done.wait(_POLL_S)
-                    continue
-                t0 = time.monotonic()
-                self.progress.wait(_POLL_S)
-                if starved:
-                    waited_for_flush = True
-                    self.backpressure_wait_s += time.monotonic() - t0
+            waited_for_flush |= self._await_snapshot(fjob, deadline)
         self.backpressure_waits += waited_for_flush
+
+    def _await_snapshot(self, fjob: FileJob, deadline: float) -> bool:
+        """One file's copy done (or skipped); True if it waited for the flush to free space."""
+        waited_for_flush = False
+        while True:
+            self.progress.clear()
+            if fjob.snapshot_done.is_set():
+                return waited_for_flush
+            self.ctx.check()
+            starved = self.starved is fjob
+            if time.monotonic() > (self.slot_wait.ends_on_tie(deadline) if starved else deadline):
+                cause = ("its copy waits for a free host-cache slot, and the flush freed none (backpressure)"
+                         if starved else "its copy is still running")
+                raise CheckpointError(f"snapshot of {fjob.job.checkpoint} did not finish in time (timeout): {cause}")
+            if starved and fjob.job.policy == OverloadPolicy.SUPERSEDE:
+                self._skip(fjob.job, "no_cache_space")
+                self.cache.wake()  # the copy gives up at once and releases the tensors
+                fjob.snapshot_done.wait(_POLL_S)
+                continue
+            t0 = time.monotonic()
+            self.progress.wait(_POLL_S)
+            if starved:
+                waited_for_flush = True
+                self.backpressure_wait_s += time.monotonic() - t0
 
     def _policy_for(self, version: int | None) -> str:
         """This new checkpoint's policy: the configured one, unless the durable-age bound forces a wait."""

@@ -97,9 +97,11 @@ class SnapshotScheduler(QueueWorker):
             if ckpt.abandoned:
                 raise _Abandoned()
 
+        self.skips.slot_wait.hold(self.ctx.timeout_s, lambda: "a free host-cache slot")
         try:
             return self.cache.acquire_run(most, self.ctx.timeout_s, check, lambda: self.skips.starving(fjob))
         finally:
+            self.skips.slot_wait.release()
             self.skips.starving(None)
 
     @staticmethod
