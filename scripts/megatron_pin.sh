@@ -1,6 +1,6 @@
 # Sourced by the patch scripts: the one place the Megatron-LM pin is written down.
-MEGATRON_PIN_COMMIT=55ac7082517c3878ae653c07c09c534b8aed49f6
-MEGATRON_PIN_TAG=core_v0.16.1
+MEGATRON_PIN_COMMIT=5be9626709af2722333bf54797c954c09edeada3
+MEGATRON_PIN_TAG=core_v0.19.0
 MEGATRON_LM_URL="${MEGATRON_LM_URL:-https://github.com/NVIDIA/Megatron-LM.git}"
 PATCH_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../patches" && pwd)"
 

@@ -123,7 +123,7 @@ class MegatronCheckpointer:
             raise CheckpointError("the datastates configuration changed during the run; it is fixed at the first save")
         return self.engine
 
-    def ownership(self, shards: list) -> sharding.OwnershipPlan:
+    def ownership(self, shards: list, groups: core_state.ParallelGroups) -> sharding.OwnershipPlan:
         """Who writes which shard: planned at the first save with one all-gather over the data-parallel group.
 
         Planned again (the same collective) when the set of shards changes, which happens on every
@@ -132,11 +132,11 @@ class MegatronCheckpointer:
         """
         signature = sharding.candidate_signature(shards)
         if self.plan is None or self.plan.signature != signature:
-            layout = core_state.parallel_layout()
+            layout = core_state.parallel_layout(groups)
             if self.plan is not None:
                 log.info("[datastates] the sharded state changed (%d -> %d shards): planning ownership again",
                          len(self.plan.signature), len(signature))
-            self.plan = sharding.plan_ownership(shards, layout["dp_rank"], layout["dp"], core_state.dp_gather())
+            self.plan = sharding.plan_ownership(shards, layout["dp_rank"], layout["dp"], core_state.dp_gather(groups))
             log.info("[datastates] shard ownership: bytes per data-parallel rank %s", self.plan.bytes_by_dp_rank)
         return self.plan
 
@@ -145,13 +145,16 @@ class MegatronCheckpointer:
              checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
              pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
              train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False,
-             tp_group=None, pp_group=None, dp_cp_group=None):
+             tp_group=None, pp_group=None, dp_cp_group=None, dp_group=None, expt_dp_group=None,
+             rng_state_key_prefix=""):
         """``save_checkpoint``."""
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
         args = self.get_args()
         native = self.megatron_lm()
         chunks = model if isinstance(model, list) else [model]
+        core_state.refuse_rng_key_prefix(rng_state_key_prefix)
+        groups = core_state.ParallelGroups(tp_group, pp_group, dp_cp_group, dp_group, expt_dp_group)
         if native is not None and getattr(args, "ckpt_convert_format", None) is not None:
             # --ckpt-convert-format: Megatron-LM writes the loaded state in the format asked for,
             # from complete parameters (patch 0004 left the all-gathers to us).
@@ -163,22 +166,24 @@ class MegatronCheckpointer:
                     checkpointing_context, non_persistent_ckpt=non_persistent_ckpt,
                     train_data_iterator=train_data_iterator,
                     preprocess_common_state_dict_fn=preprocess_common_state_dict_fn, release=release,
-                    tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group)
+                    tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group, dp_group=dp_group,
+                    expt_dp_group=expt_dp_group, rng_state_key_prefix=rng_state_key_prefix)
         started = time.monotonic()
         root = save_root(args, non_persistent_ckpt)
         gate = param_gather.gather_gate(args, chunks)  # copies wait for --overlap-param-gather's all-gathers
         model = core_state.unwrap(model)
         if native is not None:  # Energon data loaders keep their own state (a no-op for Megatron's own)
-            native.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None))
+            native.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None),
+                                               tp_group=tp_group, pp_group=pp_group, dp_group=dp_group)
         with_optimizer = not getattr(args, "no_save_optim", False)
-        sharded, common = save_preprocess(core_state.sharded_state(model, optimizer, with_optimizer),
+        sharded, common = save_preprocess(core_state.sharded_state(model, optimizer, with_optimizer, groups=groups),
                                           validate_access_integrity=False)
         shards = list(sharding.sharded_leaves(sharded))
         core_state.copy_buffers_now(shards, model)
-        plan = self.ownership(shards)
+        plan = self.ownership(shards, groups)
         tensors, objects, meta = sharding.split_owned(shards, plan)
         rank = torch.distributed.get_rank()
-        layout = core_state.parallel_layout()
+        layout = core_state.parallel_layout(groups)
         rng = None if getattr(args, "no_save_rng", False) else capture_rng_state()
         rerun = core_state.rerun_state(native, train_data_iterator)
         run = None
@@ -221,12 +226,13 @@ class MegatronCheckpointer:
     # ------------------------------------------------------------------------ load
     def load(self, ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
              checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None,
-             pp_group=None, dp_cp_group=None):
+             pp_group=None, dp_cp_group=None, dp_group=None, expt_dp_group=None, rng_state_key_prefix=""):
         """``load_checkpoint`` (``loading.CheckpointLoad``); the run's engine starts after it when the run saves."""
         request = LoadRequest(ddp_model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict,
                               checkpointing_context=checkpointing_context,
                               skip_load_to_model_and_opt=skip_load_to_model_and_opt, tp_group=tp_group,
-                              pp_group=pp_group, dp_cp_group=dp_cp_group)
+                              pp_group=pp_group, dp_cp_group=dp_cp_group, dp_group=dp_group,
+                              expt_dp_group=expt_dp_group, rng_state_key_prefix=rng_state_key_prefix)
         return CheckpointLoad(self, self.get_args(), self.megatron_lm(), request).run()
 
 
@@ -261,13 +267,17 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
                     checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
                     pipeline_parallel=None, expert_parallel=None, non_persistent_ckpt=False,
                     train_data_iterator=None, preprocess_common_state_dict_fn=None, release=False,
-                    tp_group=None, pp_group=None, dp_cp_group=None):
+                    tp_group=None, pp_group=None, dp_cp_group=None, dp_group=None, expt_dp_group=None,
+                    rng_state_key_prefix=""):
     """Record iteration ``iteration``'s state and return; flush and commit happen in the background.
 
     ``preprocess_common_state_dict_fn`` feeds only torch_dist's check that every rank holds the
     same common state; here one copy of it (global rank 0's) is saved, so it is not called.
     Saving an iteration that was already saved in this run (Megatron-LM does on a batch-size
     ramp-up step and for its rerun state machine) replaces that checkpoint, as in Megatron-LM.
+    The process groups (``tp_group`` ... ``expt_dp_group``, from the model's ``pg_collection``) are
+    used as Megatron-LM uses them (``core_state.ParallelGroups``); a ``rng_state_key_prefix`` (a
+    multi-grid model's) is refused.
     """
     return _CHECKPOINTER.save(
         iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
@@ -275,12 +285,13 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
         tensor_rank=tensor_rank, pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel,
         non_persistent_ckpt=non_persistent_ckpt, train_data_iterator=train_data_iterator,
         preprocess_common_state_dict_fn=preprocess_common_state_dict_fn, release=release,
-        tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group)
+        tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group, dp_group=dp_group,
+        expt_dp_group=expt_dp_group, rng_state_key_prefix=rng_state_key_prefix)
 
 
 def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
                     checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None,
-                    pp_group=None, dp_cp_group=None):
+                    pp_group=None, dp_cp_group=None, dp_group=None, expt_dp_group=None, rng_state_key_prefix=""):
     """Load the checkpoint Megatron-LM would load; returns ``(iteration, num_floating_point_operations_so_far)``.
 
     Every file read is checked against the manifest's sizes and checksums. If any rank finds
@@ -291,7 +302,8 @@ def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", 
     return _CHECKPOINTER.load(ddp_model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict,
                               checkpointing_context=checkpointing_context,
                               skip_load_to_model_and_opt=skip_load_to_model_and_opt, tp_group=tp_group,
-                              pp_group=pp_group, dp_cp_group=dp_cp_group)
+                              pp_group=pp_group, dp_cp_group=dp_cp_group, dp_group=dp_group,
+                              expt_dp_group=expt_dp_group, rng_state_key_prefix=rng_state_key_prefix)
 
 
 def finalize_checkpoints(blocking: bool = False, terminate: bool = False) -> None:

@@ -75,6 +75,8 @@ DP_ZERO = "dp_zero_gather_scatter"
 #: megatron-core's torch_dist optimizer formats that convert to this project's format.
 CONVERTIBLE = (DP_RESHARDABLE, FULLY_RESHARDABLE, DP_ZERO)
 RNG_KEY = "rng_state"
+#: torch_dist's common state, an object inside the .distcp files since megatron-core 0.19 (no common.pt).
+COMMON_STATE_KEY = "common_state"
 FP32_PARAM, PARAM = MODEL_SPACE_STATE + "fp32_param.", MODEL_SPACE_STATE + "param."
 
 
@@ -258,7 +260,7 @@ def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = N
                       "dist_checkpointing.save")
     with single_process_group():
         os.makedirs(target)
-        dist_checkpointing.save(state, target, sharded_strategy=("torch_dist", 1), content_metadata=content)
+        dist_checkpointing.save(state, target, content_metadata=content)
     ckpt_layout.write_tracker(out, iteration)
     return {"source": located.path, "out": target, "iteration": iteration, "tensors": len(tensors),
             "objects": len(objects), "rng_states": len(rng_objects), "optimizer_format": sharding_type}
@@ -337,7 +339,9 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
         progress.note(f"reading {ckpt} with megatron-core's dist_checkpointing.load")
     with single_process_group():
         common = dist_checkpointing.load_common_state_dict(ckpt)
-        template = load_sharded_metadata(ckpt)
+        # The common state (``common_state``, an object in the .distcp files since megatron-core 0.19)
+        # is ``common`` above, not a shard.
+        template = {k: v for k, v in load_sharded_metadata(ckpt).items() if v.key != COMMON_STATE_KEY}
         # load() replaces the template's entries; keep what they describe.
         described = {k: (v.key, tuple(v.global_offset), tuple(v.global_shape), isinstance(v, ShardedObject))
                      for k, v in template.items()}

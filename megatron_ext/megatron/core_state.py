@@ -8,6 +8,7 @@ where only megatron-core (no ``megatron.training``) is installed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -40,23 +41,61 @@ def model_keys(model: list) -> list[str]:
     return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
 
 
-def _model_metadata() -> dict:
-    """The content metadata Megatron-LM hands to ``sharded_state_dict`` (it decides the shard keys)."""
-    from megatron.core import parallel_state as ps
+@dataclasses.dataclass(frozen=True)
+class ParallelGroups:
+    """The process groups Megatron-LM hands to ``save_checkpoint`` / ``load_checkpoint``.
 
+    Since megatron-core 0.19 its training loop takes them from the model's ``pg_collection``:
+    ``dp_cp`` is the group replica ids are counted over (with generalized tensor parallelism, the
+    weight-rematerialisation-inclusive one), ``dp`` the one the data loaders' state follows. Each
+    one not given (None) is parallel_state's, as in Megatron-LM.
+    """
+
+    tp: Any = None
+    pp: Any = None
+    dp_cp: Any = None
+    dp: Any = None
+    expt_dp: Any = None
+
+    def tensor(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return self.tp if self.tp is not None else ps.get_tensor_model_parallel_group()
+
+    def pipeline(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return self.pp if self.pp is not None else ps.get_pipeline_model_parallel_group()
+
+    def data_parallel_cp(self) -> Any:
+        from megatron.core import parallel_state as ps
+
+        return self.dp_cp if self.dp_cp is not None else ps.get_data_parallel_group(with_context_parallel=True)
+
+
+def refuse_rng_key_prefix(prefix: str) -> None:
+    """A multi-grid model namespaces its RNG state (``rng_state_key_prefix``); one file per rank holds
+    one RNG state here, so such a model is refused rather than saved or loaded under the wrong name."""
+    if prefix:
+        raise CheckpointError(f"rng_state_key_prefix={prefix!r} (a multi-grid model's RNG namespace) is not "
+                              "supported by --use-datastates; save this model with --ckpt-format torch_dist")
+
+
+def _model_metadata(groups: ParallelGroups) -> dict:
+    """The content metadata Megatron-LM hands to ``sharded_state_dict`` (it decides the shard keys)."""
     return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
-            "dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+            "dp_cp_group": groups.data_parallel_cp()}
 
 
 def sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_format: str | None = None,
-                  is_loading: bool = False) -> dict:
+                  is_loading: bool = False, groups: ParallelGroups = ParallelGroups()) -> dict:
     """The sharded state dict saved (model-space optimizer) or to load into (the checkpoint's optimizer format).
 
     megatron-core's own formats (``NATIVE_FORMATS``: bucket-space ``dp_reshardable`` and the gathered
     ``dp_zero_gather_scatter``, which checkpoints converted from torch_dist carry, and
     ``dp_reshardable`` those saved before the model-space format) are built by megatron-core.
     """
-    metadata = _model_metadata()
+    metadata = _model_metadata(groups)
     sharded = {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(model_keys(model), model)}
     if with_optimizer and optimizer is not None:
         if optimizer_format in NATIVE_FORMATS:
@@ -95,29 +134,33 @@ def copy_buffers_now(shards: list, model: list) -> None:
 
 
 # ---------------------------------------------------------------------------- the parallel layout
-def parallel_layout() -> dict:
+def parallel_layout(groups: ParallelGroups = ParallelGroups()) -> dict:
     """This rank's place in the TP/PP/DP layout (the ``layout`` a checkpoint records)."""
-    from megatron.core import parallel_state as ps
-
+    dist = torch.distributed
+    tp, pp, dp = groups.tensor(), groups.pipeline(), groups.data_parallel_cp()
     return {
-        "world_size": torch.distributed.get_world_size(),
-        "tp": ps.get_tensor_model_parallel_world_size(),
-        "pp": ps.get_pipeline_model_parallel_world_size(),
-        "dp": ps.get_data_parallel_world_size(with_context_parallel=True),
-        "tp_rank": ps.get_tensor_model_parallel_rank(),
-        "pp_rank": ps.get_pipeline_model_parallel_rank(),
-        "dp_rank": ps.get_data_parallel_rank(with_context_parallel=True),
+        "world_size": dist.get_world_size(),
+        "tp": dist.get_world_size(tp), "pp": dist.get_world_size(pp), "dp": dist.get_world_size(dp),
+        "tp_rank": dist.get_rank(tp), "pp_rank": dist.get_rank(pp), "dp_rank": dist.get_rank(dp),
     }
 
 
-def dp_gather() -> Callable[[Any], list]:
-    """An all-gather of one object over the data-parallel group (gloo when it has one): the ownership plan's."""
+def dp_gather(groups: ParallelGroups = ParallelGroups()) -> Callable[[Any], list]:
+    """An all-gather of one object over the group replica ids count over: the ownership plan's.
+
+    parallel_state's data-parallel group has a gloo twin, used when the given group has its ranks
+    (the object then never visits a GPU); another group (a model's own ``pg_collection``) is used as given.
+    """
     from megatron.core import parallel_state as ps
 
-    try:
-        group = ps.get_data_parallel_group_gloo(with_context_parallel=True)
-    except (AssertionError, AttributeError, RuntimeError):
-        group = ps.get_data_parallel_group(with_context_parallel=True)
+    group = groups.data_parallel_cp()
+    default = ps.get_data_parallel_group(with_context_parallel=True)
+    if group is default or torch.distributed.get_process_group_ranks(group) == \
+            torch.distributed.get_process_group_ranks(default):
+        try:
+            group = ps.get_data_parallel_group_gloo(with_context_parallel=True)
+        except (AssertionError, AttributeError, RuntimeError):
+            pass
 
     def gather(obj: Any) -> list:
         out: list = [None] * torch.distributed.get_world_size(group)
@@ -132,15 +175,18 @@ def rerun_state(native: Any, data_iterator: Any) -> dict | None:
     """This rank's state of Megatron-LM's rerun state machine, when it asks for a checkpoint; else None.
 
     Megatron-LM keeps its rank-level part in a ShardedObject of the world; here each rank's file
-    holds its own part, so the object's data is stored in its place.
+    holds its own part, so the object's data is stored in its place. Since megatron-core 0.19 the
+    machine answers every save, with a placeholder (``NOT_RUNNING_YET``) when it has nothing to
+    carry, so that torch_dist's structure stays the same; its loader refuses the placeholder, so
+    it is not saved here (None, as before).
     """
     if native is None:
         return None
     from megatron.core.dist_checkpointing.mapping import ShardedObject
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
 
     state = get_rerun_state_machine().state_dict(data_iterator=data_iterator, ckpt_format="torch_dist")
-    if state is None:
+    if state is None or state.get("state") == RerunState.NOT_RUNNING_YET:
         return None
     return {k: (v.data if isinstance(v, ShardedObject) else v) for k, v in state.items()}
 

@@ -91,6 +91,14 @@ class LoadRequest:
     tp_group: Any = None
     pp_group: Any = None
     dp_cp_group: Any = None
+    dp_group: Any = None
+    expt_dp_group: Any = None
+    rng_state_key_prefix: str = ""
+
+    @property
+    def groups(self) -> core_state.ParallelGroups:
+        return core_state.ParallelGroups(self.tp_group, self.pp_group, self.dp_cp_group, self.dp_group,
+                                         self.expt_dp_group)
 
     def native_load(self, native: Any) -> Any:
         """Megatron-LM's own ``load_checkpoint`` with these arguments (a checkpoint in its own format)."""
@@ -98,7 +106,8 @@ class LoadRequest:
             self.ddp_model, self.optimizer, self.opt_param_scheduler, load_arg=self.load_arg, strict=self.strict,
             checkpointing_context=self.checkpointing_context,
             skip_load_to_model_and_opt=self.skip_load_to_model_and_opt, tp_group=self.tp_group,
-            pp_group=self.pp_group, dp_cp_group=self.dp_cp_group)
+            pp_group=self.pp_group, dp_cp_group=self.dp_cp_group, dp_group=self.dp_group,
+            expt_dp_group=self.expt_dp_group, rng_state_key_prefix=self.rng_state_key_prefix)
 
 
 @dataclasses.dataclass
@@ -154,6 +163,7 @@ class CheckpointLoad:
                         "checkpoints saved from now on are datastates checkpoints", chosen[0])
             with core_state.megatron_lm_formats(args):
                 return self.request.native_load(native)
+        core_state.refuse_rng_key_prefix(self.request.rng_state_key_prefix)
         if finetune_from_pretrained:
             if chosen is None:
                 raise FileNotFoundError("No checkpoint found in load directory or pretrained directory")
@@ -300,7 +310,7 @@ class CheckpointLoad:
         if zero_name is None:
             raise CheckpointError(f"{ckpt.checkpoint} has no file of rank 0 (its common state and args)")
         meta = read_run_meta(ckpt.reader(zero_name))
-        layout = core_state.parallel_layout()
+        layout = core_state.parallel_layout(self.request.groups)
         reshard = reshard_source(ckpt, meta["layout"], layout)
         if self.native is not None:
             self.native.set_checkpoint_version(meta.get("checkpoint_version", CHECKPOINT_VERSION))
@@ -336,7 +346,7 @@ class CheckpointLoad:
         model = core_state.unwrap(self.request.ddp_model)
         with self._step("template"):
             template = core_state.sharded_state(model, self.request.optimizer, with_optimizer, optimizer_format,
-                                                is_loading=True)
+                                                is_loading=True, groups=self.request.groups)
             sharded, nonpersistent, factories = load_preprocess(template)
             sharded, _ = extract_sharded_base(sharded)  # the non-sharded values come from the saved "common"
         # Converted from fully_reshardable: the optimizer's boxes are whole, each rank's slices are cut from them.

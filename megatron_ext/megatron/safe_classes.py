@@ -1,10 +1,11 @@
 """The classes a Megatron checkpoint's sidecar may hold beyond plain values (the codec's allow-list).
 
-Found by parsing a real Megatron-LM argument set at the pin (core_v0.16.1, a GPT command line
+Found by parsing a real Megatron-LM argument set at the pin (core_v0.19.0, a GPT command line
 with ``--bf16`` and the distributed optimizer, after ``validate_args``): its values are plain
-Python values, ``torch.dtype``s and two enums, ``AttnBackend`` and ``signal.Signals``. The rerun
-state machine's state (``Call``, ``Caller``, ``RerunState``, ``RerunMode``) was found by running
-Megatron-LM's loop into a NaN that it asks to checkpoint. Any other
+Python values, ``torch.dtype``s and three enums, ``AttnBackend``, ``InferenceCudaGraphScope``
+and ``signal.Signals``. The rerun state machine's state (``Call``, ``Caller``, ``RerunState``,
+``RerunMode``, and the error injector's ``RerunDiagnostic``) was found by running Megatron-LM's
+loop into a NaN that it asks to checkpoint. Any other
 class in ``args`` (a newer Megatron-LM's) is stored as its ``repr`` (``checkpoint_layout.storable_args``), never
 refused; any other class elsewhere in the state is refused at the first save, naming it.
 """
@@ -16,12 +17,14 @@ import importlib
 
 MEGATRON_SAFE_CLASSES = (
     "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.InferenceCudaGraphScope",
     "signal.Signals",
     # The rerun state machine's state (saved when it asks for a checkpoint, e.g. after a NaN).
     "megatron.core.rerun_state_machine.Call",
     "megatron.core.rerun_state_machine.Caller",
     "megatron.core.rerun_state_machine.RerunState",
     "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",  # the error injector's setting, in a real rerun state
 )
 
 

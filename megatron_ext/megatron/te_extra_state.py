@@ -197,6 +197,9 @@ def _load_storage_from_bytes(data: Any) -> torch.storage.TypedStorage:
 _OUTER_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
     ("torch.storage", "_load_from_bytes"): _load_storage_from_bytes,
+    # megatron-core >= 0.19 rebinds torch.storage._load_from_bytes to this at import
+    # (megatron/core/__init__.py), so pickles made in its processes name it instead.
+    ("megatron.core.safe_globals", "safe_load_from_bytes"): _load_storage_from_bytes,
     ("collections", "OrderedDict"): collections.OrderedDict,
     (RECIPE_MODULE, "Format"): TEFormat,
     (RECIPE_MODULE, "_FormatHelper"): TEFormatHelper,

@@ -1,6 +1,6 @@
 """Run real megatron-core on CPU ranks (gloo) by answering its few CUDA assumptions.
 
-megatron-core 0.16.1 trains on a CPU almost unchanged; what stops it is a handful of places where
+megatron-core (0.19.0) trains on a CPU almost unchanged; what stops it is a handful of places where
 it names the CUDA device or calls a CUDA-only API:
 
 * tensors are created with ``device='cuda'`` / ``device=torch.cuda.current_device()`` and moved
@@ -8,6 +8,7 @@ it names the CUDA device or calls a CUDA-only API:
 * the mixed-precision optimizer checks ``param.type()`` against ``'torch.cuda.BFloat16Tensor'``
   and friends to decide which parameters get fp32 main copies;
 * the RNG tracker (``tensor_parallel.random``) saves and restores the CUDA generator;
+* DDP and the gradient buffers record and wait on CUDA streams and events;
 * the distributed optimizer reduce-scatters gradients, which gloo does not implement;
 * the hybrid device optimizer (``--optimizer-cpu-offload``) pins its host copies and tells device
   parameters from host ones with ``is_cuda`` (``as_device_tensors``).
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -161,6 +163,61 @@ def _patch_megatron() -> None:
             module.dist_reduce_scatter_func = _reduce_scatter_via_all_reduce
 
 
+class CpuEvent:
+    """Stands in for ``torch.cuda.Event``: on a CPU the work it marks is already done."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuStream:
+    """Stands in for ``torch.cuda.Stream``: on a CPU every operation is already ordered."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        return event if event is not None else CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_STREAM = CpuStream()
+
+
+def _patch_cuda_streams() -> None:
+    """CUDA streams and events answer on a CPU: megatron-core records and waits on them (DDP's side
+    stream, ``start_grad_sync``'s current stream, the MoE dispatcher's events)."""
+    cuda = torch.cuda
+    cuda.Stream = CpuStream
+    cuda.Event = CpuEvent
+    cuda.current_stream = lambda device=None: _STREAM
+    cuda.default_stream = lambda device=None: _STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
 def enable_cpu_emulation() -> bool:
     """Make megatron-core train on CPU ranks; returns True when the emulation is active.
 
@@ -176,6 +233,7 @@ def enable_cpu_emulation() -> bool:
             return True
         enable_cpu_device(_CudaTrainingMode())  # torch.cuda's device helpers and the device mode
         _patch_torch_cuda_rng()
+        _patch_cuda_streams()
         dist.reduce_scatter_tensor = _reduce_scatter_via_all_reduce
         dist._reduce_scatter_base = _reduce_scatter_via_all_reduce
         _patch_megatron()

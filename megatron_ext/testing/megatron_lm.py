@@ -11,8 +11,9 @@ What a CPU run of ``megatron/training`` needs beyond the megatron-core emulation
 * ``initialize_megatron(allow_no_cuda=True)``;
 * a device count of 1 (with 0 Megatron skips model-parallel initialisation and seeding) and a
   no-op ``set_device``; zero CUDA memory statistics (``report_memory``, ``training_log``);
-* CPU stand-ins for CUDA streams and events (DDP is built on a side stream in ``get_model``; the
-  MoE token dispatcher records events on its own);
+* (CPU stand-ins for CUDA streams and events are the emulation layer's: DDP is built on a side
+  stream in ``get_model``, ``start_grad_sync`` asks for the current stream, the MoE token dispatcher
+  records events on its own);
 * a GPU architecture answer for ``validate_args`` (it asks when TP > 1);
 * no compilation at start-up: the dataset helpers are the megatron-core wheel's prebuilt
   ``helpers_cpp`` (the wheel's ``megatron.core`` is imported; its code is the pin's);
@@ -44,8 +45,8 @@ interleaved tests run PP = 4 with ``--no-overlap-p2p-communication``.
 CPU flags the runs pass: ``--distributed-backend nccl --transformer-impl local
 --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-gelu-fusion
 --no-bias-dropout-fusion --no-persist-layer-norm --no-rope-fusion --num-workers 0`` (``CPU_FLAGS``).
-``--num-workers 0``: the data loaders' worker processes are forked, and a CPython 3.11 without the
-fix of cpython gh-112275 (this machine has 3.11.7) can deadlock the forked child when, at that
+``--num-workers 0``: the data loaders' worker processes are forked, and a CPython without the
+fix of cpython gh-112275 (this machine's 3.12.1 predates it) can deadlock the forked child when, at that
 instant, another thread is creating its Python thread state: the child waits for the
 interpreter's head lock. Here that thread is a torch gloo work thread entering Python. One such
 hang was seen (2026-11-25, a fine-tuning test): a worker stuck in ``PyOS_AfterFork_Child``, and
@@ -64,6 +65,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import runpy
 import signal
 import subprocess
@@ -73,9 +75,18 @@ from typing import Any, Callable
 
 import torch
 
-PIN = "55ac7082517c3878ae653c07c09c534b8aed49f6"
 REPO = Path(__file__).resolve().parents[2]
 FETCH_SCRIPT = REPO / "scripts" / "fetch_megatron.sh"
+
+
+def _read_pin() -> tuple[str, str]:
+    """(commit, tag) of the pinned Megatron-LM, from ``scripts/megatron_pin.sh``: the one place it is written."""
+    text = (REPO / "scripts" / "megatron_pin.sh").read_text()
+    values = dict(re.findall(r"^(MEGATRON_PIN_COMMIT|MEGATRON_PIN_TAG)=(\S+)$", text, flags=re.M))
+    return values["MEGATRON_PIN_COMMIT"], values["MEGATRON_PIN_TAG"]
+
+
+PIN, PIN_TAG = _read_pin()
 HOW_TO_GET = ("Megatron-LM checkout not available: run `MEGATRON_LM_DIR=<a checkout or git mirror of "
               "NVIDIA/Megatron-LM> scripts/fetch_megatron.sh` once")
 CPU_FLAGS = ["--distributed-backend", "nccl", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
@@ -123,50 +134,6 @@ def find_checkout(timeout_s: float = 600) -> tuple[Path | None, str]:
 
 
 # ---------------------------------------------------------------------------- CPU answers
-class _CpuEvent:
-    """Stands in for ``torch.cuda.Event``: on a CPU the work it marks is already done."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        pass
-
-    def record(self, stream: Any = None) -> None:
-        pass
-
-    def wait(self, stream: Any = None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class _CpuStream:
-    """Stands in for ``torch.cuda.Stream``: on a CPU every operation is already ordered."""
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        pass
-
-    def wait_stream(self, stream: Any) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-    def record_event(self, event: Any = None) -> Any:
-        return event if event is not None else _CpuEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-_STREAM = _CpuStream()
-
-
 def _zero(*args: Any, **kwargs: Any) -> int:
     return 0
 
@@ -179,11 +146,6 @@ def _patch_cuda_queries() -> None:
         setattr(cuda, name, _zero)
     cuda.memory_stats = lambda device=None: {}
     cuda.reset_peak_memory_stats = lambda device=None: None
-    cuda.Stream = _CpuStream
-    cuda.Event = _CpuEvent
-    cuda.current_stream = lambda device=None: _STREAM
-    cuda.default_stream = lambda device=None: _STREAM
-    cuda.stream = lambda stream=None: contextlib.nullcontext()
 
 
 def _split_sizes_as_lists() -> None:
@@ -250,7 +212,7 @@ def _patch_megatron_training() -> None:
     training.initialize_megatron = initialize_megatron
     # Warm-up compiles the fused kernels with torch.compile and draws from the "CUDA" generator,
     # which on a CPU is the one dropout uses; the CPU flags switch those fusions off anyway.
-    training.set_jit_fusion_options = lambda: None
+    training.set_jit_fusion_options = lambda *args, **kwargs: None  # called with tp_size=
     arguments.get_device_arch_version = lambda: 8  # asked by validate_args when TP > 1
     training.build_train_valid_test_data_iterators = _keep_cpu_generator(training.build_train_valid_test_data_iterators)
     # Both names: training.py imported the function, and megatron_ext hands Megatron-format
@@ -505,9 +467,17 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
     from megatron_ext.testing.emulated_nccl import enable_emulated_nccl
 
     checkout = str(script.resolve().parent)
-    # After site-packages: megatron.core comes from the wheel (with its prebuilt helpers),
-    # megatron.training, gpt_builders and model_provider from the checkout.
-    sys.path.append(checkout)
+    # megatron.core from the wheel (with its prebuilt dataset helpers), imported first so it stays
+    # the wheel's; megatron.training, gpt_builders and model_provider from the patched checkout, ahead
+    # of site-packages (the megatron-core 0.19 wheel ships an unpatched megatron/training too).
+    import megatron.core  # noqa: F401
+
+    sys.path.insert(0, checkout)
+    import megatron.training
+
+    if not str(Path(megatron.training.__file__).resolve()).startswith(str(Path(checkout).resolve())):
+        raise RuntimeError(f"megatron.training comes from {megatron.training.__file__}, not from the patched "
+                           f"checkout {checkout}")
     # On GPUs only the part shared with the CPU runs applies (``_patch_megatron_any_device``).
     if not torch.cuda.is_available():
         enable_cpu_emulation()
@@ -568,7 +538,7 @@ def _start_torch_dist_results_queue() -> None:
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    filesystem_async._get_write_results_queue()
+    filesystem_async.get_write_results_queue()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -352,8 +352,7 @@ def save_checkpoint_torch_dist(iteration: int, model, optimizer, scheduler,
     dist.barrier()
     state = build_sharded_state_dict(model, optimizer, scheduler, args, iteration,
                                      is_loading=False)
-    dist_checkpointing.save(state, ckpt, sharded_strategy=("torch_dist", 1),
-                            content_metadata=optimizer_metadata(args))
+    dist_checkpointing.save(state, ckpt, content_metadata=optimizer_metadata(args))
     dist.barrier()
     if dist.get_rank() == 0:
         write_tracker(args.save, iteration)
@@ -426,7 +425,8 @@ def save_checkpoint_megatron_async(iteration: int, model, optimizer, scheduler, 
         os.makedirs(ckpt, exist_ok=True)
     dist.barrier()
     state = build_sharded_state_dict(model, optimizer, scheduler, args, iteration, is_loading=False)
-    request = dist_checkpointing.save(state, ckpt, sharded_strategy=("torch_dist", 1), async_sharded_save=True,
+    # "mcore": megatron-core's own async writer (the default, "nvrx", needs nvidia-resiliency-ext).
+    request = dist_checkpointing.save(state, ckpt, async_sharded_save=True, async_strategy="mcore",
                                       content_metadata=optimizer_metadata(args))
     rank = dist.get_rank()
     request.add_finalize_fn(lambda: write_tracker(args.save, iteration) if rank == 0 else None)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.testing.megatron_lm import PIN
+
 from helpers.megatron_lm_runs import checkout_or_skip
 
 REPO = Path(__file__).resolve().parents[2]
@@ -124,12 +126,12 @@ def test_the_checkout_must_be_the_patched_pin(tmp_path, checkout):
     subprocess.run([*git, "-C", str(other), "commit", "-qm", "x"], check=True)
     res = check(_site(tmp_path, other), "cpu_tiny_megatron")
     assert res.returncode == 2
-    assert any("is at commit" in f and "55ac7082517c3878ae653c07c09c534b8aed49f6" in f for f in _lines(res, "FAIL"))
+    assert any("is at commit" in f and PIN in f for f in _lines(res, "FAIL"))
 
     clean = tmp_path / "clean"  # the pin itself, unpatched: a shared clone of the cached checkout
     subprocess.run(["git", "clone", "-q", "--shared", "--no-checkout", str(checkout), str(clean)], check=True)
     subprocess.run(["git", "-C", str(clean), "-c", "advice.detachedHead=false", "checkout", "-q",
-                    "55ac7082517c3878ae653c07c09c534b8aed49f6"], check=True)
+                    PIN], check=True)
     res = check(_site(tmp_path, clean), "cpu_tiny_megatron")
     assert res.returncode == 2
     assert f"MEGATRON_LM_DIR={clean} is at the pin but not patched: run scripts/apply_patches.sh {clean}" in \

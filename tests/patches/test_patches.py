@@ -18,7 +18,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PATCHES = sorted((ROOT / "patches").glob("[0-9][0-9][0-9][0-9]-*.patch"))
-PIN = "55ac7082517c3878ae653c07c09c534b8aed49f6"
+from megatron_ext.testing.megatron_lm import PIN, PIN_TAG
 
 
 def _touched(patch: pathlib.Path) -> list[str]:
@@ -77,7 +77,7 @@ def test_apply_refuses_another_commit(tmp_path):
     before = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True).stdout
     result = _run("apply_patches.sh", str(repo))
     assert result.returncode != 0
-    assert f"but the patches are for core_v0.16.1 ({PIN})" in result.stderr
+    assert f"but the patches are for {PIN_TAG} ({PIN})" in result.stderr
     assert subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True).stdout == before
 
 

@@ -20,9 +20,9 @@ import pytest
 
 from helpers.procs import REPO
 
-PIN = "55ac708"
-CHECKOUT = Path(os.environ.get("MEGATRON_EXT_CACHE", Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-                               / "megatron_ext")) / f"Megatron-LM-{PIN}"
+from megatron_ext.testing.megatron_lm import cache_dir
+
+CHECKOUT = cache_dir()
 
 CODE = r"""
 import sys
