@@ -159,6 +159,44 @@ def adapter_engine_config(args: Any) -> dict:
     return cfg
 
 
+#: ``--optimizer`` values whose state the adapter saves and loads (megatron-core's distributed optimizer or its
+#: mixed-precision wrapper around them): Adam's two moments, SGD's momentum, Lion's one moment.
+SUPPORTED_OPTIMIZERS = ("adam", "sgd", "lion")
+
+
+def _unsupported_megatron_features(args: Any) -> list[str]:
+    """Megatron-LM features (core_v0.19.0) this adapter refuses, each with why (docs/MEGATRON.md's table).
+
+    Runs first in ``validate_args``, before Megatron-LM derives its own fields from these flags.
+    """
+    problems = []
+    if getattr(args, "optimizer_cuda_graph", False):
+        problems.append("--optimizer-cuda-graph captures optimizer.step in a CUDA graph: on replay the wait for the "
+                        "lazy snapshot before the optimizer's inner step never runs, so the step could change tensors "
+                        "still being copied; drop --optimizer-cuda-graph")
+    optimizer = getattr(args, "optimizer", "adam")
+    layer_wise = getattr(args, "use_layer_wise_distributed_optimizer", False) or optimizer.startswith("dist_") or (
+        optimizer not in ("adam", "sgd") and getattr(args, "use_distributed_optimizer", False))
+    if layer_wise:
+        problems.append(f"--optimizer {optimizer} with --use-distributed-optimizer is megatron-core's layer-wise "
+                        "distributed optimizer, whose sharded state --use-datastates does not support; use "
+                        f"--optimizer {optimizer} without --use-distributed-optimizer"
+                        + (" (or adam/sgd with it)" if optimizer.removeprefix("dist_") != "lion" else ""))
+    elif optimizer not in SUPPORTED_OPTIMIZERS:
+        problems.append(f"--optimizer {optimizer}: --use-datastates saves the state of "
+                        f"{', '.join(SUPPORTED_OPTIMIZERS)} only")
+    shards, tp = getattr(args, "tensor_parallel_num_weight_shards", None), getattr(args, "tensor_model_parallel_size", 1)
+    if (shards is not None and shards > tp) or getattr(args, "gtp_weight_remat_size", 1) > 1:
+        problems.append(f"--tensor-parallel-num-weight-shards {shards} > --tensor-model-parallel-size {tp} "
+                        "(generalized tensor parallelism's weight rematerialisation) is not supported by "
+                        "--use-datastates")
+    if getattr(args, "reuse_grad_buf_for_mxfp8_param_ag", False) and getattr(args, "overlap_param_gather", False):
+        problems.append("--reuse-grad-buf-for-mxfp8-param-ag with --overlap-param-gather: the parameters are "
+                        "staged into the gradient buffer only at the next training step, so a save could not "
+                        "gather them exactly; drop one of the two flags")
+    return problems
+
+
 def validate_datastates_args(args: Any) -> None:
     """Reject flag combinations the engine cannot honour, with one clear message, before training."""
     if not MegatronAdapterOptions.from_args(args).enabled:
@@ -192,6 +230,7 @@ def validate_datastates_args(args: Any) -> None:
                         f"({', '.join('--' + f.replace('_', '-') + ' fp8' for f in fp8_moments)}: Transformer Engine "
                         "keeps them as Float8Tensors); use bf16 (exact in any layout) or fp16 (exact on the saved "
                         "layout)")
+    problems += _unsupported_megatron_features(args)
     if problems:
         raise ValueError("invalid datastates configuration: " + "; ".join(problems))
     cfg = engine_config_from_args(args)

@@ -156,10 +156,8 @@ class MegatronCheckpointer:
         core_state.refuse_rng_key_prefix(rng_state_key_prefix)
         groups = core_state.ParallelGroups(tp_group, pp_group, dp_cp_group, dp_group, expt_dp_group)
         if native is not None and getattr(args, "ckpt_convert_format", None) is not None:
-            # --ckpt-convert-format: Megatron-LM writes the loaded state in the format asked for,
-            # from complete parameters (patch 0004 left the all-gathers to us).
-            if param_gather.deferred_param_gather(args):
-                param_gather.sync_missing(chunks)
+            # --ckpt-convert-format: Megatron-LM writes the state it just loaded in the format asked for
+            # (setup_model_and_optimizer calls save_checkpoint itself, with no parameter sync before it).
             with megatron_lm_formats(args):
                 return native.save_checkpoint(
                     iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,

@@ -116,6 +116,35 @@ def optimizer_format(saved: Any) -> str | None:
     return kinds.pop() if kinds else None
 
 
+def model_kind_mismatch(saved_args: Any, model: list) -> str | None:
+    """Why a checkpoint's model kind does not match this run's (GPT saved, a HybridModel built, or the
+    reverse), or None. Megatron-LM 0.19 translates a GPT checkpoint into a HybridModel at load time
+    (``gpt_checkpoint_interop``) for its own formats only; here the mismatch is named instead of failing
+    as missing shards."""
+    try:
+        from megatron.core.models.hybrid.hybrid_model import HybridModel
+    except ImportError:  # a megatron-core without hybrid models
+        return None
+
+    def contains_hybrid(module: Any) -> bool:
+        while module is not None:
+            if isinstance(module, HybridModel):
+                return True
+            module = getattr(module, "module", None)
+        return False
+
+    runtime_hybrid = any(contains_hybrid(chunk) for chunk in model)
+    saved_hybrid = bool(getattr(saved_args, "hybrid_layer_pattern", None) or
+                        getattr(saved_args, "hybrid_override_pattern", None))
+    if runtime_hybrid == saved_hybrid:
+        return None
+    if runtime_hybrid:
+        return ("it was saved from a GPT model and this run builds a HybridModel: --use-datastates does not "
+                "translate GPT checkpoints at load time; convert it with `megatron-ext convert --to torch_dist` "
+                "and load that (Megatron-LM translates its own format)")
+    return "it was saved from a HybridModel and this run builds a GPT model; load it with the hybrid entry point"
+
+
 def copy_buffers_now(shards: list, model: list) -> None:
     """Copy, at the save, every shard that lives in a module buffer rather than a parameter.
 

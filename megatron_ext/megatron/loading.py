@@ -309,11 +309,15 @@ class CheckpointLoad:
         zero_name = file_of_rank(ckpt, 0)
         if zero_name is None:
             raise CheckpointError(f"{ckpt.checkpoint} has no file of rank 0 (its common state and args)")
-        meta = read_run_meta(ckpt.reader(zero_name))
+        meta = saved_run.override_iteration(read_run_meta(ckpt.reader(zero_name)), self.args, ckpt.checkpoint)
         layout = core_state.parallel_layout(self.request.groups)
         reshard = reshard_source(ckpt, meta["layout"], layout)
         if self.native is not None:
             self.native.set_checkpoint_version(meta.get("checkpoint_version", CHECKPOINT_VERSION))
+        if meta.get("args") is not None:
+            mismatch = core_state.model_kind_mismatch(meta["args"], core_state.unwrap(self.request.ddp_model))
+            if mismatch:
+                raise CheckpointError(f"{ckpt.checkpoint} cannot load into this model: {mismatch}")
         if meta.get("args") is not None and not finetune:  # before any weight is read: a wrong shape fails by name
             saved_run.carry_args(self.native, self.args, meta["args"])
         common = ckpt.reader(zero_name).part(COMMON)

@@ -250,7 +250,9 @@ def check_param_groups(optimizer: Any, saved: Any) -> None:
 
     The non-parameter state is saved once, by global rank 0, and loaded on every rank, whatever
     its pipeline stage and layout; megatron-core matches groups by their identity keys
-    (``wd_mult``, ``lr_mult``, ...), so a stage with a kind of group rank 0's stage lacks cannot load.
+    (``wd_mult``, ``lr_mult``, ``max_lr``, ``min_lr``, ...), so a stage with a kind of group rank
+    0's stage lacks cannot load. Each key is read as megatron-core reads it: the key, else its
+    ``pre_`` alias (NeMo's), else None.
     """
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
@@ -260,7 +262,7 @@ def check_param_groups(optimizer: Any, saved: Any) -> None:
             continue
 
         def identity(group: dict) -> tuple:
-            return tuple(group.get(k) for k in param_group_identifier_keys)
+            return tuple(group[k] if k in group else group.get(f"pre_{k}") for k in param_group_identifier_keys)
 
         have = {identity(g) for g in state["optimizer"]["param_groups"]}
         need = {identity(g) for g in opt.optimizer.param_groups}

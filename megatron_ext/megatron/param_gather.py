@@ -27,8 +27,18 @@ WHAT = "the parameter all-gathers of --overlap-param-gather"
 
 
 def deferred_param_gather(args: Any) -> bool:
-    """Megatron-LM's condition for ``force_param_sync`` before a save (``should_disable_forward_pre_hook``)."""
-    return (not getattr(args, "use_megatron_fsdp", False) and bool(getattr(args, "use_distributed_optimizer", False))
+    """Megatron-LM's condition for ``force_param_sync`` before a save (``should_disable_forward_pre_hook``,
+    core_v0.19.0): no Megatron FSDP, an optimizer that exists (not ``--skip-train``, unless an RL step
+    loads one), a distributed optimizer (or the layer-wise one) and ``--overlap-param-gather``.
+
+    Written out rather than imported, for trainers without ``megatron.training``; a test holds it to
+    Megatron-LM's own function over every combination of these flags.
+    """
+    has_optimizer = not getattr(args, "skip_train", False) or (
+        bool(getattr(args, "perform_rl_step", False)) and not getattr(args, "no_load_optim", False))
+    distributed = bool(getattr(args, "use_distributed_optimizer", False)) or bool(
+        getattr(args, "use_layer_wise_distributed_optimizer", False))
+    return (not getattr(args, "use_megatron_fsdp", False) and has_optimizer and distributed
             and bool(getattr(args, "overlap_param_gather", False)))
 
 

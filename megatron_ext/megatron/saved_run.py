@@ -5,6 +5,7 @@ saved run's counters and argument checks, the RNG and rerun-state-machine states
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from typing import Any
@@ -64,6 +65,31 @@ def choose(load_dir: str | None, args: Any) -> tuple[str, int | str] | None:
                         np_root)
             return np_root, np_iteration
     return (load_dir, iteration) if iteration is not None else None
+
+
+def override_iteration(meta: dict, args: Any, where: str) -> dict:
+    """``--override-ckpt-iteration N`` (Megatron-LM 0.19): resume as if at iteration N, the data loader at
+    N global batches (``consumed_train_samples``), no samples skipped; refused when the saved run's global
+    batch size differs (the loader would replay from the wrong offset). Returns the meta to use."""
+    target = getattr(args, "override_ckpt_iteration", None)
+    if target is None:
+        return meta
+    meta = dict(meta, iteration=target)
+    saved_args = meta.get("args")
+    if saved_args is not None:
+        saved_gbs = getattr(saved_args, "global_batch_size", None)
+        if saved_gbs is not None and saved_gbs != args.global_batch_size:
+            raise CheckpointError(f"{where}: --override-ckpt-iteration recomputes consumed_train_samples from the "
+                                  f"target iteration and the current global batch size, but the checkpoint's "
+                                  f"global batch size ({saved_gbs}) differs from the current one "
+                                  f"({args.global_batch_size}): the data loader would replay from the wrong offset")
+        saved_args = copy.copy(saved_args)
+        saved_args.consumed_train_samples = target * args.global_batch_size
+        saved_args.skipped_train_samples = 0
+        meta["args"] = saved_args
+    log.warning("[datastates] overriding the checkpoint's iteration to %d (consumed_train_samples = %d)", target,
+                target * args.global_batch_size)
+    return meta
 
 
 def carry_args(native: Any, args: Any, saved_args: Any) -> None:

@@ -141,6 +141,10 @@ def _zero(*args: Any, **kwargs: Any) -> int:
 def _patch_cuda_queries() -> None:
     cuda = torch.cuda
     cuda.device_count = lambda: 1
+    # Still no CUDA: with PYTORCH_NVML_BASED_CUDA_CHECK=1 (DeepSpeed sets it at import, and children
+    # inherit it) a CUDA build of torch answers is_available() from device_count(), and torch's own
+    # optimizers would then ask the (absent) driver for the current stream.
+    cuda.is_available = lambda: False
     cuda.set_device = lambda device: None
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(cuda, name, _zero)
