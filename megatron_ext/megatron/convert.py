@@ -5,7 +5,7 @@ Both directions run in one process (a gloo world of 1) and keep Megatron's layou
 named by its save directory (the newest committed checkpoint, or the tracker's, unless
 ``--iteration``/``--checkpoint`` says which) or by the checkpoint's own directory.
 
-Optimizer formats, every one megatron-core 0.16.1 writes for a distributed optimizer:
+Optimizer formats, every one megatron-core 0.19.0 writes for a distributed optimizer:
 
 =============================  =============================================  ==================================
 torch_dist format              to datastates                                   back to torch_dist
@@ -22,7 +22,7 @@ on request)                    does; same TP x PP, any DP
 no distributed optimizer       per-parameter tensors as they are               the same
 =============================  =============================================  ==================================
 
-Refused, naming the format: ``fully_sharded_model_space`` (megatron-core 0.16.1 cannot write it:
+Refused, naming the format: ``fully_sharded_model_space`` (megatron-core 0.19.0 cannot write it:
 its ``ShardedTensor`` rejects ``flattened_range``), ``fsdp_dtensor`` (Megatron FSDP, which
 ``--use-datastates`` does not support) and anything else.
 
@@ -211,7 +211,7 @@ def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = N
             continue  # read below, joined
         else:
             raise CheckpointError(f"shard {sid}: a flattened slice of {piece['key']}, which no torch_dist "
-                                  "format of megatron-core 0.16.1 stores")
+                                  "format of megatron-core 0.19.0 stores")
         if progress is not None:
             progress.update(_piece_bytes(piece), int(name not in files_done))
             files_done.add(name)
@@ -367,11 +367,11 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
     sharding_type = sharding_type_of(optimizer_common) or (
         content.get("distrib_optim_sharding_type") if optimizer_states(optimizer_common) else None)
     if sharding_type not in (None, *CONVERTIBLE):
-        why = {MODEL_SPACE: "megatron-core 0.16.1 can neither write nor read it (its ShardedTensor rejects "
+        why = {MODEL_SPACE: "megatron-core 0.19.0 can neither write nor read it (its ShardedTensor rejects "
                             "flattened_range); load it with the megatron-core that wrote it and save it again in "
                             "fully_reshardable",
                "fsdp_dtensor": "Megatron FSDP's format; --use-datastates does not support FSDP"}.get(
-            sharding_type, "not a format megatron-core 0.16.1 writes")
+            sharding_type, "not a format megatron-core 0.19.0 writes")
         raise CheckpointError(f"{ckpt}: optimizer format {sharding_type!r}: {why}. convert takes "
                               f"{', '.join(CONVERTIBLE)} and checkpoints without a distributed optimizer")
     fully_reshardable = sharding_type == FULLY_RESHARDABLE

@@ -317,7 +317,7 @@ class CheckpointLoad:
         if meta.get("args") is not None:
             mismatch = core_state.model_kind_mismatch(meta["args"], core_state.unwrap(self.request.ddp_model))
             if mismatch:
-                raise CheckpointError(f"{ckpt.checkpoint} cannot load into this model: {mismatch}")
+                raise ModelMismatch(f"{ckpt.checkpoint} cannot load into this model: {mismatch}")
         if meta.get("args") is not None and not finetune:  # before any weight is read: a wrong shape fails by name
             saved_run.carry_args(self.native, self.args, meta["args"])
         common = ckpt.reader(zero_name).part(COMMON)

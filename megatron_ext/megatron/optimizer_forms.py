@@ -24,6 +24,20 @@ other forms are elementwise and reshard exactly). The stored form (``stored_form
 in the common state (``datastates_stored_form``), and a load whose optimizer keeps another form
 is refused naming both and the flags (``check_stored_form``); a checkpoint without the record
 (saved before it existed) holds the plain form.
+
+Moment sets. Optimizers keep different per-parameter state besides the main params: Adam
+``exp_avg`` and ``exp_avg_sq``, Lion (``--optimizer lion``, from ``emerging-optimizers``) only
+``exp_avg``, SGD with momentum ``momentum_buffer``, SGD without none. The stored form names the
+optimizer (its class) and its moment set (``moments``), and gives the kind of each of those
+moments only. ``--optimizer lion`` is not a single optimizer: megatron-core (core_v0.19.0) steps
+the linear weights with Lion and every other parameter (embeddings, norms, the output layer)
+with Adam, as a ``ChainedOptimizer`` of two non-distributed optimizers; their state is
+megatron-core's own per-parameter sharded state, and its common part carries each one's stored
+form too (``model_space_state_dict``). A load whose optimizers keep other moment sets than the
+saved ones (a Lion checkpoint into an Adam run, or the reverse), or that chains another number
+of optimizers, is refused before anything is read, naming both sides' optimizers and moments
+(``check_stored_form``). A checkpoint saved before the moment set was recorded is not compared
+by it (its distributed optimizers were Adam or SGD; its other optimizers recorded nothing).
 """
 
 from __future__ import annotations
@@ -47,7 +61,11 @@ _KINDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", 
 REMAINDERS = "bf16 + int16 remainders"  # fp32 main params as the bf16 model params plus their low 16 bits
 #: The stored form of a checkpoint saved before the form was recorded: the only one that was exact then.
 PLAIN_FORM = {"main_params": "fp32", "exp_avg": "fp32", "exp_avg_sq": "fp32", "precision_aware_optimizer": False}
-_COMPARED = ("main_params", "exp_avg", "exp_avg_sq")
+#: Adam's moments: those a form recorded without its moment set (``moments``) gives the kinds of.
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+#: Each optimizer class's moment set (by class name, looked up along its MRO): what it keeps per parameter
+#: besides ``step`` and the main params. Known before the first step, when its state is still empty.
+_MOMENTS = {"Adam": ADAM_MOMENTS, "AdamW": ADAM_MOMENTS, "FusedAdam": ADAM_MOMENTS, "Lion": ("exp_avg",)}
 #: Suffix of the object shard holding an fp16 stored tensor's per-slice scale.
 SCALE_SUFFIX = "_scale"
 
@@ -106,9 +124,65 @@ def is_hybrid(opt: Any) -> bool:
 
 
 
+def _class_moments(inner: Any) -> tuple[str, ...] | None:
+    """The moment set of a torch optimizer by its class (``_MOMENTS``; SGD's depends on its momentum), or None."""
+    groups = getattr(inner, "param_groups", [])
+    for cls in type(inner).__mro__:
+        if cls.__name__ == "SGD":
+            return ("momentum_buffer",) if any(g.get("momentum", 0) for g in groups) else ()
+        if cls.__name__ in _MOMENTS:
+            names = _MOMENTS[cls.__name__]
+            if cls.__name__ in ("Adam", "AdamW") and any(g.get("amsgrad") for g in groups):
+                names += ("max_exp_avg_sq",)
+            return names
+    return None
+
+
+def moments(opt: Any) -> tuple[str, ...] | None:
+    """The moment set of a megatron-core optimizer's inner optimizer (a ``HybridDeviceOptimizer``: its
+    sub-optimizers'), or None where it is unknown.
+
+    By class (``_MOMENTS``), so that a fresh optimizer (no state before its first step) and one that
+    has stepped give the same answer; a class not in the table gives the tensors its state holds.
+    """
+    hdo = hybrid_optimizer(opt)
+    inners = list(hdo.sub_optimizers) if hdo is not None else [getattr(opt, "optimizer", None)]
+    names: set[str] = set()
+    for inner in inners:
+        if inner is None:
+            return None
+        known = _class_moments(inner)
+        if known is None:
+            known = {k for state in getattr(inner, "state", {}).values() for k, v in state.items()
+                     if k not in ("step", "master_param") and isinstance(v, torch.Tensor)}
+            if not known:
+                return None
+        names.update(known)
+    return tuple(sorted(names))
+
+
+def optimizer_name(opt: Any) -> str:
+    """The class name of the inner optimizer (the HDO's sub-optimizers' too)."""
+    hdo = hybrid_optimizer(opt)
+    if hdo is not None:
+        return f"HybridDeviceOptimizer({', '.join(sorted({type(s).__name__ for s in hdo.sub_optimizers}))})"
+    return type(getattr(opt, "optimizer", None)).__name__
+
+
+def form_moments(form: dict) -> tuple[str, ...]:
+    """The moments a stored form gives the kinds of: its recorded moment set, else Adam's."""
+    recorded = form.get("moments")
+    return tuple(recorded) if isinstance(recorded, (list, tuple)) else ADAM_MOMENTS
+
+
+def _compared(form: dict) -> tuple[str, ...]:
+    return ("main_params", *form_moments(form))
+
+
 def stored_form(opt: Any) -> dict:
-    """How ``opt`` stores its main params and moments (the kinds compared at load, and the flag)."""
-    inner, config = opt.optimizer, opt.config
+    """How ``opt`` stores its main params and moments: its optimizer, moment set, the kind of each
+    (compared at load), and the flag."""
+    inner, config = opt.optimizer, getattr(opt, "config", None)
     dtypes = getattr(inner, "name_to_dtype_map", None) or {}  # TE's FusedAdam: the dtype of each state
 
     def kind(name: str) -> str:
@@ -120,21 +194,34 @@ def stored_form(opt: Any) -> dict:
         main = kind("master_param")
         if getattr(inner, "store_param_remainders", False) and getattr(config, "bf16", False):
             main = REMAINDERS
-    return {"main_params": main, "exp_avg": kind("exp_avg"), "exp_avg_sq": kind("exp_avg_sq"),
-            "precision_aware_optimizer": bool(getattr(config, "use_precision_aware_optimizer", False))}
+    names = moments(opt)
+    form: dict = {"optimizer": optimizer_name(opt), "moments": None if names is None else list(names),
+                  "main_params": main}
+    form.update({name: kind(name) for name in (ADAM_MOMENTS if names is None else names)})
+    form["precision_aware_optimizer"] = bool(getattr(config, "use_precision_aware_optimizer", False))
+    return form
 
 
 def describe(form: dict) -> str:
-    return f"main params {form['main_params']}, exp_avg {form['exp_avg']}, exp_avg_sq {form['exp_avg_sq']}"
+    return ", ".join([f"main params {form['main_params']}",
+                      *(f"{name} {form.get(name, '?')}" for name in form_moments(form))])
+
+
+def describe_optimizer(form: dict | None) -> str:
+    """An optimizer by its class and moment set, e.g. ``Lion (moments: exp_avg)``."""
+    if form is None or not isinstance(form.get("moments"), (list, tuple)):
+        name = (form or {}).get("optimizer")
+        return f"{name or 'an optimizer'} (moments not recorded)"
+    return f"{form.get('optimizer') or 'an optimizer'} (moments: {', '.join(form['moments']) or 'none'})"
 
 
 def _flags(form: dict) -> str:
     """The Megatron-LM flags that give an optimizer of this stored form."""
-    if all(form[k] == "fp32" for k in _COMPARED) and not form.get("precision_aware_optimizer"):
+    if all(form.get(k) == "fp32" for k in _compared(form)) and not form.get("precision_aware_optimizer"):
         return "without --use-precision-aware-optimizer"
     main = {REMAINDERS: "fp32", "fp16": "fp16"}.get(form["main_params"], "fp32")
-    flags = (f"--use-precision-aware-optimizer --main-params-dtype {main} --exp-avg-dtype {form['exp_avg']} "
-             f"--exp-avg-sq-dtype {form['exp_avg_sq']}")
+    flags = (f"--use-precision-aware-optimizer --main-params-dtype {main} --exp-avg-dtype {form.get('exp_avg')} "
+             f"--exp-avg-sq-dtype {form.get('exp_avg_sq')}")
     if form["main_params"] == REMAINDERS:
         flags += " with --bf16 (megatron-core's OptimizerConfig.store_param_remainders, on by default with TE >= 2.1)"
     elif form["main_params"] == "fp32":
@@ -148,7 +235,7 @@ FP8_REFUSED = ("--use-datastates cannot save fp8 optimizer state ({}): Transform
 
 
 def refuse_fp8(form: dict) -> None:
-    fp8 = [name for name in _COMPARED if form[name] == "fp8"]
+    fp8 = [name for name in _compared(form) if form.get(name) == "fp8"]
     if fp8:
         raise CheckpointError(FP8_REFUSED.format(", ".join(fp8)))
 
@@ -159,15 +246,31 @@ def saved_states(optimizers: list, saved: Any) -> list:
 
 
 def _common_states(saved_common: Any) -> list:
-    """Each (chained) optimizer's part of a checkpoint's common ``optimizer`` state."""
+    """Each (chained) optimizer's part of a checkpoint's common ``optimizer`` state, in order.
+
+    A ``ChainedOptimizer`` of several optimizers saves ``{index: state}``, one of a single optimizer
+    that optimizer's state itself (megatron-core's ``ChainedOptimizer.sharded_state_dict``).
+    """
     if not isinstance(saved_common, dict):
         return []
-    return [saved_common] if "param_state_sharding_type" in saved_common else list(saved_common.values())
+    if saved_common and all(isinstance(k, int) for k in saved_common):
+        return [saved_common[k] for k in sorted(saved_common)]
+    return [saved_common]
 
 
 def _recorded_form(saved: dict) -> dict:
     recorded = saved.get(STORED_FORM)
     return {**PLAIN_FORM, **recorded} if isinstance(recorded, dict) else dict(PLAIN_FORM)
+
+
+def _saved_form(saved: Any) -> dict | None:
+    """The stored form of one saved (chained) optimizer state: recorded, or a model-space one saved
+    before the record (the plain form); None for megatron-core's own state saved without a record."""
+    if not isinstance(saved, dict):
+        return None
+    if isinstance(saved.get(STORED_FORM), dict) or saved.get("param_state_sharding_type") == MODEL_SPACE:
+        return _recorded_form(saved)
+    return None
 
 
 def saved_forms(saved_common: Any) -> list[dict]:
@@ -177,25 +280,62 @@ def saved_forms(saved_common: Any) -> list[dict]:
 
 
 def is_plain(form: dict) -> bool:
-    return all(form[k] == "fp32" for k in _COMPARED)
+    return all(form.get(k) == "fp32" for k in _compared(form))
+
+
+def _has_moments(form: dict | None) -> bool:
+    return form is not None and isinstance(form.get("moments"), (list, tuple))
+
+
+def _describe_chain(forms: list) -> str:
+    return " + ".join(describe_optimizer(form) for form in forms) or "no optimizer"
+
+
+def _optimizer_flag(forms: list) -> str:
+    """The ``--optimizer`` that gives the saved optimizers (Lion's run chains Adam for the other parameters)."""
+    names = " ".join(str((form or {}).get("optimizer") or "") for form in forms)
+    if "Lion" in names:
+        return "--optimizer lion (without --use-distributed-optimizer)"
+    for cls, flag in (("SGD", "sgd"), ("Adam", "adam")):
+        if cls in names:
+            return f"--optimizer {flag}"
+    return "the optimizer it was saved with"
+
+
+def _check_moment_sets(saved: list, now: list, checkpoint: str) -> None:
+    """Refuse saved optimizers whose number or moment sets differ from this run's, naming both sides."""
+    if len(saved) == len(now) and all(not (_has_moments(s) and _has_moments(n)) or
+                                      sorted(s["moments"]) == sorted(n["moments"]) for s, n in zip(saved, now)):
+        return
+    raise CheckpointError(
+        f"{checkpoint}: its optimizer state was saved by {_describe_chain(saved)}, but this run's optimizer is "
+        f"{_describe_chain(now)}: they keep different per-parameter state, which cannot be loaded into one "
+        f"another; resume with {_optimizer_flag(saved)}, as it was saved, or pass --no-load-optim to load the "
+        "weights only")
 
 
 def check_stored_form(optimizer: Any, saved_common: Any, *, checkpoint: str, resharding: bool) -> None:
-    """Refuse, before anything is read, a model-space optimizer state saved in another stored form.
+    """Refuse, before anything is read, an optimizer state saved in another stored form.
 
-    ``saved_common`` is the checkpoint's common ``optimizer`` state. Checkpoints in megatron-core's
-    own formats (converted from torch_dist) hold its unscaled values and are not checked here.
+    ``saved_common`` is the checkpoint's common ``optimizer`` state. First the optimizers
+    themselves: as many (chained) optimizers, each with the saved moment set where both sides
+    record one (a Lion checkpoint into an Adam run is refused here, naming both). Then, for each
+    saved form (recorded, or a model-space state saved before the record), the kinds of the main
+    params and moments. Checkpoints in megatron-core's own formats (converted from torch_dist) hold
+    its unscaled values and are not checked here.
     """
     optimizers = list(distributed_optimizers(optimizer))
     if not isinstance(saved_common, dict):
         return
-    for opt, saved in zip(optimizers, saved_states(optimizers, saved_common)):
-        if not is_distributed(opt) or not isinstance(saved, dict) or \
-                saved.get("param_state_sharding_type") != MODEL_SPACE:
+    states = _common_states(saved_common)
+    saved_list = [_saved_form(saved) for saved in states]
+    now_list = [stored_form(opt) for opt in optimizers]
+    _check_moment_sets(saved_list, now_list, checkpoint)
+    for opt, saved, saved_form, now in zip(optimizers, states, saved_list, now_list):
+        if saved_form is None or (saved.get("param_state_sharding_type") == MODEL_SPACE and not is_distributed(opt)):
             continue
-        saved_form = _recorded_form(saved)
-        now = stored_form(opt)
-        if any(saved_form.get(k) != now[k] for k in _COMPARED):
+        compared = [k for k in _compared(saved_form) if k in now]
+        if any(saved_form.get(k) != now[k] for k in compared):
             when = "" if isinstance(saved.get(STORED_FORM), dict) else \
                 " (saved before megatron_ext recorded the form: the plain one)"
             raise CheckpointError(
@@ -203,8 +343,8 @@ def check_stored_form(optimizer: Any, saved_common: Any, *, checkpoint: str, res
                 f"{describe(saved_form)}{when}, now {describe(now)}. Loading it would copy values of one kind into "
                 f"tensors of another; resume {_flags(saved_form)} (this run: {_flags(now)}), or pass "
                 "--no-load-optim to load the weights only")
-        scaled = [k for k in _COMPARED if saved_form[k] == "fp16"]
-        if resharding and scaled:
+        scaled = [k for k in compared if saved_form.get(k) == "fp16"]
+        if resharding and scaled and is_distributed(opt):
             raise CheckpointError(
                 f"{checkpoint}: its optimizer keeps {', '.join(scaled)} in fp16 divided by a scale per parameter "
                 "slice of each data-parallel rank, which does not carry over to another TP/PP/DP layout exactly; "

@@ -40,6 +40,7 @@ from megatron_ext.megatron.optimizer_forms import (
     BEFORE_FIRST_STEP,
     OWN_KEYS,
     SCALE_SUFFIX,
+    STORED_FORM,
     distributed_optimizers,
     hybrid_optimizer,
     is_distributed,
@@ -75,6 +76,9 @@ def load_model_space_state_dict(optimizer: Any, state: Any) -> None:
     """
     optimizers = list(distributed_optimizers(optimizer))
     if not all(is_distributed(opt) for opt in optimizers):
+        for part in saved_states(optimizers, state):  # the stored form: compared before the load, not megatron-core's
+            if isinstance(part, dict):
+                part.pop(STORED_FORM, None)
         optimizer.load_state_dict(state)
         restore_adam_steps(optimizer)
         return
@@ -196,7 +200,7 @@ def allocate_state(optimizer: Any) -> None:
 def steps_set_aside(optimizer: Any) -> Iterator[None]:
     """Within the block megatron-core's per-parameter state setter leaves torch Adam's ``step`` alone.
 
-    megatron-core 0.16.1 copies every entry of a parameter's optimizer state from the loaded
+    megatron-core 0.19.0 copies every entry of a parameter's optimizer state from the loaded
     tensors (``_set_main_param_and_optimizer_states``), but its ``dp_zero_gather_scatter`` and
     ``fully_reshardable`` loads hand it no ``step``, which only torch's Adam keeps per parameter
     (a fused Adam on GPUs has none): it would fail with ``KeyError: 'step'``. ``restore_adam_steps``
@@ -245,14 +249,27 @@ def restore_adam_steps(optimizer: Any) -> None:
                     state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32, device=device)
 
 
+def param_group_identity(group: dict) -> tuple:
+    """A param group's identity, as megatron-core matches saved groups to the optimizer's: each of its
+    ``param_group_identifier_keys`` (``wd_mult``, ``lr_mult``, ``max_lr``, ``min_lr``, ...) read as the
+    key, else its ``pre_`` alias (NeMo's), else None."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    return tuple(group[k] if k in group else group.get(f"pre_{k}") for k in param_group_identifier_keys)
+
+
+def unmatched_param_groups(groups: list[dict], saved_groups: list[dict]) -> list[tuple]:
+    """The identities of ``groups`` that none of ``saved_groups`` has (megatron-core's load refuses each)."""
+    have = {param_group_identity(g) for g in saved_groups}
+    return sorted({param_group_identity(g) for g in groups} - have, key=repr)
+
+
 def check_param_groups(optimizer: Any, saved: Any) -> None:
     """Every param group of this rank must be among the saved ones (rank 0's, in ``common``).
 
     The non-parameter state is saved once, by global rank 0, and loaded on every rank, whatever
-    its pipeline stage and layout; megatron-core matches groups by their identity keys
-    (``wd_mult``, ``lr_mult``, ``max_lr``, ``min_lr``, ...), so a stage with a kind of group rank
-    0's stage lacks cannot load. Each key is read as megatron-core reads it: the key, else its
-    ``pre_`` alias (NeMo's), else None.
+    its pipeline stage and layout; megatron-core matches groups by their identity
+    (``param_group_identity``), so a stage with a kind of group rank 0's stage lacks cannot load.
     """
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
@@ -260,14 +277,9 @@ def check_param_groups(optimizer: Any, saved: Any) -> None:
     for opt, state in zip(optimizers, saved_states(optimizers, saved)):
         if not is_distributed(opt):
             continue
-
-        def identity(group: dict) -> tuple:
-            return tuple(group[k] if k in group else group.get(f"pre_{k}") for k in param_group_identifier_keys)
-
-        have = {identity(g) for g in state["optimizer"]["param_groups"]}
-        need = {identity(g) for g in opt.optimizer.param_groups}
-        if not need <= have:
-            raise CheckpointError(f"optimizer param groups {sorted(need - have)} (by {param_group_identifier_keys}) "
+        missing = unmatched_param_groups(opt.optimizer.param_groups, state["optimizer"]["param_groups"])
+        if missing:
+            raise CheckpointError(f"optimizer param groups {missing} (by {param_group_identifier_keys}) "
                                   "are not in the checkpoint's, which global rank 0 saved")
 
 

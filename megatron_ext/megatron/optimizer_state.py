@@ -9,7 +9,7 @@ The data are the optimizer's own tensors, so the snapshot copies straight from t
 memory: no gather, no staging copy. Unlike the bucket-space ``dp_reshardable`` format, nothing
 depends on how parameters are packed into buckets, so a checkpoint loads into another TP/PP/DP
 layout; the remaining, non-parameter state (param groups, grad scaler) is the same on every
-rank. This is megatron-core's ``fully_sharded_model_space`` format, which its 0.16.1 release can
+rank. This is megatron-core's ``fully_sharded_model_space`` format, which its 0.19.0 release can
 neither build (its ``ShardedTensor`` rejects ``flattened_range``) nor read back with torch Adam
 (see ``load_model_space_state_dict``).
 
@@ -58,6 +58,7 @@ from megatron_ext.megatron.optimizer_forms import (
     is_distributed,
     param_slices,
     refuse_fp8,
+    saved_states,
     stored_form,
     sub_optimizer_states,
 )
@@ -73,11 +74,18 @@ def model_space_state_dict(optimizer: Any, model_sharded: dict, is_loading: bool
     ``model_sharded`` is the model's sharded state dict (before any preprocessing), whose
     ShardedTensors hold the parameters themselves. Other optimizers already describe their
     state per parameter; their own ``sharded_state_dict`` is used, which for a load template
-    (``is_loading``) first allocates the Adam state a fresh optimizer does not have yet.
+    (``is_loading``) first allocates the state a fresh optimizer does not have yet (its
+    ``init_state_fn``: Adam's two moments, Lion's one). Each such optimizer's common state records
+    its stored form (``STORED_FORM``: its class and moment set), which the load compares with the
+    run's before anything is read (``optimizer_forms.check_stored_form``).
     """
     optimizers = list(distributed_optimizers(optimizer))
     if not all(is_distributed(opt) for opt in optimizers):
-        return optimizer.sharded_state_dict(model_sharded, is_loading=is_loading)
+        state = optimizer.sharded_state_dict(model_sharded, is_loading=is_loading)
+        for opt, part in zip(optimizers, saved_states(optimizers, state)):
+            if isinstance(part, dict) and not is_distributed(opt):
+                part[STORED_FORM] = stored_form(opt)
+        return state
     by_param = model_boxes(model_sharded)
     states = [_model_space(opt, by_param) for opt in optimizers]
     return states[0] if len(states) == 1 else dict(enumerate(states))

@@ -30,6 +30,7 @@ from megatron_ext.megatron.checkpoint_layout import (
     restore_rng_state,
 )
 from megatron_ext.megatron.core_state import save_root
+from megatron_ext.megatron.shard_reads import ModelMismatch
 
 log = logging.getLogger("megatron_ext.megatron")
 
@@ -79,7 +80,7 @@ def override_iteration(meta: dict, args: Any, where: str) -> dict:
     if saved_args is not None:
         saved_gbs = getattr(saved_args, "global_batch_size", None)
         if saved_gbs is not None and saved_gbs != args.global_batch_size:
-            raise CheckpointError(f"{where}: --override-ckpt-iteration recomputes consumed_train_samples from the "
+            raise ModelMismatch(f"{where}: --override-ckpt-iteration recomputes consumed_train_samples from the "
                                   f"target iteration and the current global batch size, but the checkpoint's "
                                   f"global batch size ({saved_gbs}) differs from the current one "
                                   f"({args.global_batch_size}): the data loader would replay from the wrong offset")

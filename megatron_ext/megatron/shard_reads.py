@@ -28,7 +28,8 @@ TENSOR_PREFIX = "shards/tensors/"
 
 
 class ModelMismatch(CheckpointError):
-    """The checkpoint is intact but was saved from another model (shapes, keys): not a damaged one."""
+    """The checkpoint is intact but was saved from another model (shapes, keys, kind) or cannot go on
+    with this run's settings: not a damaged one (every older checkpoint of the run would fail the same)."""
 
 
 def shard_index(ckpt: CommittedCheckpoint) -> tuple[dict[str, tuple[str, str]], dict[str, str]]:

@@ -28,7 +28,7 @@ class FlatShardedTensor(ShardedTensor):
     """A ShardedTensor whose ``data`` is the slice ``flattened_range`` of its flattened box.
 
     That is what the distributed optimizer holds per data-parallel rank: a contiguous slice of
-    each parameter. megatron-core 0.16.1 rejects ``flattened_range`` in ``ShardedTensor`` (so its
+    each parameter. megatron-core 0.19.0 rejects ``flattened_range`` in ``ShardedTensor`` (so its
     own ``fully_sharded_model_space`` optimizer format fails); this subclass checks it instead.
     """
 

@@ -133,7 +133,7 @@ def megatron_trainer(checkout: Path, iters: int, layout: Layout, device: str = "
     def read(record: Path) -> list[Step]:
         return [Step(r["iteration"], r["loss"], r["grad_norm"], r["lr"]) for r in megatron_lm.read_records(record)]
 
-    return Trainer(f"Megatron-LM's own pretrain_gpt.py from {checkout} (the pinned core_v0.16.1 with the "
+    return Trainer(f"Megatron-LM's own pretrain_gpt.py from {checkout} (the pinned core_v0.19.0 with the "
                    f"megatron_ext patches), a Llama-style GPT (SwiGLU, RMSNorm, rotary, GQA, untied), {where}",
                    command, env, read, "loss and grad norm")
 

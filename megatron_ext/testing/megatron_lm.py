@@ -22,8 +22,7 @@ What a CPU run of ``megatron/training`` needs beyond the megatron-core emulation
   run's dropout; on a GPU it never touches dropout;
 * Megatron-LM's own torch_dist load of the distributed optimizer made to work with torch's Adam
   (``_native_loads_torch_adam``), and under ``torch.no_grad`` (an fp32 load fails otherwise);
-* ``moe_utils.te_general_gemm`` defined as None (megatron-core tests the name without TE), and
-  MoE's all-to-all split sizes handed over as lists (``_split_sizes_as_lists``);
+* MoE's all-to-all split sizes handed over as lists (``_split_sizes_as_lists``);
 * megatron-core's ``fully_reshardable`` optimizer load made to work with torch's Adam
   (``_torch_adam_loads_fully_reshardable``);
 * ``--optimizer-cpu-offload`` (``_hybrid_optimizer_on_cpu``): the optimizer's parameters count as
@@ -171,7 +170,7 @@ def _split_sizes_as_lists() -> None:
 
 
 def _torch_adam_loads_fully_reshardable() -> None:
-    """megatron-core 0.16.1's ``fully_reshardable`` load copies every per-parameter state entry, but
+    """megatron-core 0.19.0's ``fully_reshardable`` load copies every per-parameter state entry, but
     the loaded entries leave out torch Adam's ``step`` (a fused Adam on GPUs has none): ``step`` is
     set aside during the copy; ``_native_loads_torch_adam`` restores it from the param groups after."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -228,18 +227,12 @@ def _patch_megatron_training() -> None:
 
 
 def _patch_megatron_any_device() -> None:
-    """What the harness changes on GPUs too: no compilation at start-up, TE's optional GEMM name."""
+    """What the harness changes on GPUs too: no compilation at start-up."""
     from megatron.training import initialize
 
     # The dataset helpers are the megatron-core wheel's prebuilt helpers_cpp (building them needs
     # make and pybind11); the fused kernels are switched off by the harness's flags.
     initialize._compile_dependencies = lambda: None
-    # megatron-core 0.16.1 imports Transformer Engine's GEMM for the MoE router only when TE is
-    # installed, but tests the name unconditionally: without TE the name must exist, as None.
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 def _hybrid_optimizer_on_cpu() -> None:
@@ -288,9 +281,9 @@ def _native_loads_torch_adam(load_checkpoint: Callable) -> Callable:
                            and not megatron_args.no_load_optim and not megatron_args.finetune)
         if loads_optimizer:
             optimizer_load.ensure_state(optimizer)
-        # megatron-core 0.16.1 copies loaded fp32 state into the distributed optimizer's main
-        # params, which in fp32 are views of the model's own parameters, with autograd on: that
-        # fails on any device; a load needs no autograd.
+        # megatron-core (found at 0.16.1, kept since) copies loaded fp32 state into the distributed
+        # optimizer's main params, which in fp32 are views of the model's own parameters, with
+        # autograd on: that fails on any device; a load needs no autograd.
         with torch.no_grad() if native else contextlib.nullcontext():
             result = load_checkpoint(ddp_model, optimizer, *args, **kwargs)
         if loads_optimizer:
@@ -432,11 +425,14 @@ def environment(base: dict | None = None, gpu: bool = False) -> dict:
 def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, record: str | None = None,
                      kill_at: int | None = None, sigterm_at: int | None = None,
                      expire_at: int | None = None, late_copies: bool = False,
-                     committed_before_kill: int | None = None, before_load: str | None = None) -> list[str]:
-    """torchrun on this machine running ``pretrain_gpt.py`` of ``checkout`` through this harness."""
+                     committed_before_kill: int | None = None, before_load: str | None = None,
+                     script: str = "pretrain_gpt.py") -> list[str]:
+    """torchrun on this machine running ``script`` (``pretrain_gpt.py``) of ``checkout`` through this harness."""
     from megatron_ext.procs import torchrun_command as torchrun
 
     harness = ["-m", "megatron_ext.testing.megatron_lm", "--checkout", str(checkout)]
+    if script != "pretrain_gpt.py":
+        harness += ["--script", script]
     if record is not None:
         harness += ["--record", str(record)]
     if kill_at is not None:

@@ -44,7 +44,7 @@ from megatron_ext.testing.commit_wait import await_tracker
 from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
 
 # Per-rank bucket-space optimizer state, no gathers or copies (``DistributedOptimizer.
-# sharded_state_dict`` needs this metadata at 0.16.1; without it, it fails on ``flattened_range``).
+# sharded_state_dict`` needs this metadata (megatron-core 0.16.1 to 0.19.0); without it, it fails on ``flattened_range``).
 OPTIMIZER_SHARDING_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 

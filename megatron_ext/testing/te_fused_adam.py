@@ -2,7 +2,7 @@
 
 ``--use-precision-aware-optimizer`` makes megatron-core hand its main params and Adam moments to
 TE's ``transformer_engine.pytorch.optimizers.FusedAdam``. This class reproduces the interface and
-the storage megatron-core 0.16.1 uses of it, as TE 2.9-2.11 implement them
+the storage megatron-core 0.19.0 uses of it, as TE 2.9-2.11 implement them
 (``transformer_engine/pytorch/optimizers/fused_adam.py``, the same in the three releases apart from
 DTensor handling; the remainder arithmetic from ``common/multi_tensor/adam.cu``,
 ``AdamFunctorMasterParamRemainder``):

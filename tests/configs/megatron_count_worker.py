@@ -31,7 +31,7 @@ def main() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.training import arguments, global_vars
-    from megatron.training.tokenizer.tokenizer import build_tokenizer
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 
     arguments.get_device_arch_version = lambda: 8  # validate_args asks when TP > 1 (an A100: 8)
     requests = json.loads(open(requests_file).read())

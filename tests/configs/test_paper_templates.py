@@ -40,7 +40,7 @@ PUBLISHED = {
     "gpt_70b": ("LLaMA2-70B", 69.0e9, 68_976_648_192),
     "gpt_70b_180gpu": ("LLaMA2-70B", 69.0e9, 68_976_648_192),
 }
-# Published parameters Megatron-LM (core_v0.16.1) has no module for: BLOOM's LayerNorm of the word
+# Published parameters Megatron-LM (core_v0.19.0) has no module for: BLOOM's LayerNorm of the word
 # embeddings (weight and bias of hidden 2560). ALiBi, BLOOM's position scheme, has no parameters.
 NOT_IN_MEGATRON = {"gpt_3b": 2 * 2560}
 PAPER_CHECKPOINT_GB = {"gpt_3b": 45, "gpt_7b": 83, "gpt_13b": 166, "gpt_30b": 444, "gpt_70b": 1065,

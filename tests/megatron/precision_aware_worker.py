@@ -1,6 +1,6 @@
 """torchrun worker (CPU ranks, DP = world size): ``--use-precision-aware-optimizer`` saved and loaded by the adapter.
 
-megatron-core 0.16.1's real ``DistributedOptimizer`` in its precision-aware mode, around the CPU
+megatron-core 0.19.0's real ``DistributedOptimizer`` in its precision-aware mode, around the CPU
 stand-in for Transformer Engine's FusedAdam (``megatron_ext.testing.te_fused_adam``), with the
 reference trainer's GPT (bf16). ``python precision_aware_worker.py DIR VARIANT...``; a VARIANT is
 

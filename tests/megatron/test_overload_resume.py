@@ -47,7 +47,10 @@ def test_supersede_under_throttled_writes_resumes_bit_exact(tmp_path: Path):
     checked, problems = verify_root(str(ckpt))
     assert checked == committed and not problems, problems
     newest = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
-    assert f"iter_{newest:07d}" == committed[-1] and newest < CRASH_AT
+    # The tracker names a committed checkpoint; it lags the newest manifest by one commit at most,
+    # when the SIGKILL fell between rank 0's manifest and its tracker update (the loader follows the tracker).
+    newer = [name for name in committed if name > f"iter_{newest:07d}"]
+    assert f"iter_{newest:07d}" in committed and len(newer) <= 1 and newest < CRASH_AT, (newest, committed)
 
     resumed = {r["iteration"]: (r["loss"], r["lr"]) for r in run_trainer(
         2, [*common, *datastates, "--load", str(ckpt)], tmp_path / "resumed.jsonl")}

@@ -58,7 +58,8 @@ def test_stored_tensors_are_the_optimizers_own_no_copy():
     assert slices["exp_avg_bf16"] is state["exp_avg"] and slices["exp_avg_sq_fp16"] is state["exp_avg_sq"]
     assert scales == {"exp_avg_sq_fp16": opt.optimizer._scales[param]["exp_avg_sq"]}
     assert opt.optimizer.unscaled_copies == before  # reading the stored form makes no fp32 copy
-    assert optimizer_forms.stored_form(opt) == {"main_params": optimizer_forms.REMAINDERS, "exp_avg": "bf16",
+    assert optimizer_forms.stored_form(opt) == {"optimizer": "FusedAdam", "moments": ["exp_avg", "exp_avg_sq"],
+                                                "main_params": optimizer_forms.REMAINDERS, "exp_avg": "bf16",
                                                 "exp_avg_sq": "fp16", "precision_aware_optimizer": True}
 
 

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.slow
 BF16_DIST = ["--bf16", "--use-distributed-optimizer"]
 ITERS = ["--train-iters", "6"]
 KILL_RESUME = [Phase([], kill_at=3), Phase([])]
+LION = ["--bf16", "--optimizer", "lion"]
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2",
        "--moe-token-dispatcher-type", "alltoall"]
 
@@ -86,6 +87,15 @@ SCENARIOS = {
                                                   "--overlap-param-gather"], KILL_RESUME,
                                                  same_tensors=["embedding.word_embeddings.weight",
                                                                "decoder.layers.mlp.linear_fc1.weight"]),
+    # The same on the model users train (gated MLP, RMSNorm, rope, GQA, untied output layer), with the
+    # param sync core_v0.19.0 runs at its saves (prepare_model_params_for_param_sync, then every
+    # bucket group's forced all-gather; free_overlap_buffers after it), which patch 0004 skips.
+    "llama_overlap_param_gather": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--overlap-grad-reduce",
+                                            "--overlap-param-gather"], KILL_RESUME,
+                                           model=[*TINY_GPT, *LLAMA_STYLE],
+                                           same_tensors=["decoder.layers.mlp.linear_fc1.weight",
+                                                         "decoder.layers.self_attention.linear_qkv.weight",
+                                                         "output_layer.weight"]),
     # PP = 4 without overlapped p2p: with overlap (which PP = 2 requires) megatron-core's
     # interleaved schedule is not deterministic over gloo, checkpoints or not.
     "interleaved_pipeline": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--pipeline-model-parallel-size", "4",
@@ -108,6 +118,11 @@ SCENARIOS = {
     "optimizer_cpu_offload": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--optimizer-cpu-offload",
                                        "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "0.5",
                                        "--overlap-cpu-optimizer-d2h-h2d"], KILL_RESUME),
+    # --optimizer lion (emerging-optimizers): megatron-core chains Lion (one moment, exp_avg) for the linear
+    # weights and Adam for the other parameters, both non-distributed (with --use-distributed-optimizer it
+    # is the layer-wise optimizer, refused). Megatron-LM's own torch_dist saves and loads it on CPUs.
+    "lion": Scenario([*LION, *ITERS, "--save-interval", "1"], KILL_RESUME, model=[*TINY_GPT, *LLAMA_STYLE],
+                     same_tensors=["decoder.layers.mlp.linear_fc1.weight", "output_layer.weight"]),
 }
 
 
@@ -154,7 +169,7 @@ def test_load_into_another_tensor_parallel_layout(checkout, tmp_path):
     """Saved at TP2 x DP2, resumed at TP1 x DP4 inside Megatron-LM (ours only, see below).
 
     Megatron-LM reshards across TP only from its ``fully_reshardable`` optimizer format, whose
-    loader fails on torch's Adam (CPUs) at megatron-core 0.16.1, so there is no oracle here;
+    loader fails on torch's Adam (CPUs) at megatron-core 0.19.0, so there is no oracle here;
     the resumed run must continue the iteration count and the loss (a different TP reduction
     order in bf16 moves it by a few thousandths).
     """
@@ -291,3 +306,54 @@ def _model_keys(save_dir, iteration: int) -> list[str]:
     from megatron_ext.megatron.shard_assembly import SavedShards
 
     return model_keys(SavedShards(open_iteration(str(save_dir), iteration)))
+
+
+def test_lion_reshard_tp2_to_tp1_dp2(checkout, tmp_path):
+    """A Llama-style ``--optimizer lion`` checkpoint saved at TP2 x DP1, resumed at TP1 x DP2: ours against
+    Megatron-LM's own torch_dist doing the same, bit for bit.
+
+    Lion's state is megatron-core's per-parameter one (not the distributed optimizer's), which
+    torch_dist reshards across TP and DP itself, so it is the oracle here. Also: the optimizer state
+    both saved is identical, tensor by tensor (Lion's exp_avg and main params of a linear weight, the
+    chained Adam's of the output layer), Lion's parameters have no exp_avg_sq, and an Adam run
+    loading the Lion checkpoint is refused naming both optimizers.
+    """
+    common = [*LION, *ITERS, "--save-interval", "1", *LLAMA_STYLE]
+    results = {}
+    for side, flags in {"datastates": DATASTATES, "torch_dist": NATIVE}.items():
+        save = tmp_path / side / "ckpt"
+        args = [*common, "--save", str(save), "--load", str(save), *flags]
+        before = run(checkout, 2, [*args, "--tensor-model-parallel-size", "2", "--exit-interval", "3"],
+                     tmp_path / side, "tp2")
+        after = run(checkout, 2, args, tmp_path / side, "tp1_dp2")
+        results[side] = (before, after)
+    ours, theirs = results["datastates"], results["torch_dist"]
+    assert "resharding iter_0000003" in ours[1].log
+    assert [r["iteration"] for r in ours[1].records] == [4, 5, 6]
+    assert_same_trajectory(trajectory(*ours), trajectory(*theirs), "Lion TP2 -> TP1 x DP2: datastates vs torch_dist")
+
+    ours_dir, theirs_dir = tmp_path / "datastates" / "ckpt", tmp_path / "torch_dist" / "ckpt"
+    keys = {"decoder.layers.mlp.linear_fc1.weight": "chained_0", "output_layer.weight": "chained_1"}  # Lion, Adam
+    for iteration in (3, 6):  # saved at TP2, and after the resharded resume
+        for key, chained in keys.items():
+            for moment in ("fp32_param", "exp_avg"):
+                mine = saved_tensor(ours_dir, iteration, f"{chained}.optimizer.state.{moment}.{key}", True)
+                native = saved_tensor(theirs_dir, iteration, f"optimizer.state.{moment}.{key}", False)
+                assert torch.equal(mine, native), f"iteration {iteration}: {moment} of {key} differs from torch_dist's"
+    saved_keys = _all_keys(ours_dir, 3)
+    assert "chained_1.optimizer.state.exp_avg_sq.output_layer.weight" in saved_keys
+    assert not [k for k in saved_keys if k.startswith("chained_0.") and ".exp_avg_sq." in k]
+
+    refused = run(checkout, 2, [*common, "--optimizer", "adam", "--save", str(ours_dir), "--load", str(ours_dir),
+                                *DATASTATES], tmp_path, "adam_loads_lion", expect_failure=True)
+    assert "saved by Lion (moments: exp_avg) + AdamW (moments: exp_avg, exp_avg_sq), but this run's optimizer " \
+           "is AdamW (moments: exp_avg, exp_avg_sq)" in refused.log, refused.log[-3000:]
+    assert not refused.records
+
+
+def _all_keys(save_dir, iteration: int) -> set[str]:
+    """Every global tensor key of one of our checkpoints."""
+    from megatron_ext.megatron.export import open_iteration
+    from megatron_ext.megatron.shard_assembly import SavedShards
+
+    return set(SavedShards(open_iteration(str(save_dir), iteration)).keys())

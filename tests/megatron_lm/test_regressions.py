@@ -6,7 +6,9 @@ scenarios are the gaps found when running ``pretrain_gpt.py --use-datastates`` f
 fine-tuning and ``--no-load-optim`` (the fp32 main params must follow the loaded weights),
 ``--pretrained-checkpoint``, a batch-size ramp-up (one iteration saved twice, the micro-batch
 count restored at load), ``--use-checkpoint-args``, ``--ckpt-convert-format`` and a resume from a
-checkpoint in Megatron-LM's own format, and the argument checks against the checkpoint.
+checkpoint in Megatron-LM's own format, and the argument checks against the checkpoint. Since
+core_v0.19.0: ``--override-ckpt-iteration`` (from a checkpoint of 4 iterations, ``saved_through_4``)
+and the refusal of a GPT checkpoint by ``pretrain_hybrid.py`` (and the reverse).
 """
 
 from __future__ import annotations
@@ -73,13 +75,15 @@ def test_pretrained_checkpoint_fine_tunes_from_it(checkout, base, tmp_path):
 
 
 def test_batch_size_rampup_saves_an_iteration_twice_and_resumes(checkout, tmp_path):
-    """--rampup-batch-size: Megatron saves iteration 4 again when the batch grows; a resume restores the micro-batches.
+    """A batch-size schedule: Megatron saves iteration 4 again when the batch grows; a resume restores the micro-batches.
 
-    The global batch is 4 samples for 16 samples (iterations 1-4), then 8 (iterations 5-8);
-    ramp-up needs sample-based training.
+    The global batch is 4 samples for the first 1024 tokens (16 samples of 64 tokens: iterations
+    1-4), then 8 (iterations 5-8). Since core_v0.19.0 that is ``--step-batch-size-schedule``
+    (``--rampup-batch-size`` is still parsed but ignored), with no ``--global-batch-size``; it needs
+    sample-based training.
     """
-    model = _without(TINY_GPT, "--lr-warmup-iters", "--lr-decay-iters")
-    common = [*COMMON, "--rampup-batch-size", "4", "4", "16", "--train-samples", "48", "--lr-warmup-samples", "8",
+    model = _without(TINY_GPT, "--lr-warmup-iters", "--lr-decay-iters", "--global-batch-size")
+    common = [*COMMON, "--step-batch-size-schedule", "0:4 1024:8", "--train-samples", "48", "--lr-warmup-samples", "8",
               "--lr-decay-samples", "96"]
     phases = [Phase([], kill_at=6, committed_before_kill=4), Phase([])]
     ours = run_scenario(checkout, 2, phases, tmp_path / "datastates", DATASTATES, common, model=model)
@@ -141,3 +145,77 @@ def test_checkpoint_args_are_checked(checkout, base, tmp_path):
     result = run(checkout, 2, [*COMMON, *DATASTATES, "--save", str(save), "--load", str(save), *TRAIN_ITERS],
                  tmp_path, "wider", expect_failure=True, model=wider)
     assert "hidden_size value from checkpoint (64) is not equal to the input argument value (128)" in result.log
+
+
+# ---------------------------------------------------------------------------- --override-ckpt-iteration
+OVERRIDE_SAVED, OVERRIDE_TO = 4, 2
+
+
+@pytest.fixture(scope="module")
+def saved_through_4(checkout, tmp_path_factory) -> dict[str, Path]:
+    """Each side's checkpoints of iterations 1-4 (a 6-iteration job stopped by ``--exit-interval 4``)."""
+    out = {}
+    for side, flags in SIDES.items():
+        work = tmp_path_factory.mktemp(f"through4_{side}")
+        result = run_scenario(checkout, 2, [Phase([*TRAIN_ITERS, "--exit-interval", str(OVERRIDE_SAVED)])], work,
+                              flags, COMMON)
+        assert result.trackers[-1] == str(OVERRIDE_SAVED)
+        out[side] = result.save_dir
+    return out
+
+
+def test_override_ckpt_iteration_rewinds_the_run_as_megatron_does(checkout, saved_through_4, tmp_path):
+    """--override-ckpt-iteration 2 on a checkpoint of iteration 4: the weights and optimizer of iteration 4,
+    the run resumed at iteration 3 with the data loader at 2 global batches; bit-identical to torch_dist's."""
+    resumed = {}
+    for side in SIDES:
+        save = copy_checkpoints(saved_through_4[side], tmp_path / side / "ckpt")
+        resumed[side] = run(checkout, 2, [*COMMON, "--save", str(save), "--load", str(save), *SIDES[side],
+                                          *TRAIN_ITERS, "--override-ckpt-iteration", str(OVERRIDE_TO)],
+                            tmp_path / side, "override")
+    ours, theirs = resumed["datastates"], resumed["torch_dist"]
+    assert ours.first_iteration == OVERRIDE_TO + 1
+    # Recorded before the loop counts the step's batch: the data loader starts at 2 global batches of 8.
+    assert ours.records[0]["consumed_train_samples"] == OVERRIDE_TO * 8
+    assert "overriding the checkpoint's iteration to 2 (consumed_train_samples = 16)" in ours.log
+    assert_same_trajectory(trajectory(ours), trajectory(theirs), "--override-ckpt-iteration: datastates vs torch_dist")
+
+
+def test_override_ckpt_iteration_refuses_another_global_batch_size(checkout, saved_through_4, tmp_path):
+    """The data loader's offset is recomputed from the current global batch size: another one than the
+    checkpoint's is refused, by Megatron-LM (RuntimeError) and by us (CheckpointError), naming both sizes."""
+    logs = {}
+    for side in SIDES:
+        save = copy_checkpoints(saved_through_4[side], tmp_path / side / "ckpt")
+        logs[side] = run(checkout, 2, [*COMMON, "--save", str(save), "--load", str(save), *SIDES[side],
+                                       *TRAIN_ITERS, "--override-ckpt-iteration", str(OVERRIDE_TO),
+                                       "--global-batch-size", "4"],
+                         tmp_path / side, "override_gbs", expect_failure=True).log
+    assert "RuntimeError: --override-ckpt-iteration recomputes consumed_train_samples" in logs["torch_dist"]
+    assert "CheckpointError" in logs["datastates"]
+    assert ("the checkpoint's global batch size (8) differs from the current one (4)" in logs["datastates"])
+
+
+# ---------------------------------------------------------------------------- GPT <-> HybridModel
+def test_gpt_and_hybrid_checkpoints_are_refused_by_name(checkout, saved_through_4, tmp_path):
+    """pretrain_hybrid.py (a HybridModel of attention and MLP layers, local modules) loading a GPT checkpoint
+    of ours, and pretrain_gpt.py loading a HybridModel checkpoint of ours: each refused, naming the two kinds,
+    before any shard is read (Megatron-LM translates GPT checkpoints into a HybridModel for its own formats only)."""
+    hybrid_model = [*_without(TINY_GPT, "--num-layers"), "--spec", "megatron_ext.testing.hybrid_local_spec",
+                    "hybrid_local_stack_spec", "--hybrid-layer-pattern", "*-*-"]
+    gpt = copy_checkpoints(saved_through_4["datastates"], tmp_path / "gpt")
+    into_hybrid = run(checkout, 2, [*COMMON, *DATASTATES, "--save", str(gpt), "--load", str(gpt), *TRAIN_ITERS],
+                      tmp_path, "gpt_into_hybrid", expect_failure=True, model=hybrid_model,
+                      script="pretrain_hybrid.py")
+    assert ("cannot load into this model: it was saved from a GPT model and this run builds a HybridModel"
+            in into_hybrid.log)
+
+    hybrid = tmp_path / "hybrid"
+    saved = run(checkout, 2, [*COMMON, *DATASTATES, "--save", str(hybrid), "--load", str(hybrid), *TRAIN_ITERS,
+                              "--exit-interval", "1"], tmp_path, "hybrid", model=hybrid_model,
+                script="pretrain_hybrid.py")
+    assert saved.records[-1]["iteration"] == 1 and read_tracker(hybrid) == "1"
+    into_gpt = run(checkout, 2, [*COMMON, *DATASTATES, "--save", str(hybrid), "--load", str(hybrid), *TRAIN_ITERS],
+                   tmp_path, "hybrid_into_gpt", expect_failure=True)
+    assert ("cannot load into this model: it was saved from a HybridModel and this run builds a GPT model"
+            in into_gpt.log)
