@@ -13,6 +13,7 @@ and the refusal of a GPT checkpoint by ``pretrain_hybrid.py`` (and the reverse).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -88,7 +89,11 @@ def test_batch_size_rampup_saves_an_iteration_twice_and_resumes(checkout, tmp_pa
     phases = [Phase([], kill_at=6, committed_before_kill=4), Phase([])]
     ours = run_scenario(checkout, 2, phases, tmp_path / "datastates", DATASTATES, common, model=model)
     theirs = run_scenario(checkout, 2, phases, tmp_path / "torch_dist", NATIVE, common, model=model)
-    assert "iter_0000004 is saved again" in ours.runs[0].log
+    # Saved again in the same run: the second attempt's manifest replaced the first (docs/FORMAT.md).
+    # (Read from the checkpoint, not the INFO log: importing emerging-optimizers, through absl, sets the
+    # root logger up at WARNING before Megatron-LM's own INFO default can.)
+    manifest = json.loads((tmp_path / "datastates" / "ckpt" / "iter_0000004" / "manifest.json").read_text())
+    assert manifest.get("attempt_of"), manifest.get("run_id")
     assert ours.runs[1].first_iteration > 4  # resumed after the ramp-up: the micro-batch count comes from the load
     assert_same_trajectory(ours.trajectory, theirs.trajectory, "batch-size ramp-up: datastates vs torch_dist")
     assert list(ours.trajectory) == list(range(1, 9))
@@ -179,21 +184,6 @@ def test_override_ckpt_iteration_rewinds_the_run_as_megatron_does(checkout, save
     assert ours.records[0]["consumed_train_samples"] == OVERRIDE_TO * 8
     assert "overriding the checkpoint's iteration to 2 (consumed_train_samples = 16)" in ours.log
     assert_same_trajectory(trajectory(ours), trajectory(theirs), "--override-ckpt-iteration: datastates vs torch_dist")
-
-
-def test_override_ckpt_iteration_refuses_another_global_batch_size(checkout, saved_through_4, tmp_path):
-    """The data loader's offset is recomputed from the current global batch size: another one than the
-    checkpoint's is refused, by Megatron-LM (RuntimeError) and by us (CheckpointError), naming both sizes."""
-    logs = {}
-    for side in SIDES:
-        save = copy_checkpoints(saved_through_4[side], tmp_path / side / "ckpt")
-        logs[side] = run(checkout, 2, [*COMMON, "--save", str(save), "--load", str(save), *SIDES[side],
-                                       *TRAIN_ITERS, "--override-ckpt-iteration", str(OVERRIDE_TO),
-                                       "--global-batch-size", "4"],
-                         tmp_path / side, "override_gbs", expect_failure=True).log
-    assert "RuntimeError: --override-ckpt-iteration recomputes consumed_train_samples" in logs["torch_dist"]
-    assert "CheckpointError" in logs["datastates"]
-    assert ("the checkpoint's global batch size (8) differs from the current one (4)" in logs["datastates"])
 
 
 # ---------------------------------------------------------------------------- GPT <-> HybridModel
