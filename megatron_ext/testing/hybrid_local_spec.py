@@ -7,7 +7,8 @@ megatron-core's own hybrid specs (``megatron.core.models.hybrid.hybrid_layer_spe
 of Transformer Engine modules, which a CPU run does not have. This one has the layers a pattern
 without Mamba needs (``*`` attention, ``-`` MLP), each assembled from megatron-core's local GPT
 layer (``get_gpt_layer_local_submodules``): the attention layer takes its norm and attention, the
-MLP layer its norm and MLP. ``HybridStack`` builds its final norm as Transformer Engine's
+MLP layer its norm and MLP, each with the local layer's checkpoint names for its norm (Transformer
+Engine's, as megatron-core's local GPT layer maps them). ``HybridStack`` builds its final norm as Transformer Engine's
 ``TENorm`` whatever the spec says; without Transformer Engine that name is bound, when this
 module is imported, to the local layer's norm.
 """
@@ -23,6 +24,9 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 _LOCAL = get_gpt_layer_local_submodules()
+#: The local GPT layer's checkpoint names for its norms: those of Transformer Engine's fused norm + linear
+#: modules, so checkpoints of local and TE models (GPT or hybrid) name the same tensors alike.
+_NORM_KEYS = _LOCAL.sharded_state_dict_keys_map
 
 if not transformer_engine.HAVE_TE:
     hybrid_block.TENorm = _LOCAL.input_layernorm
@@ -32,8 +36,9 @@ hybrid_local_stack_spec = ModuleSpec(
     submodules=HybridStackSubmodules(
         attention_layer=ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
             input_layernorm=_LOCAL.input_layernorm, self_attention=_LOCAL.self_attention,
-            self_attn_bda=_LOCAL.self_attn_bda)),
+            self_attn_bda=_LOCAL.self_attn_bda, sharded_state_dict_keys_map=_NORM_KEYS)),
         mlp_layer=ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
-            pre_mlp_layernorm=_LOCAL.pre_mlp_layernorm, mlp=_LOCAL.mlp, mlp_bda=_LOCAL.mlp_bda)),
+            pre_mlp_layernorm=_LOCAL.pre_mlp_layernorm, mlp=_LOCAL.mlp, mlp_bda=_LOCAL.mlp_bda,
+            sharded_state_dict_keys_map=_NORM_KEYS)),
     ),
 )

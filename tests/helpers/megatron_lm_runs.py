@@ -55,6 +55,11 @@ class RunResult:
         return self.records[0]["iteration"] if self.records else None
 
 
+def without_flags(flags: list[str], *names: str) -> list[str]:
+    """``flags`` without the named options and their values."""
+    return [a for i, a in enumerate(flags) if a not in names and (i == 0 or flags[i - 1] not in names)]
+
+
 def run(checkout: Path, nproc: int, args: list[str], workdir: Path, name: str, kill_at: int | None = None,
         expect_failure: bool = False, model: list[str] = megatron_lm.TINY_GPT,
         sigterm_at: int | None = None, expire_at: int | None = None, late_copies: bool = False,

@@ -19,7 +19,7 @@ import torch
 
 from helpers.megatron_lm_runs import (DATASTATES, NATIVE, STEP_FIELDS, Phase, assert_same_saved_tensors,
                                       assert_same_trajectory, copy_checkpoints, read_tracker, run, run_scenario,
-                                      saved_tensor, trajectory)
+                                      saved_tensor, trajectory, without_flags)
 from megatron_ext.testing.megatron_lm import LLAMA_STYLE, TINY_GPT
 
 pytestmark = pytest.mark.slow
@@ -357,3 +357,22 @@ def _all_keys(save_dir, iteration: int) -> set[str]:
     from megatron_ext.megatron.shard_assembly import SavedShards
 
     return set(SavedShards(open_iteration(str(save_dir), iteration)).keys())
+
+
+def test_gpt_checkpoint_converted_to_torch_dist_loads_into_a_hybrid_model(checkout, tmp_path):
+    """The way out the refusal names (docs/MEGATRON.md, "What core_v0.19.0 added"): a GPT checkpoint of ours,
+    converted to torch_dist, is loaded by Megatron-LM's own loader into ``pretrain_hybrid.py``'s HybridModel
+    (its GPT -> hybrid translation), under ``--use-datastates``, and training goes on from it."""
+    common = [*BF16_DIST, "--save-interval", "1"]
+    gpt = run_scenario(checkout, 2, [Phase(["--train-iters", "2"])], tmp_path / "gpt", DATASTATES, common)
+    converted = tmp_path / "torch_dist"
+    _convert(str(gpt.save_dir), str(converted), "--to", "torch_dist")
+    layers = int(TINY_GPT[TINY_GPT.index("--num-layers") + 1])  # each GPT layer: an attention and an MLP layer
+    hybrid_model = [*without_flags(TINY_GPT, "--num-layers"), "--spec", "megatron_ext.testing.hybrid_local_spec",
+                    "hybrid_local_stack_spec", "--hybrid-layer-pattern", "*-" * layers]
+    hybrid = run(checkout, 2, [*common, *DATASTATES, "--save", str(tmp_path / "hybrid"), "--load", str(converted),
+                               "--train-iters", "4", "--override-opt_param-scheduler"], tmp_path, "hybrid",
+                 model=hybrid_model, script="pretrain_hybrid.py")
+    assert "loading a GPT checkpoint into the hybrid model" in hybrid.log
+    assert [r["iteration"] for r in hybrid.records] == [3, 4]
+    assert read_tracker(tmp_path / "hybrid") == "4"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from helpers.megatron_lm_runs import (DATASTATES, NATIVE, Phase, assert_same_trajectory, copy_checkpoints,
-                                      read_tracker, run, run_scenario, trajectory)
+                                      read_tracker, run, run_scenario, trajectory, without_flags)
 from megatron_ext.testing.megatron_lm import TINY_GPT
 
 BASE_ITERS = 3
@@ -83,7 +83,7 @@ def test_batch_size_rampup_saves_an_iteration_twice_and_resumes(checkout, tmp_pa
     (``--rampup-batch-size`` is still parsed but ignored), with no ``--global-batch-size``; it needs
     sample-based training.
     """
-    model = _without(TINY_GPT, "--lr-warmup-iters", "--lr-decay-iters", "--global-batch-size")
+    model = without_flags(TINY_GPT, "--lr-warmup-iters", "--lr-decay-iters", "--global-batch-size")
     common = [*COMMON, "--step-batch-size-schedule", "0:4 1024:8", "--train-samples", "48", "--lr-warmup-samples", "8",
               "--lr-decay-samples", "96"]
     phases = [Phase([], kill_at=6, committed_before_kill=4), Phase([])]
@@ -99,13 +99,8 @@ def test_batch_size_rampup_saves_an_iteration_twice_and_resumes(checkout, tmp_pa
     assert list(ours.trajectory) == list(range(1, 9))
 
 
-def _without(flags: list[str], *names: str) -> list[str]:
-    """``flags`` without the named options and their values."""
-    return [a for i, a in enumerate(flags) if a not in names and (i == 0 or flags[i - 1] not in names)]
-
-
 def test_use_checkpoint_args_reads_the_model_shape_from_the_checkpoint(checkout, base, tmp_path):
-    without = _without(TINY_GPT, "--num-layers", "--hidden-size", "--num-attention-heads")
+    without = without_flags(TINY_GPT, "--num-layers", "--hidden-size", "--num-attention-heads")
 
     def resume(side: str):
         save = copy_checkpoints(base[side], tmp_path / side / "ckpt")
@@ -191,7 +186,7 @@ def test_gpt_and_hybrid_checkpoints_are_refused_by_name(checkout, saved_through_
     """pretrain_hybrid.py (a HybridModel of attention and MLP layers, local modules) loading a GPT checkpoint
     of ours, and pretrain_gpt.py loading a HybridModel checkpoint of ours: each refused, naming the two kinds,
     before any shard is read (Megatron-LM translates GPT checkpoints into a HybridModel for its own formats only)."""
-    hybrid_model = [*_without(TINY_GPT, "--num-layers"), "--spec", "megatron_ext.testing.hybrid_local_spec",
+    hybrid_model = [*without_flags(TINY_GPT, "--num-layers"), "--spec", "megatron_ext.testing.hybrid_local_spec",
                     "hybrid_local_stack_spec", "--hybrid-layer-pattern", "*-*-"]
     gpt = copy_checkpoints(saved_through_4["datastates"], tmp_path / "gpt")
     into_hybrid = run(checkout, 2, [*COMMON, *DATASTATES, "--save", str(gpt), "--load", str(gpt), *TRAIN_ITERS],
