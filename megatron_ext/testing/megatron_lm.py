@@ -22,7 +22,8 @@ What a CPU run of ``megatron/training`` needs beyond the megatron-core emulation
   run's dropout; on a GPU it never touches dropout;
 * Megatron-LM's own torch_dist load of the distributed optimizer made to work with torch's Adam
   (``_native_loads_torch_adam``), and under ``torch.no_grad`` (an fp32 load fails otherwise);
-* MoE's all-to-all split sizes handed over as lists (``_split_sizes_as_lists``);
+* MoE's all-to-all split sizes handed over as lists (``_split_sizes_as_lists``), and its metrics'
+  default device the GPU run's (``_moe_metrics_on_the_device``);
 * megatron-core's ``fully_reshardable`` optimizer load made to work with torch's Adam
   (``_torch_adam_loads_fully_reshardable``);
 * ``--optimizer-cpu-offload`` (``_hybrid_optimizer_on_cpu``): the optimizer's parameters count as
@@ -224,6 +225,22 @@ def _patch_megatron_training() -> None:
     _split_sizes_as_lists()
     _torch_adam_loads_fully_reshardable()
     _hybrid_optimizer_on_cpu()
+    _moe_metrics_on_the_device()
+
+
+def _moe_metrics_on_the_device() -> None:
+    """MoE's metrics tracker puts a metric a rank has not seen yet (after a resume, on a stage without
+    MoE layers) on the current CUDA device when ``torch.cuda.is_available()``, else on ``cpu``: on a GPU
+    node the former, which the CPU run answers with "cuda" (the device mode maps it), so that its
+    all-reduce over NCCL is the GPU run's (the emulated NCCL refuses a host tensor, as NCCL does)."""
+    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+
+    inner = MoEMetricsTracker.ensure_initialized
+
+    def ensure_initialized(self: Any, name: str, num_layers: int, device: Any = None) -> None:
+        return inner(self, name, num_layers, "cuda" if device is None else device)
+
+    MoEMetricsTracker.ensure_initialized = ensure_initialized
 
 
 def _patch_megatron_any_device() -> None:
