@@ -18,7 +18,7 @@ Loading into the same TP/PP/DP layout reads each shard by id; into another layou
 is assembled from the saved shards that overlap it (``shard_assembly.py``). Before the model
 state reaches ``load_state_dict``, Transformer Engine's pickled fp8 extra state is checked
 (``te_extra_state.py``); before the optimizer state is read, its stored form is compared with the
-optimizer's (``optimizer_state.check_stored_form``).
+optimizer's (``optimizer_forms.check_stored_form``).
 
 ``save_checkpoint`` returns as soon as the engine has recorded the tensors; the copies overlap
 with the next forward/backward, and ``install_lazy_wait`` makes the optimizer wait right before

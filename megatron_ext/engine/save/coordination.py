@@ -15,7 +15,8 @@ Per checkpoint attempt, under ``<root digest>/<checkpoint>/<tag>/``:
   share of the manifest, already encoded, to ``share.files`` and ``share.reports`` (always both,
   empty or not, so that both exist once any rank is durable): rank 0 reads each as one value,
   every rank's shares joined by the store, and decodes none of them. A rank that skips or fails
-  appends an object. Per rank: four or five store operations, whatever the world size.
+  appends an object. Per rank: four store operations to post (five for the rank that sets
+  ``all``), whatever the world size.
 * ``decision``: rank 0 waits for ``all``, reads the statuses and the shares in one ``multi_get``,
   decides (``committed``, ``skipped``, ``failed``) and sets it; first writer wins
   (``compare_set``), so a rank 0 that fails while others wait settles its open checkpoints at
@@ -28,8 +29,9 @@ Every rank processes its checkpoints in the order it asked to commit them, the s
 one's keys any more and rank 0 deletes them: the store holds O(1) checkpoints' keys.
 
 Each store call releases the GIL and takes it back on the committer thread: a switch for a
-Python-bound training thread. So a commit costs rank 0 about fourteen calls and every other rank
-six, none of them per rank or per file.
+Python-bound training thread. So a commit costs every rank but 0 six calls (posting, then ``wait``
+and ``get`` of the decision; seven for the rank that sets ``all``) and rank 0 about fourteen,
+none of them per rank or per file.
 """
 
 from __future__ import annotations
