@@ -17,10 +17,13 @@ import argparse
 import gc
 import json
 import os
+import resource
 import sys
 import time
 
+import psutil
 import torch
+import xxhash
 
 from megatron_ext.arg_types import NONNEG, POSITIVE
 from megatron_ext.bench.common import (PeakRss, busy_compute, direct_write_gbps, ensure_process_group, fresh_dir,
@@ -75,15 +78,21 @@ def measure_datastates(state: dict[str, torch.Tensor], directory: str, cache_gb:
     with PeakRss() as rss:
         engine = CheckpointEngine({"host_cache_size": cache_gb, "save_dir": ds_dir}, rank=0, world_size=1)
         engine.cache.wait_allocated(600)  # a long-running trainer allocates once, long before
+        cpu0 = process_cpu_s()
         t0 = time.perf_counter()
         engine.save(state, "step1")
         t_save = time.perf_counter() - t0
+        compute_cpu0 = time.thread_time()
         steps = compute(compute_s, device)
+        compute_cpu = time.thread_time() - compute_cpu0
         blocked_wait = engine.wait_snapshot()
         t_snapshot = time.perf_counter() - t0
         engine.commit("step1")
         engine.wait_persisted()
         t_persisted = time.perf_counter() - t0
+        # The engine's CPU: this process's (its threads, and the training thread inside its calls)
+        # less the caller's compute, plus the I/O worker's whole life (it starts at the first write).
+        engine_cpu = process_cpu_s() - cpu0 - compute_cpu + worker_cpu_s(engine)
         records = {(r["event"], r["level"]): r for r in engine.telemetry.records}
         engine.shutdown()
     flush = records[("flush", "shared")]
@@ -97,11 +106,44 @@ def measure_datastates(state: dict[str, torch.Tensor], directory: str, cache_gb:
         "datastates_persisted_s": t_persisted,
         "datastates_flush_s": flush["seconds"],
         "datastates_flush_gbps": flush["gbps"],
+        "datastates_cpu_s_per_gb": engine_cpu / (nbytes / 1e9),
         "peak_rss_bytes": rss.peak,
     }
     del engine
     gc.collect()
     return result
+
+
+def process_cpu_s() -> float:
+    """User + system CPU seconds of every thread of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def worker_cpu_s(engine: CheckpointEngine) -> float:
+    """User + system CPU seconds of the engine's I/O worker process (0 without one), read while it lives."""
+    pid = getattr(engine.pipeline.io, "pid", None)
+    if pid is None:
+        return 0.0
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def cpu_floor_s_per_gb(state: dict[str, torch.Tensor], directory: str) -> dict:
+    """The least CPU a checkpoint of ``state`` can take, per GB: one xxh3-64 pass over its bytes
+    and one O_DIRECT write of as many bytes, each on this thread (its own CPU clock)."""
+    nbytes = state_bytes(state)
+    start = time.thread_time()
+    for tensor in state.values():
+        host = tensor if tensor.device.type == "cpu" else tensor.cpu()
+        xxhash.xxh3_64(memoryview(host.contiguous().view(torch.uint8).numpy())).hexdigest()
+    hashed = time.thread_time() - start
+    start = time.thread_time()
+    direct_write_gbps(directory, nbytes, repeats=1)
+    written = time.thread_time() - start
+    gb = nbytes / 1e9
+    return {"floor_checksum_cpu_s_per_gb": hashed / gb, "floor_write_cpu_s_per_gb": written / gb,
+            "floor_cpu_s_per_gb": (hashed + written) / gb}
 
 
 def measure_torch_save(state: dict[str, torch.Tensor], directory: str) -> float:
@@ -194,6 +236,7 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
         result["direct_write_gbps_before"] = direct_before
         result["direct_write_gbps_after"] = direct_after
         result["direct_write_gbps"] = (direct_before + direct_after) / 2
+        result.update(cpu_floor_s_per_gb(state, fresh_dir(os.path.join(base, "direct"))))
 
         _progress("torch.save + fsync")
         result["torch_save_s"] = measure_torch_save(state, os.path.join(base, "torch_save"))
@@ -213,6 +256,7 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
         result["ratio_blocking_vs_dcp"] = result["datastates_blocking_s"] / result["dcp_async_blocking_s"]
         result["ratio_blocking_vs_dcp_stager"] = result["datastates_blocking_s"] / result["dcp_stager_blocking_s"]
         result["ratio_flush_vs_direct"] = result["datastates_flush_gbps"] / result["direct_write_gbps"]
+        result["ratio_cpu_vs_floor"] = result["datastates_cpu_s_per_gb"] / result["floor_cpu_s_per_gb"]
         result["ratio_rss_vs_state_plus_cache"] = result["peak_rss_bytes"] / (rss_state + result["host_cache_bytes"])
         result["workdir"] = base
         return result
@@ -226,7 +270,9 @@ def format_table(r: dict) -> str:
         f"  physical limits     memcpy {r['memcpy_gbps']:.2f} GB/s{d2h}, O_DIRECT write {r['direct_write_gbps']:.2f} GB/s",
         f"  datastates          blocked {r['datastates_blocking_s']:.4f}s (save() {r['datastates_save_call_s']:.4f}s),"
         f" snapshot {r['datastates_snapshot_s']:.2f}s, persisted {r['datastates_persisted_s']:.2f}s,"
-        f" flush {r['datastates_flush_gbps']:.2f} GB/s",
+        f" flush {r['datastates_flush_gbps']:.2f} GB/s, CPU {r['datastates_cpu_s_per_gb']:.3f} s/GB",
+        f"  CPU floor           {r['floor_cpu_s_per_gb']:.3f} s/GB (xxh3-64 pass {r['floor_checksum_cpu_s_per_gb']:.3f},"
+        f" O_DIRECT write {r['floor_write_cpu_s_per_gb']:.3f})",
         f"  torch.save+fsync    {r['torch_save_s']:.2f}s (blocking)",
         f"  DCP async_save      blocked {r['dcp_async_blocking_s']:.2f}s, done {r['dcp_async_done_s']:.2f}s",
         f"  DCP + DefaultStager blocked {r['dcp_stager_blocking_s']:.4f}s (call {r['dcp_stager_call_s']:.4f}s,"
@@ -234,6 +280,7 @@ def format_table(r: dict) -> str:
         f"  ratios              blocking/DCP {r['ratio_blocking_vs_dcp']:.4f} (target <= 0.02),"
         f" blocking/DCP+stager {r['ratio_blocking_vs_dcp_stager']:.3f},"
         f" flush/direct {r['ratio_flush_vs_direct']:.2f} (target >= 0.90),"
+        f" CPU/floor {r['ratio_cpu_vs_floor']:.2f} (target <= 1.30),"
         f" peak RSS/(state+cache) {r['ratio_rss_vs_state_plus_cache']:.2f} (target <= 1.10)",
     ]
     return "\n".join(lines)

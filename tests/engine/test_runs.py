@@ -9,6 +9,7 @@ and write calls, and that what lands on disk is bit-exact whatever the runs look
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -71,9 +72,13 @@ def test_run_memory_spans_neighbouring_slots():
         cache.close()
 
 
-def test_run_slots_is_half_the_cache_and_at_least_one():
+def test_run_slots_is_half_the_cache_at_most_max_run_bytes_and_at_least_one():
+    from megatron_ext.engine.save.snapshot import MAX_RUN_BYTES
+
     assert run_slots(_cache(1)) == 1
     assert run_slots(_cache(16)) == 8
+    big = SimpleNamespace(num_slots=1024, chunk_bytes=16 << 20)  # a 16 GiB cache of 16 MiB slots
+    assert run_slots(big) == MAX_RUN_BYTES // (16 << 20) < 512
 
 
 def test_a_file_is_copied_and_written_in_few_calls(make_engine, fault, monkeypatch):

@@ -7,8 +7,10 @@ calling thread. Either way through ``FileIo``; this module imports neither torch
 pipeline, so the worker process starts in a few tens of milliseconds.
 
 Checksums are xxh3-64 (docs/FORMAT.md): one over the whole tensor file, one per tensor, one over
-the sidecar. Where the node has cores to spare a run's checksums are computed on a second thread
-while the calling thread writes the same bytes (``overlap``).
+the sidecar. A run's checksums are computed on a second thread while the calling thread writes the
+same bytes whenever the write is O_DIRECT (the device moves the bytes: the writing thread waits
+and takes no core), and for page-cache writes only where the node has cores to spare
+(``overlap``): there the write is a memory copy that needs a core of its own.
 """
 
 from __future__ import annotations
@@ -45,19 +47,19 @@ class _OpenFile:
 class FileIo:
     """The operations, on ``buffer``: the whole host cache (a writable memoryview).
 
-    With ``overlap`` a run's checksums are computed on a second thread while it is written (the
-    flush's bandwidth); without, one after the other, which keeps one core busy instead of two:
-    on a node with few cores per rank the training thread would wait for the other.
+    An O_DIRECT run is checksummed on a second thread while it is written: the write waits for the
+    device, so hashing meanwhile costs no core and the run takes max(checksum, write) instead of
+    their sum (the flush kept up with the O_DIRECT write only this way, docs/BENCHMARKS.md). A
+    page-cache write is a copy on the writing thread's core: with ``overlap`` it is checksummed
+    alongside too; without, one after the other, which keeps one core busy instead of two (on a
+    node with few cores per rank the training thread would wait for the other).
     """
 
     def __init__(self, buffer: memoryview, overlap: bool = True):
         self.buffer = buffer
+        self.overlap_buffered = overlap
         self._files: dict[int, _OpenFile] = {}
-        self._checksums = None
-        if overlap:
-            import concurrent.futures  # only then: the worker process starts faster without it
-
-            self._checksums = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-io-checksum")
+        self._checksums = None  # the second thread, started at the first run that overlaps
         self._bounce: mmap.mmap | None = None  # ``stage``'s page-aligned buffer, made at its first use
 
     def run(self, file: int, offset: int, cache: int, nbytes: int, *, path: str | None = None,
@@ -71,10 +73,14 @@ class FileIo:
         f = self._files[file]
         data = self.buffer[cache:cache + nbytes]
         written = self.buffer[cache:cache + round_up(nbytes)] if f.out.direct else data
-        if self._checksums is None:
+        if not (f.out.direct or self.overlap_buffered):
             _checksum(f, data, offset)
             f.out.write_at(offset, written)
             return
+        if self._checksums is None:
+            import concurrent.futures  # only here: the worker process starts faster without it
+
+            self._checksums = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-io-checksum")
         summed = self._checksums.submit(_checksum, f, data, offset)
         try:
             f.out.write_at(offset, written)

@@ -46,8 +46,9 @@ _LEN = struct.Struct("<I")
 CHANNELS = ("writer", "stager", "committer")
 
 
-#: Cores a rank needs to itself before a run's checksum and write run side by side: the training
-#: thread's, the copy's, the checksum's and the write's.
+#: Cores a rank needs to itself before a page-cache write and its checksum run side by side: the
+#: training thread's, the copy's, the checksum's and the write's (an O_DIRECT write takes no core
+#: while the device moves the bytes: its checksum always runs alongside, ``io_ops.FileIo``).
 OVERLAP_CORES = 4
 
 
@@ -65,7 +66,7 @@ def cores_per_rank() -> int:
 
 
 def overlap_checksums() -> bool:
-    """Whether the worker checksums a run while writing it: only with ``OVERLAP_CORES`` cores per rank.
+    """Whether the worker checksums a page-cache write while writing it: only with ``OVERLAP_CORES`` cores per rank.
     Measured on two cores (docs/BENCHMARKS.md): the overlap doubled the training thread's time off
     the CPU, the checksum and the write each taking the core it waits for."""
     return cores_per_rank() >= OVERLAP_CORES
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-fd", type=int, required=True)
     p.add_argument("--cache-bytes", type=int, required=True)
     p.add_argument("--channel-fd", type=int, action="append", required=True)
-    p.add_argument("--overlap", action="store_true", help="checksum each run on a second thread while it is written")
+    p.add_argument("--overlap", action="store_true", help="checksum page-cache writes on a second thread too (O_DIRECT ones always are)")
     args = p.parse_args(argv)
     # The training process decides when the flush ends: an interrupt or a scheduler's SIGTERM to the
     # job must not stop the writes of the checkpoint it is finishing.

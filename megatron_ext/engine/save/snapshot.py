@@ -4,7 +4,7 @@ One background thread takes ``FileJob``s first-in first-out, cuts each file's by
 then tensors) into chunks of the cache's slot size, waits for free slots (backpressure), copies,
 and hands the filled slots to the flusher at once, so writing starts with the first run rather
 than after the whole snapshot. It takes neighbouring free slots in runs (``run_slots``: half
-the cache, at most 1 GiB) and copies all of a run's tensor parts in one call, so the GIL is
+the cache, at most 128 MiB) and copies all of a run's tensor parts in one call, so the GIL is
 taken back once per run rather than once per tensor and chunk. When a file's last chunk is
 copied its tensors are released and ``snapshot_done`` is set; ``wait_snapshot`` waits on those
 events.
@@ -154,9 +154,11 @@ class SnapshotScheduler(QueueWorker):
         fjob.snapshot_done.set()
 
 
-#: A run of slots is at most this many bytes: enough that a 16 GB cache takes a few calls per
-#: checkpoint, small enough that copy, checksum and write of consecutive runs still overlap.
-MAX_RUN_BYTES = 1 << 30
+#: A run of slots is at most this many bytes: the flush starts once the first run is copied and ends
+#: one run's write after the last copy, so runs are short next to a checkpoint (a 12 GB rank: about
+#: a hundred runs, a few GIL takes each); at 1 GiB the first write waited for half a 1 GB state's
+#: copy and the flush ran at 0.6 of the O_DIRECT write (docs/BENCHMARKS.md).
+MAX_RUN_BYTES = 128 << 20
 
 
 def run_slots(cache: HostCache) -> int:
