@@ -17,7 +17,8 @@ KEYS = {"state_bytes", "rss_with_state_bytes", "device", "memcpy_gbps", "d2h_gbp
         "peak_rss_bytes", "direct_write_gbps_before", "direct_write_gbps_after", "direct_write_gbps", "torch_save_s",
         "dcp_async_blocking_s", "dcp_async_done_s", "dcp_stager_blocking_s", "dcp_stager_call_s",
         "dcp_stager_staged_s", "dcp_stager_done_s", "ratio_blocking_vs_dcp", "ratio_blocking_vs_dcp_stager",
-        "ratio_flush_vs_direct",
+        "ratio_flush_vs_direct", "datastates_cpu_s_per_gb", "floor_checksum_cpu_s_per_gb", "floor_write_cpu_s_per_gb",
+        "floor_cpu_s_per_gb", "ratio_cpu_vs_floor",
         "ratio_rss_vs_state_plus_cache", "workdir"}
 
 
@@ -32,6 +33,8 @@ def test_bench_engine_json_keys_on_cpu(tmp_path):
     result = json.loads(proc.stdout)
     assert set(result) == KEYS
     assert result["device"] == "cpu" and result["d2h_gbps"] is None and result["datastates_blocking_s"] > 0
+    # The engine's CPU counts its threads and its I/O worker: at least the floor's checksum pass.
+    assert result["datastates_cpu_s_per_gb"] > result["floor_checksum_cpu_s_per_gb"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu runs --device cuda on a GPU")
