@@ -34,6 +34,7 @@ from .save.job_table import JobTable
 from .save.jobs import CheckpointJob, FileJob
 from .save.ownership import DirectoryOwnership
 from .save.pipeline import SavePipeline
+from .save.space import recheck_full
 from .telemetry import Telemetry
 
 log = logging.getLogger("megatron_ext.engine")
@@ -78,11 +79,13 @@ class CheckpointEngine:
         self.read_only = read_only
         self._commit_store = commit_store
         self.classes = self.config.allowed_classes()  # safe_classes, resolved once
-        if not read_only:
-            self.config.validate(self.rank)
+        # A directory found full is probed again once crashed saves' partial files are gone (space.py).
+        full = self.config.validate(self.rank, full_ok=True) if not read_only else []
         self.ownership = DirectoryOwnership(self.config, self.rank, self.world_size, read_only)
         self.run_id = self.ownership.start(run_id)
         try:
+            if full:
+                recheck_full(self.config, full, self.rank, self.ownership.freed_bytes)
             self._build()
         except BaseException:
             self.ownership.release()
