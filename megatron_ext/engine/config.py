@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import errno
 import math
 import os
 from typing import Any, Mapping
@@ -117,7 +118,8 @@ class EngineConfig:
     def from_dict(cls, section: Mapping[str, Any] | None, *, probe: bool = True, **overrides: Any) -> "EngineConfig":
         """Build from a ``datastates_ckpt``-style dict; unknown keys are an error naming them.
 
-        ``probe`` also creates the configured directories and proves them writable (``validate``).
+        ``probe`` also creates the configured directories and proves them writable (``validate``);
+        one found full passes, as at the engine's start (it frees crashed saves' files first).
         """
         if section is not None and not isinstance(section, Mapping):
             raise ConfigError(f"the datastates configuration must be an object, got {section!r}")
@@ -134,7 +136,7 @@ class EngineConfig:
             )
         cfg = cls(**data)
         if probe:
-            cfg.validate()
+            cfg.validate(full_ok=True)
         return cfg
 
     def __post_init__(self) -> None:
@@ -217,19 +219,25 @@ class EngineConfig:
                     inner, outer = (name_a, name_b) if len(real_a) > len(real_b) else (name_b, name_a)
                     raise ConfigError(f"{inner} lies inside {outer} ({a} vs {b}); keep the levels apart")
 
-    def validate(self, rank: int = 0) -> None:
+    def validate(self, rank: int = 0, *, full_ok: bool = False) -> list[tuple[str, str]]:
         """Create the configured directories and prove each writable by a real write (telemetry's
         too: root's ``os.access`` says yes even under ``/proc``), else ConfigError. A configured
-        ``replica_dir`` is created private (``files.private_dir``)."""
+        ``replica_dir`` is created private (``files.private_dir``).
+
+        ``full_ok``: a probe that fails only for want of space (ENOSPC, EDQUOT) is returned as
+        ``(what, path)`` instead of refused: the engine removes what crashed saves left there
+        before it probes again (save/space.py); a crashed save's partial files must not block
+        the restart that frees them."""
+        full: list[tuple[str, str]] | None = [] if full_ok else None
         for name in ("save_dir", "local_dir"):
             path = getattr(self, name)
             if path is not None:
-                check_writable_dir(path, name)
+                check_writable_dir(path, name, full=full)
         if self.peer_replica and self.replica_dir is not None:
-            check_writable_dir(self.replica_dir, "replica_dir", private=True)
+            check_writable_dir(self.replica_dir, "replica_dir", private=True, full=full)
         telemetry = self.telemetry_file(rank)
         if telemetry is not None:
-            _check_creatable_dir(os.path.dirname(os.path.abspath(telemetry)), "telemetry_path directory")
+            _check_creatable_dir(os.path.dirname(os.path.abspath(telemetry)), "telemetry_path directory", full=full)
             if os.path.lexists(telemetry):
                 try:  # opened for appending as the engine will; nothing is written
                     if not os.path.isfile(telemetry):
@@ -238,6 +246,7 @@ class EngineConfig:
                 except OSError as exc:
                     raise ConfigError(f"telemetry_path {telemetry!r} exists and is not a writable file: "
                                       f"{exc.strerror or exc}") from None
+        return full or []
 
     def telemetry_file(self, rank: int) -> str | None:
         """This rank's telemetry file: ``telemetry_path`` with {rank}, else under ``save_dir``, else none."""
@@ -288,7 +297,15 @@ def _physical_memory_bytes() -> int | None:
         return None
 
 
-def _check_creatable_dir(path: str, what: str) -> None:
+def _no_room(exc: OSError, what: str, path: str, full: list | None) -> bool:
+    """A probe failed for want of space and the caller defers that (``validate(full_ok=True)``)."""
+    if full is not None and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        full.append((what, path))
+        return True
+    return False
+
+
+def _check_creatable_dir(path: str, what: str, full: list | None = None) -> None:
     """``path`` is a directory that takes files, or could be created in one, proven by a real write
     in it or in its nearest existing ancestor (``files.probe_write``); nothing is left behind."""
     existing = path
@@ -299,12 +316,14 @@ def _check_creatable_dir(path: str, what: str) -> None:
             raise NotADirectoryError(0, f"{existing} is not a directory")
         probe_write(existing)
     except OSError as exc:
+        if _no_room(exc, what, existing, full):
+            return
         raise ConfigError(f"{what} {path!r} is not a writable directory ({exc.strerror or exc})") from None
 
 
-def check_writable_dir(path: str, what: str = "directory", private: bool = False) -> None:
+def check_writable_dir(path: str, what: str = "directory", private: bool = False, full: list | None = None) -> None:
     """Create ``path`` if needed (``private``: 0700, checked as ``files.private_dir`` does) and
-    prove by a real write that a file can be made there, else ConfigError."""
+    prove by a real write that a file can be made there, else ConfigError (``full``: see ``validate``)."""
     try:
         if private:
             private_dir(path, what)
@@ -314,4 +333,6 @@ def check_writable_dir(path: str, what: str = "directory", private: bool = False
     except CheckpointError as exc:
         raise ConfigError(str(exc)) from None
     except OSError as exc:
+        if _no_room(exc, what, os.path.abspath(path), full):
+            return
         raise ConfigError(f"{what} {path!r} is not writable: {exc.strerror or exc}") from exc

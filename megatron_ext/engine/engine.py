@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import time
 import traceback
 from typing import Any, Callable, Mapping
@@ -34,6 +35,7 @@ from .save.job_table import JobTable
 from .save.jobs import CheckpointJob, FileJob
 from .save.ownership import DirectoryOwnership
 from .save.pipeline import SavePipeline
+from .save.space import recheck_full
 from .telemetry import Telemetry
 
 log = logging.getLogger("megatron_ext.engine")
@@ -78,11 +80,13 @@ class CheckpointEngine:
         self.read_only = read_only
         self._commit_store = commit_store
         self.classes = self.config.allowed_classes()  # safe_classes, resolved once
-        if not read_only:
-            self.config.validate(self.rank)
+        # A directory found full is probed again once crashed saves' partial files are gone (space.py).
+        full = self.config.validate(self.rank, full_ok=True) if not read_only else []
         self.ownership = DirectoryOwnership(self.config, self.rank, self.world_size, read_only)
         self.run_id = self.ownership.start(run_id)
         try:
+            if full:
+                recheck_full(self.config, full, self.rank, self.ownership.freed_bytes)
             self._build()
         except BaseException:
             self.ownership.release()
@@ -289,19 +293,26 @@ class CheckpointEngine:
         return level
 
     # ------------------------------------------------------------------ shutdown
-    def shutdown(self, timeout: float | None = None, *, normal_end: bool = True) -> None:
+    def shutdown(self, timeout: float | None = None, *, normal_end: bool = True,
+                 gate_collectives: bool = False) -> None:
         """Commit whatever was saved, wait until it is durable and committed, stop the threads.
 
         ``normal_end=False`` (interpreter exit, an exception) keeps the peer replicas this rank
-        holds in host memory for a restart; a normal end frees them.
+        holds in host memory for a restart; a normal end frees them. Copies still held by a shut
+        ``CopyGate`` then go ahead if the gate says its values are final (``ready``), or, with
+        ``gate_collectives`` (the exit hook, after no uncaught exception: every rank exits alike),
+        once the gate's settle ran its collective; otherwise they fail and their checkpoint with them.
         """
         if self._closed:
             return
         self._closed = True
-        if not normal_end:  # no collective may run here: held copies fail, their checkpoints never commit
+        if not normal_end:
             for fjob in self._files:
-                if fjob.gate is not None:
-                    fjob.gate.cancel()
+                if fjob.gate is not None and not fjob.snapshot_done.is_set():
+                    done = fjob.gate.finish(gate_collectives)
+                    log.log(logging.WARNING if done == "cancelled" else logging.INFO,
+                            "[datastates] rank %d: %s's copies held for %s at the end: %s", self.rank,
+                            fjob.job.checkpoint, fjob.gate.what, _GATE_AT_END[done])
         faults.waiting()
         timeout = self.config.persist_timeout_s if timeout is None else timeout
         clean = False
@@ -399,11 +410,27 @@ def _require_checkpoint(checkpoint: Any, root: str) -> None:
                               f"not {type(checkpoint).__name__}")
 
 
+_GATE_AT_END = {"open": "opened already", "ready": "final already, copied",
+                "settled": "settled here (its collective ran), copied", "cancelled": "cancelled, not committed"}
+
+
+def _ended_on_exception() -> bool:
+    """Whether the interpreter exits because of an uncaught exception (set before the exit hooks run)."""
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
+
+
 def _shutdown_live_engines() -> None:
-    """At interpreter exit: the last checkpoint of a run is committed even if nobody waited."""
+    """At interpreter exit: the last checkpoint of a run is committed even if nobody waited.
+
+    A save whose copies wait for a collective (``CopyGate``) is settled here when the interpreter
+    ends without an uncaught exception: every rank of a job that exits normally reaches this hook
+    and settles its gates in save order, as its last wait would have. After an uncaught exception
+    only gates whose values are final already go ahead; the others fail (no collective).
+    """
+    collectives_ok = not _ended_on_exception()
     for engine in list(_live_engines):
         try:
-            engine.shutdown(normal_end=False)
+            engine.shutdown(normal_end=False, gate_collectives=collectives_ok)
         except Exception:
             traceback.print_exc()
 

@@ -14,7 +14,9 @@ A wait that comes first (the lazy wait when a forward pass did not reach a bucke
 of training, a save with no forward pass after it) settles the gate on the training thread: it
 runs the still-missing all-gathers blocking, as Megatron-LM would have at the save. Every
 data-parallel rank reaches the same decision: the bucket groups' states follow the same program
-order on all of them, so the collectives match.
+order on all of them, so the collectives match. A save still held when the interpreter exits
+(no wait after it) is settled by the exit hook the same way after a normal exit; after an uncaught
+exception it goes ahead only if every all-gather already completed, else it fails.
 """
 
 from __future__ import annotations
@@ -80,7 +82,10 @@ def gather_gate(args: Any, chunks: list) -> CopyGate | None:
         remove_hooks()
         sync_missing(chunks)
 
-    gate = CopyGate(settle, WHAT)
+    # At an end no wait reached (the interpreter's exit): final already if every all-gather completed
+    # (Megatron-LM's disable_forward_pre_hook forces them at the end of training), else settled
+    # there only after a normal exit, when every rank runs the same all-gathers (copy_gate.py).
+    gate = CopyGate(settle, WHAT, ready=lambda: all(_gathered(g) for g in groups))
 
     def after_forward(index: int):
         def hook(module: Any, inputs: Any, output: Any) -> None:

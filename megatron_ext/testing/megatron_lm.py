@@ -2,6 +2,7 @@
 
     torchrun ... -m megatron_ext.testing.megatron_lm [--checkout DIR] [--record FILE]
         [--kill-at-iteration N] [--sigterm-at-iteration N] [--expire-duration-at-iteration N]
+        [--exit-at-iteration N]
         -- <pretrain_gpt.py arguments>
 
 The script runs in-process, unchanged, from a patched checkout of the pin (``find_checkout``).
@@ -408,6 +409,22 @@ def _install_killer(iteration: int, committed_before: int | None = None, save_di
     training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
 
 
+def _install_exit(iteration: int) -> None:
+    """End the interpreter normally (``sys.exit(0)``, every rank) right after iteration ``iteration``'s
+    save call: no wait, no finalize; what that save becomes is up to the engine's exit hook."""
+    from megatron.training import training
+
+    inner = training.checkpoint_and_decide_exit
+
+    def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, it, *args: Any, **kwargs: Any):
+        decision = inner(model, optimizer, opt_param_scheduler, it, *args, **kwargs)
+        if it == iteration:
+            sys.exit(0)
+        return decision
+
+    training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
+
+
 def _call_before_load(hook: str) -> None:
     """Call ``hook`` (``module:function``, test or bench code) on every rank right before each ``load_checkpoint``.
 
@@ -443,7 +460,7 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
                      kill_at: int | None = None, sigterm_at: int | None = None,
                      expire_at: int | None = None, late_copies: bool = False,
                      committed_before_kill: int | None = None, before_load: str | None = None,
-                     script: str = "pretrain_gpt.py") -> list[str]:
+                     script: str = "pretrain_gpt.py", exit_at: int | None = None) -> list[str]:
     """torchrun on this machine running ``script`` (``pretrain_gpt.py``) of ``checkout`` through this harness."""
     from megatron_ext.procs import torchrun_command as torchrun
 
@@ -460,6 +477,8 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
         harness += ["--sigterm-at-iteration", str(sigterm_at)]
     if expire_at is not None:
         harness += ["--expire-duration-at-iteration", str(expire_at)]
+    if exit_at is not None:
+        harness += ["--exit-at-iteration", str(exit_at)]
     if late_copies:
         harness += ["--late-copies"]
     if before_load is not None:
@@ -478,7 +497,8 @@ def read_records(path: str | Path) -> list[dict]:
 # ---------------------------------------------------------------------------- entry point
 def run(script: Path, argv: list[str], record: str | None = None, kill_at: int | None = None,
         signal_at: int | None = None, expire_at: int | None = None, late_copies: bool = False,
-        committed_before_kill: int | None = None, before_load: str | None = None) -> None:
+        committed_before_kill: int | None = None, before_load: str | None = None,
+        exit_at: int | None = None) -> None:
     """Run ``script`` (a checkout's ``pretrain_gpt.py``) as ``__main__`` with ``argv`` on CPU ranks."""
     from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
     from megatron_ext.testing.emulated_nccl import enable_emulated_nccl
@@ -506,6 +526,8 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
         _install_recorder(record)
     if kill_at is not None:
         _install_killer(kill_at, committed_before_kill, _checkpoint_flags(argv).save)
+    if exit_at is not None:
+        _install_exit(exit_at)
     if signal_at is not None:  # a scheduler's SIGTERM, for --exit-signal-handler
         _after_step(signal_at, lambda: os.kill(os.getpid(), signal.SIGTERM))
     if expire_at is not None:
@@ -576,6 +598,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="send SIGTERM to every rank right after this iteration's step (--exit-signal-handler)")
     parser.add_argument("--expire-duration-at-iteration", type=int,
                         help="age the training clock a day right after this iteration's step (--exit-duration-in-mins)")
+    parser.add_argument("--exit-at-iteration", type=int,
+                        help="sys.exit(0) on every rank right after this iteration's save call (the engine's exit "
+                             "hook is left to commit it)")
     parser.add_argument("--late-copies", action="store_true",
                         help="start each checkpoint's copies only when training waits for them (right before the "
                              "optimizer step), so a tensor changed before that step is always caught")
@@ -597,7 +622,7 @@ def main(argv: list[str] | None = None) -> None:
     run(script, argv[split + 1:], record=opts.record, kill_at=opts.kill_at_iteration,
         signal_at=opts.sigterm_at_iteration, expire_at=opts.expire_duration_at_iteration,
         late_copies=opts.late_copies, committed_before_kill=opts.committed_before_kill,
-        before_load=opts.before_load)
+        before_load=opts.before_load, exit_at=opts.exit_at_iteration)
 
 
 if __name__ == "__main__":

@@ -89,3 +89,31 @@ def _wait_for_failure(engine) -> None:
         engine.raise_if_failed()
         time.sleep(0.05)
     pytest.fail("the held copy never timed out")
+
+
+def test_abnormal_end_copies_a_gate_whose_values_are_final_already(make_engine):
+    """``ready``: the collective completed, nothing needs to run, so the exception's end still commits."""
+    engine = make_engine()
+    state = {"w": torch.full((10,), 4.0)}
+    gate = CopyGate(lambda: pytest.fail("no collective may run at an abnormal end"), ready=lambda: True)
+    engine.save(state, "c1", gate=gate)
+    engine.commit("c1")
+    engine.shutdown(timeout=10, normal_end=False)
+    assert engine.latest() == "c1"
+
+
+def test_finish_at_the_end():
+    """What the exit hook does with a shut gate: settle only where collectives may run; a settle
+    that fails cancels the copy (reported), never raises into the exit."""
+    ran = []
+    assert CopyGate(lambda: ran.append(1)).finish(collectives_ok=True) == "settled" and ran == [1]
+    shut = CopyGate(lambda: ran.append(2))
+    assert shut.finish(collectives_ok=False) == "cancelled" and ran == [1] and "exception" in shut.cancel_reason
+
+    def broken() -> None:
+        raise RuntimeError("peer gone")
+
+    failed = CopyGate(broken)
+    assert failed.finish(collectives_ok=True) == "cancelled" and "peer gone" in failed.cancel_reason
+    with pytest.raises(CheckpointError, match="peer gone"):
+        failed.wait(0.0, lambda: None)

@@ -21,6 +21,9 @@ REPORTS = ".reports"
 
 #: Run ids: 12 lowercase hex digits (rank 0 draws them); they appear in every file name.
 RUN_ID = re.compile(r"[0-9a-f]{12}")
+#: A data file of one attempt at a checkpoint: ``<name>.<tag>.safetensors`` / ``.state.json``
+#: (group 1: the tag, the run id or an attempt's tag). What clean-ups may remove, and nothing else.
+RUN_FILE = re.compile(r"\.([0-9a-f]{12})\.(safetensors|state\.json)$")
 
 
 def valid_name(name: Any) -> bool:

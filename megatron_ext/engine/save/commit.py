@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import re
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -45,7 +44,8 @@ from ..format.manifest import (
     manifest_part,
     summary_of,
 )
-from ..format.names import FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, MANIFEST, REPORTS, report_name
+from ..format.names import (FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, MANIFEST, REPORTS, RUN_FILE,
+                            report_name)
 from ..format.safetensors import FORMAT_VERSION
 from ..format.validation import check_report
 from .context import SaveContext
@@ -409,9 +409,6 @@ class Committer:
         return header
 
 
-_RUN_FILE = re.compile(r"\.([0-9a-f]{12})\.(safetensors|state\.json)$")
-
-
 def _remove_other_runs(ckpt_dir: str, run_id: str) -> None:
     """Delete data files an earlier, overwritten or crashed attempt at this checkpoint left behind.
 
@@ -419,7 +416,7 @@ def _remove_other_runs(ckpt_dir: str, run_id: str) -> None:
     and never one the manifest on disk, re-read just before deleting, names. Usually there are
     none, and then the manifest is not read again.
     """
-    leftovers = [n for n in os.listdir(ckpt_dir) if (m := _RUN_FILE.search(n)) and m.group(1) != run_id]
+    leftovers = [n for n in os.listdir(ckpt_dir) if (m := RUN_FILE.search(n)) and m.group(1) != run_id]
     if not leftovers:
         return
     try:

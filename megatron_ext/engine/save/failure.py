@@ -22,6 +22,7 @@ from .coordination import FAILED, CommitChannel, checkpoint_key
 from .job_table import JobTable
 from .jobs import CheckpointJob
 from .signal import CommitSignal
+from .space import shortfall_note
 
 log = logging.getLogger("megatron_ext.engine")
 
@@ -36,6 +37,7 @@ class FailureHandler:
         self.channel = channel  # tells the other ranks that an open checkpoint failed here
         self.signal = signal  # wakes the committer, which settles what failed
         self.error: BaseException | None = None
+        self.note = ""  # said after the first fatal failure: the space a full file system lacked
         self._lock = threading.Lock()
 
     def fail(self, exc: BaseException, job: CheckpointJob | None = None) -> bool:
@@ -44,10 +46,11 @@ class FailureHandler:
         Returns True if the engine must stop; from then on every engine call raises.
         """
         fatal = job is None or self.on_failure == OnFailure.STOP
-        message = f"{type(exc).__name__}: {exc}"
+        note = shortfall_note(exc, job.root, job.nbytes) if job is not None else ""  # a full file system: by how much
+        message = f"{type(exc).__name__}: {exc}{note}"
         with self._lock:
             if fatal and self.error is None:
-                self.error = exc
+                self.error, self.note = exc, note
         if job is not None:
             job.fail(exc)
         for target in [job] if job is not None else self.jobs.jobs():
@@ -95,7 +98,7 @@ class FailureHandler:
         """Raise, on the caller's thread, the first fatal failure of a background thread (cheap)."""
         if self.error is not None:
             raise CheckpointError(f"background checkpointing failed on rank {self.rank}: "
-                                  f"{type(self.error).__name__}: {self.error}") from self.error
+                                  f"{type(self.error).__name__}: {self.error}{self.note}") from self.error
 
 
 __all__ = ["FailureHandler"]

@@ -197,7 +197,10 @@ class IoWorker:
         if proc is not None and proc.poll() is None:
             # It exits on its own now (every request was answered): reaped in the background, not
             # waited for here (its interpreter's teardown would add tens of milliseconds to shutdown).
-            threading.Thread(target=_reap, args=(proc, timeout), name="datastates-io-reaper", daemon=True).start()
+            try:
+                threading.Thread(target=_reap, args=(proc, timeout), name="datastates-io-reaper", daemon=True).start()
+            except RuntimeError:  # at interpreter exit (the exit hook's shutdown) no thread starts: reap here
+                _reap(proc, timeout)
 
 
 def _reap(proc: subprocess.Popen, timeout: float) -> None:

@@ -49,6 +49,7 @@ class DirectoryOwnership:
         self.local_lock: dir_lock.DirectoryLock | None = None
         self._runs_of_root: dict[str, set[str]] = {}  # root -> runs whose checkpoints retention may remove
         self.run_id: str | None = None
+        self.freed_bytes = 0  # by the start-up clean-up of crashed saves (rank 0)
 
     def start(self, run_id: str | None) -> str:
         """Agree on the run id, lock ``save_dir`` (rank 0) and ``local_dir`` (each node), remove crashed partials."""
@@ -60,10 +61,10 @@ class DirectoryOwnership:
             try:
                 self.locks[save_dir] = lock = dir_lock.acquire(save_dir, run_id, "save_dir")
                 if self.config.remove_partial_on_start and lock.held:
-                    removed = retention.remove_partial(save_dir)
+                    removed, self.freed_bytes = retention.remove_partial(save_dir, set(lock.runs))
                     if removed:
-                        log.warning("[datastates] removed %d uncommitted checkpoint(s) left by a crash or skipped: %s",
-                                    len(removed), ", ".join(sorted(removed)))
+                        log.warning("[datastates] removed %d uncommitted save(s) left by a crash or skipped, "
+                                    "%d bytes freed: %s", len(removed), self.freed_bytes, ", ".join(sorted(removed)))
             except CheckpointError as exc:
                 problem = str(exc)
         if collective:

@@ -11,8 +11,10 @@ Deletion never races a loader or a writer, and never touches what is not this jo
 * the same decision is applied to the node-local level, where the ranks of each node remove
   their node's copies (rank 0 cannot reach other nodes' disks).
 
-Partial checkpoints left by a crash (directories with our ``.reports`` but no manifest) are
-removed at start-up by rank 0, holding the lock, before this run writes anything.
+Partial checkpoints left by a crash (directories with our ``.reports``, or only our data files,
+but no manifest) are removed at start-up by rank 0, holding the lock, before this run writes
+anything, and so are data files a committed checkpoint's manifest does not name (a later save of
+the same id that crashed): on a file system such a crash filled, they are what the restart needs.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
 from ..format.catalog import list_committed, read_manifest, remember_committed, run_of
-from ..format.names import MANIFEST, REPORTS
+from ..format.names import MANIFEST, REPORTS, RUN_FILE
 from .job_table import JobTable
 from .jobs import CheckpointJob
 from .worker import QueueWorker
@@ -96,30 +98,96 @@ def hide_and_remove(directory: str) -> None:
         shutil.rmtree(hidden, ignore_errors=True)
 
 
-def remove_partial(root: str) -> list[str]:
-    """Delete uncommitted checkpoint directories a crashed run left behind; returns their names."""
-    removed = []
+def _tree_bytes(path: str) -> int:
+    """The bytes of the files under ``path`` (what removing it frees, about)."""
+    total = 0
+    for parent, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _partial_of(path: str, runs: set[str]) -> bool:
+    """An uncommitted save of this job: no manifest, and either our ``.reports`` or only data files
+    named like ours, one of them of a run that held the lock (a crash can come before ``.reports``)."""
+    if os.path.islink(path) or os.path.lexists(os.path.join(path, MANIFEST)):
+        return False
+    if os.path.isdir(os.path.join(path, REPORTS)):
+        return True
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    tags = [m.group(1) for n in names if (m := RUN_FILE.search(n))]
+    return bool(tags) and len(tags) == len(names) and any(tag in runs for tag in tags)
+
+
+def _remove_unlisted(path: str) -> int:
+    """In a committed checkpoint, data files named like ours that its manifest does not name (a later
+    attempt at the same id that crashed); returns the bytes freed. The manifest's files stay."""
+    try:
+        names = [n for n in os.listdir(path) if RUN_FILE.search(n)]
+    except OSError:
+        return 0
+    if not names:
+        return 0
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
+        return 0  # not ours to judge: leave everything
+    if manifest is None:
+        return 0
+    keep = {os.path.basename(f[k]) for f in manifest["files"].values() for k in ("tensor_file", "state_file")}
+    freed = 0
+    for name in names:
+        if name not in keep:
+            try:
+                size = os.lstat(os.path.join(path, name)).st_size
+                os.unlink(os.path.join(path, name))
+                freed += size
+            except OSError:
+                pass
+    return freed
+
+
+def remove_partial(root: str, runs: set[str] = frozenset()) -> tuple[list[str], int]:
+    """Delete what crashed saves of this job left under ``root``; returns the uncommitted
+    checkpoints removed and the bytes freed (a committed checkpoint keeps its manifest's files).
+
+    ``runs``: the runs that held ``root``'s lock; a directory without ``.reports`` counts only
+    with files of one of them.
+    """
+    removed, freed = [], 0
     try:
         names = os.listdir(root)
     except FileNotFoundError:
-        return removed
+        return removed, freed
     for name in names:
         path = os.path.join(root, name)
         if name.startswith("."):
             if name.endswith(".deleting"):
+                freed += _tree_bytes(path)
                 shutil.rmtree(path, ignore_errors=True)
             continue
-        if os.path.isdir(os.path.join(path, REPORTS)) and not os.path.lexists(os.path.join(path, MANIFEST)) \
-                and not os.path.islink(path):
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        if os.path.lexists(os.path.join(path, MANIFEST)):
+            freed += _remove_unlisted(path)
+            continue
+        if _partial_of(path, runs):
             hidden = hide(path)
             if hidden is None:
                 continue
             if os.path.lexists(os.path.join(hidden, MANIFEST)):  # committed after all, just now: keep it
                 os.replace(hidden, path)
                 continue
+            freed += _tree_bytes(hidden)
             shutil.rmtree(hidden, ignore_errors=True)
             removed.append(name)
-    return removed
+    return removed, freed
 
 
 class Deleter(QueueWorker):
