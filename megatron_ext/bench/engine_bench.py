@@ -279,6 +279,30 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
         return result
 
 
+#: The figures' limits (docs/BENCHMARKS.md): (key, "<=" or ">=", bound). ``scripts/gpu_check.sh`` and
+#: ``--check`` fail a run outside them; exiting 0 alone says only that the run finished.
+LIMITS = (("ratio_blocking_vs_dcp", "<=", 0.02), ("ratio_flush_vs_direct", ">=", 0.90),
+          ("ratio_rss_vs_state_plus_cache", "<=", 1.10))
+#: On a GPU the snapshot hides under the caller's compute: at most ``--compute-s`` plus twice the
+#: state's device-to-host time at the measured limit, plus this much (seconds) of thread start-up.
+SNAPSHOT_SLACK_S = 0.5
+
+
+def check_limits(r: dict) -> list[str]:
+    """The limits ``r`` breaks, one readable line each (empty: all kept)."""
+    broken = []
+    for key, op, bound in LIMITS:
+        value = r[key]
+        if not (value <= bound if op == "<=" else value >= bound):
+            broken.append(f"{key} {value:.4g} (limit {op} {bound})")
+    if r.get("d2h_gbps"):
+        bound = r["datastates_compute_s"] + 2 * r["state_bytes"] / 1e9 / r["d2h_gbps"] + SNAPSHOT_SLACK_S
+        if r["datastates_snapshot_s"] > bound:
+            broken.append(f"datastates_snapshot_s {r['datastates_snapshot_s']:.3f} (limit <= {bound:.3f}: compute "
+                          f"+ 2 x state / d2h_gbps + {SNAPSHOT_SLACK_S})")
+    return broken
+
+
 def format_table(r: dict) -> str:
     gb = r["state_bytes"] / 1e9
     d2h = f", device-to-host {r['d2h_gbps']:.2f} GB/s" if r.get("d2h_gbps") else ""
@@ -316,6 +340,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the state lives (cuda: on the current GPU, copied by the CUDA copy stream)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 when a figure is outside its limit (LIMITS; the broken ones go to stderr)")
 
 
 def main(args) -> int:
@@ -325,4 +351,7 @@ def main(args) -> int:
         return 2
     result = run(args.size_gb, args.dir, args.cache_gb, args.compute_s, device)
     print(json.dumps(result, indent=1, sort_keys=True) if args.json else format_table(result))
-    return 0
+    broken = check_limits(result) if getattr(args, "check", False) else []
+    for line in broken:
+        print(f"bench engine: outside its limit: {line}", file=sys.stderr)
+    return 1 if broken else 0

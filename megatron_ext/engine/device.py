@@ -10,11 +10,20 @@ the device of the tensors they fill). Without tensors to say otherwise, the devi
 current on the training thread when the engine was built (``rank_device``), which trainers set
 to the rank's GPU (``torch.cuda.set_device(local_rank)``) before anything else.
 
-The choice is plain Python; only ``rank_device`` and ``bind_thread`` call CUDA, and only with it.
+Ordering between streams goes through ``stream_marks``: an event on the calling thread's current
+stream of every CUDA device among some tensors (not only the first one's), which the save's copy
+streams and restore's readers wait for before touching those tensors. ``CudaStreams`` holds the
+few stream calls of the copy path, so the CPU tests can put a deferred stand-in in its place
+(``tests/helpers/fake_cuda.py``).
+
+The choice is plain Python; only ``rank_device``, ``bind_thread``, ``on_device``, ``stream_marks``
+and ``CudaStreams`` call CUDA, and only with it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from typing import Any, Callable, Iterable
 
 import torch
@@ -36,6 +45,18 @@ def cuda_device_of(tensors: Iterable[Any]) -> int | None:
     return None
 
 
+def cuda_devices_of(tensors: Iterable[Any]) -> list[int]:
+    """Every CUDA device among ``tensors``, in the order they first appear (a file may span GPUs)."""
+    devices: list[int] = []
+    for tensor in tensors:
+        device = tensor.device
+        if device.type == "cuda":
+            index = device.index if device.index is not None else 0
+            if index not in devices:
+                devices.append(index)
+    return devices
+
+
 def thread_device(tensors_device: int | None, rank: int | None) -> int | None:
     """The device a thread binds to: that of the tensors it copies, else the rank's (None: no CUDA)."""
     return tensors_device if tensors_device is not None else rank
@@ -48,4 +69,74 @@ def bind_thread(device: int | None, set_device: Callable[[int], None] | None = N
     (set_device or torch.cuda.set_device)(device)
 
 
-__all__ = ["bind_thread", "cuda_device_of", "rank_device", "thread_device"]
+def on_device(device: int | None) -> Any:
+    """A context with ``device`` current on the calling thread, the previous one restored after
+    (torch restores it only where a context exists: no context is made on GPU 0); None: nothing."""
+    if device is None:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamMark:
+    """A point on one device's stream: what was queued there before it must run before what waits for it."""
+
+    device: int
+    event: Any
+
+    def wait(self) -> None:
+        """Make the calling thread's current stream of ``device`` wait for the point (no host wait)."""
+        torch.cuda.current_stream(self.device).wait_event(self.event)
+
+
+def stream_marks(tensors: Iterable[Any]) -> list[StreamMark]:
+    """An event on the calling thread's current stream of each CUDA device among ``tensors`` (none without)."""
+    marks = []
+    for index in cuda_devices_of(tensors):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(index))
+        marks.append(StreamMark(index, event))
+    return marks
+
+
+class CudaStreams:
+    """The stream calls of the save's copy path (``save/copier.py``), in one place so the CPU tests can
+    replace them with a stand-in whose queued work runs only when waited for."""
+
+    @staticmethod
+    def device_of(tensor: torch.Tensor) -> int | None:
+        return (tensor.device.index or 0) if tensor.is_cuda else None
+
+    @staticmethod
+    def marks(tensors: Iterable[Any]) -> list[StreamMark]:
+        return stream_marks(tensors)
+
+    @staticmethod
+    def bind(device: int | None) -> None:
+        bind_thread(device)
+
+    @staticmethod
+    def stream(device: int | None) -> Any:
+        return torch.cuda.Stream(device=device)
+
+    @staticmethod
+    def launch(stream: Any, work: Callable[[], None]) -> None:
+        """Queue ``work``'s copies on ``stream`` (they run later; ``record`` marks when)."""
+        with torch.cuda.stream(stream):
+            work()
+
+    @staticmethod
+    def make_on(stream: Any, work: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A tensor made by a kernel queued on ``stream`` (its memory belongs to that stream)."""
+        with torch.cuda.stream(stream):
+            return work()
+
+    @staticmethod
+    def record(stream: Any) -> Any:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+
+__all__ = ["CudaStreams", "StreamMark", "bind_thread", "cuda_device_of", "cuda_devices_of", "on_device",
+           "rank_device", "stream_marks", "thread_device"]

@@ -325,9 +325,11 @@ class CheckpointEngine:
                 clean = normal_end
         finally:
             self.pipeline.stop(clean)
-            self.cache.close()
-            self.ownership.release()
-            _live_engines.discard(self)
+            try:
+                self.cache.close()  # raises if CUDA refused to unpin it: reported, after the rest is released
+            finally:
+                self.ownership.release()
+                _live_engines.discard(self)
         self.failures.check()
 
     def __enter__(self) -> "CheckpointEngine":

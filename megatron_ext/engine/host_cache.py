@@ -12,7 +12,11 @@ instead of after the whole buffer. It touches one byte per page (the kernel zero
 on its own thread at the lowest CPU priority: a checkpoint load that runs meanwhile, on as many
 threads as there are cores, keeps them. With CUDA the buffer is pinned (``cudaHostRegister`` of
 many GB takes seconds); slots become available when pinning finishes, which the first snapshot's
-copies wait for, never ``save`` itself.
+copies wait for, never ``save`` itself. It is registered *portable* (pinned for every GPU's
+context, not only the registering one): restore's shared staging slots (``staged_read``) feed
+targets on any GPU of the process, and a copy from memory another context does not see as pinned
+silently becomes a pageable, synchronous one. ``close`` unregisters it bound to the cache's
+device, checks the result, and leaves the mapping alone while registration may still be using it.
 """
 
 from __future__ import annotations
@@ -22,16 +26,23 @@ import os
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from .device import bind_thread
+from .device import bind_thread, on_device
 from .errors import CacheError
 from .files import ALIGN
 
 _PAGE = 4096
+#: ``cudaHostRegisterPortable``: the pages count as pinned in every CUDA context of the process.
+REGISTER_PORTABLE = 1
+
+
+def _cudart() -> Any:
+    """CUDA's runtime bindings (a seam: the CPU tests put a recording stand-in here)."""
+    return torch.cuda.cudart()
 
 
 def _lowest_cpu_priority() -> None:
@@ -78,7 +89,7 @@ class HostCache:
             bind_thread(self.device)  # pinning makes a CUDA context current: the rank's, not GPU 0's
             buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)  # page-aligned, as O_DIRECT needs
             if self.pinned:
-                status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), self.nbytes, 0)
+                status = _cudart().cudaHostRegister(buffer.data_ptr(), self.nbytes, REGISTER_PORTABLE)
                 if int(status) != 0:
                     raise CacheError(f"cudaHostRegister of {self.nbytes} bytes failed (CUDA error {int(status)})")
                 self._registered = True
@@ -106,12 +117,28 @@ class HostCache:
             raise CacheError(f"host cache allocation did not finish within {timeout:.0f}s")
 
     def close(self, timeout: float = 60.0) -> None:
-        """Stop pre-faulting and drop the buffer (a thread inside torch must not outlive exit)."""
+        """Stop pre-faulting and drop the buffer (a thread inside torch must not outlive exit).
+
+        If the allocating thread is still inside ``cudaHostRegister`` after ``timeout``, the
+        mapping is left to the process's exit: unmapping it would pull the pages from under the
+        call. A failed ``cudaHostUnregister`` raises ``CacheError`` (the mapping is then left too).
+        """
         self._closing.set()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._buffer = None
+            self._array = None
+            raise CacheError(f"host cache of {self.nbytes} bytes: its allocation (pinning) was still running "
+                             f"after {timeout:.0f}s; the memory is left mapped until the process exits")
         if self._registered and self._buffer is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
+            with on_device(self.device):  # the context that registered it, not whatever this thread has
+                status = int(_cudart().cudaHostUnregister(self._buffer.data_ptr()))
             self._registered = False
+            if status != 0:
+                self._buffer = None
+                self._array = None
+                raise CacheError(f"cudaHostUnregister of the {self.nbytes}-byte host cache failed (CUDA error "
+                                 f"{status}); the memory is left mapped")
         self._buffer = None
         self._array = None
         try:

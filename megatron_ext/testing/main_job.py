@@ -13,7 +13,9 @@ same job:
 
 1. uninterrupted, without checkpoints: the oracle;
 2. ``--use-datastates --save-interval 1``; every rank SIGKILLs itself right after iteration K's
-   save call (the newest checkpoints are still in flight);
+   save call (the newest checkpoints are still in flight), which it makes only once iteration
+   K - 2 is committed (``commit_wait``, bounded): fast GPU iterations outrun the flush, and a
+   kill with nothing committed would test nothing;
 3. resumed with ``--load`` from the newest committed checkpoint, to the end.
 
 Every iteration's loss (and, with Megatron-LM, grad norm) must equal the oracle's bit for bit,
@@ -67,7 +69,7 @@ class Trainer:
     """How to run one of the two trainers and read what it recorded."""
 
     title: str
-    command: Callable[[list[str], Path, int | None], list[str]]  # (args, record file, kill at) -> argv
+    command: Callable[[list[str], Path, int | None, int | None], list[str]]  # (args, record, kill at, committed before)
     env: dict
     read: Callable[[Path], list[Step]]
     compared: str  # what is compared bit for bit, for the verdict
@@ -126,9 +128,9 @@ def megatron_trainer(checkout: Path, iters: int, layout: Layout, device: str = "
     else:
         where = "on CPU ranks (NCCL emulated over gloo) through megatron_ext.testing.megatron_lm"
 
-    def command(args: list[str], record: Path, kill_at: int | None) -> list[str]:
+    def command(args: list[str], record: Path, kill_at: int | None, committed_before: int | None) -> list[str]:
         return megatron_lm.torchrun_command(layout.ranks, [*model, *args], checkout, record=str(record),
-                                            kill_at=kill_at)
+                                            kill_at=kill_at, committed_before_kill=committed_before)
 
     def read(record: Path) -> list[Step]:
         return [Step(r["iteration"], r["loss"], r["grad_norm"], r["lr"]) for r in megatron_lm.read_records(record)]
@@ -141,8 +143,10 @@ def megatron_trainer(checkout: Path, iters: int, layout: Layout, device: str = "
 def reference_trainer_run(iters: int, layout: Layout) -> Trainer:
     model = [*layout.flags(), "--global-batch-size", "8", "--micro-batch-size", "2", "--train-iters", str(iters)]
 
-    def command(args: list[str], record: Path, kill_at: int | None) -> list[str]:
+    def command(args: list[str], record: Path, kill_at: int | None, committed_before: int | None) -> list[str]:
         crash = [] if kill_at is None else ["--crash-at-iteration", str(kill_at)]
+        if committed_before is not None:
+            crash += ["--committed-before-crash", str(committed_before)]
         return procs.torchrun_command(layout.ranks, "-m", "megatron_ext.testing.reference_trainer", *model, *args,
                                       *crash, "--log-json", str(record))
 
@@ -167,11 +171,16 @@ class Run:
     seconds: float
 
 
+def committed_before(crash_at: int) -> int:
+    """The iteration that must be committed before the kill's save call: two behind, at least the first."""
+    return max(1, crash_at - 2)
+
+
 def run(trainer: Trainer, name: str, args: list[str], out: Path, kill_at: int | None = None) -> Run:
     """One torchrun of the trainer; prints every recorded iteration as it comes."""
     record, log_path = out / f"{name}.jsonl", out / f"{name}.log"
     record.unlink(missing_ok=True)
-    cmd = trainer.command(args, record, kill_at)
+    cmd = trainer.command(args, record, kill_at, committed_before(kill_at) if kill_at is not None else None)
     (out / f"{name}.cmd").write_text(" ".join(cmd) + "\n")
     start = time.monotonic()
     shown = 0
@@ -191,12 +200,8 @@ def run(trainer: Trainer, name: str, args: list[str], out: Path, kill_at: int | 
                     log.write(f"\n[main-job] timed out after {RUN_TIMEOUT_S}s: killing the job\n")
                     returncode = -signal.SIGKILL
                     break
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        finally:  # also on SIGTERM (an outer timeout): the tree (ranks have sessions of their own), then the group
+            procs.kill_tree(proc)
     _show_progress(trainer, record, shown)
     text = log_path.read_text(errors="replace")
     return Run(name, trainer.read(record), text, returncode, time.monotonic() - start)
@@ -220,7 +225,13 @@ def _failed(run_: Run, out: Path) -> str:
 
 
 # ---------------------------------------------------------------------------- the job
+def _terminated(signum, frame) -> None:
+    """SIGTERM (``timeout``, a scheduler): unwind, so the running job's processes are killed on the way."""
+    raise SystemExit(128 + signum)
+
+
 def main(args) -> int:
+    signal.signal(signal.SIGTERM, _terminated)
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -273,7 +284,8 @@ def main(args) -> int:
         return 1
     say(f"    done in {oracle.seconds:.0f}s")
 
-    say(f"2/3 --use-datastates --save-interval 1; every rank SIGKILLs itself after iteration {crash_at}'s save call")
+    say(f"2/3 --use-datastates --save-interval 1; every rank SIGKILLs itself after iteration {crash_at}'s save call, "
+        f"made once iteration {committed_before(crash_at)} is committed")
     killed = run(trainer, "killed", datastates, out, kill_at=crash_at)
     if killed.returncode == 0 or not killed.steps or killed.steps[-1].iteration != crash_at:
         say(_failed(killed, out) + f"\n    (expected a SIGKILL after iteration {crash_at})")

@@ -42,3 +42,17 @@ def test_bench_engine_json_keys_on_cpu(tmp_path):
 def test_bench_engine_cuda_without_a_gpu_says_so():
     proc = _bench("--device", "cuda", "--size-gb", "0.01")
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr and not proc.stdout
+
+
+def test_limits_are_checked_not_just_the_exit_status():
+    """``bench engine --check`` (and scripts/gpu_check.sh) fail a run whose figures break a limit."""
+    from megatron_ext.bench.engine_bench import check_limits
+
+    good = {"ratio_blocking_vs_dcp": 0.001, "ratio_flush_vs_direct": 0.95, "ratio_rss_vs_state_plus_cache": 1.02,
+            "d2h_gbps": 40.0, "state_bytes": 4e9, "datastates_compute_s": 1.0, "datastates_snapshot_s": 1.1}
+    assert check_limits(good) == []
+    assert check_limits({**good, "d2h_gbps": None, "datastates_snapshot_s": 9.0}) == []  # CPU: no d2h limit
+    bad = check_limits({**good, "ratio_blocking_vs_dcp": 0.5, "ratio_flush_vs_direct": 0.5,
+                        "datastates_snapshot_s": 1.8})
+    assert [line.split()[0] for line in bad] == ["ratio_blocking_vs_dcp", "ratio_flush_vs_direct",
+                                                 "datastates_snapshot_s"], bad

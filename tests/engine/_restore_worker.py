@@ -3,7 +3,9 @@
 Usage: torchrun --nproc-per-node 2 _restore_worker.py ROOT OUT DROP_RANK [BACKEND]
 Every rank saves and commits one file; rank DROP_RANK (-1: none) then deletes its node-local
 copy; all ranks agree on one level and load their file. Writes OUT/rank-R.json. BACKEND is
-gloo (default) or nccl (tests/gpu: one GPU per rank, the agreement's all_reduce on the GPU).
+gloo (default) or nccl (tests/gpu: one GPU per rank, the agreement's all_reduce on the GPU; one
+rank on a one-GPU node). It also records ``all_reduce_int`` over the default group, the device
+``collective_device`` picks, and (NCCL) whether a host tensor is refused.
 """
 
 import json
@@ -15,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine
+from megatron_ext.engine.collectives import all_reduce_int, collective_device
 
 
 def rank_state(rank: int) -> dict:
@@ -44,9 +47,19 @@ def main() -> None:
         loaded = ckpt.reader(f"rank{rank}").state()
         want = rank_state(rank)
         exact = all(torch.equal(loaded[k], want[k]) for k in ("w", "ids")) and loaded["rank"] == rank
+        # The engine's collectives on the default group: the device rule NCCL enforces, at any world size.
+        total = all_reduce_int(rank + 1, dist.ReduceOp.SUM)
+        refuses_host = None
+        if backend == "nccl":
+            try:
+                dist.all_reduce(torch.ones(1))
+                refuses_host = False
+            except Exception:  # NCCL has no CPU path
+                refuses_host = True
         with open(os.path.join(out, f"rank-{rank}.json"), "w") as f:
             json.dump({"own_complete": own_complete, "level": level, "levels_used": sorted(ckpt.levels_used),
-                       "exact": exact, "backend": dist.get_backend()}, f)
+                       "exact": exact, "backend": dist.get_backend(), "all_reduce_int": total,
+                       "collective_device": str(collective_device()), "refuses_host": refuses_host}, f)
         dist.barrier()
     dist.destroy_process_group()
 

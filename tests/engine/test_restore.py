@@ -251,6 +251,7 @@ def test_all_ranks_agree_on_one_level(tmp_path, drop_rank, level):
     for r, result in enumerate(results):
         assert result["own_complete"] == (r != drop_rank)
         assert result["level"] == level and result["levels_used"] == [level] and result["exact"], result
+        assert result["all_reduce_int"] == 3 and result["collective_device"] == "cpu", result
 
 
 def test_bench_restore_json(tmp_path):

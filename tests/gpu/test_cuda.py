@@ -6,7 +6,10 @@ stream synchronised for an abandoned copy), the pinned host cache, pinned restor
 ``non_blocking`` host-to-GPU copies in ``fast_read``, ``staged_read.read_into`` of GPU tensors through pinned
 slots, ``restore._wants_cuda``, the NCCL branch of ``engine.agree_load_level``, and (two GPUs)
 the engine's threads bound to the rank's device rather than GPU 0 (``device.py``). The scenarios
-are shared with the CPU suite (``helpers.device_scenarios``).
+are shared with the CPU suite (``helpers.device_scenarios``). Issue 40's cases (portable pinning
+and a checked unregister on the cache's device, restore readers ordered after the caller's side
+stream, strided temporaries one run at a time, a file on two GPUs, ``to_device`` to another GPU,
+one NCCL rank) have CPU twins in ``tests/engine/test_cuda_logic.py``.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_ext.engine import host_cache
 from megatron_ext.engine.read import fast_read, read_plan, staged_read
 from megatron_ext.engine.read import file_reader as restore
 from megatron_ext.engine.save.copier import CudaCopier, CudaMark
@@ -88,6 +93,116 @@ def test_bench_engine_on_cuda_prints_the_cpu_keys(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     gpu = json.loads(proc.stdout)
     assert set(gpu) == set(cpu) and gpu["device"] == "cuda" and gpu["d2h_gbps"] > 0
+
+
+def test_one_nccl_rank_runs_the_engines_collectives_on_the_gpu(tmp_path):
+    """One GPU, one NCCL rank: ``all_reduce_int`` and ``agree_load_level`` on the default group take
+    the device rule's CUDA tensor, and NCCL refuses a host tensor (what the rule is for)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    worker = REPO / "tests" / "engine" / "_restore_worker.py"
+    cmd = torchrun_command(1, str(worker), str(tmp_path / "root"), str(out), "-1", "nccl")
+    proc = subprocess.run(cmd, cwd=str(REPO), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    result = json.loads((out / "rank-0.json").read_text())
+    assert result["backend"] == "nccl" and result["level"] == "local" and result["exact"], result
+    assert result["all_reduce_int"] == 1 and result["collective_device"] == "cuda:0", result
+    assert result["refuses_host"] is True, result
+
+
+def test_host_cache_pins_portable_and_unpins_from_any_thread():
+    """Closed from a thread that never touched CUDA: unregistered on the cache's device, result checked."""
+    cache = host_cache.HostCache(8 << 20, 1 << 20, pin=True, device=torch.cuda.current_device())
+    cache.wait_allocated(60)
+    assert cache.view(0).is_pinned()
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            cache.close()
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=close)
+    t.start()
+    t.join(60)
+    assert not t.is_alive() and not errors, errors
+
+
+def test_restore_readers_wait_for_the_callers_side_stream(tmp_path):
+    """The caller's side stream still has a NaN fill of the targets queued (behind a GPU sleep) when
+    it asks for the restore: the readers' copies land after it."""
+    state = {"w": torch.randn(3 * read_plan.READ_PIECE // 4 + 999), "b": torch.randn(77)}
+    with device_scenarios.engine(tmp_path, host_cache_size=0.01) as e:
+        e.save_and_commit(state, "A", version=1)
+        e.wait_persisted()
+        reader = e.open_checkpoint("A").reader("rank00000")
+    targets = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
+    staging = staged_read.HostCache(4 * read_plan.READ_PIECE, read_plan.READ_PIECE, pin=True,
+                                    device=torch.cuda.current_device())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(side):
+            device_scenarios.late_fill(targets["w"], float("nan"))
+            targets["b"].fill_(float("nan"))
+            staged_read.stream_into(reader.tensor_path, reader.entry, targets, staging, threads=3)
+        torch.cuda.synchronize()
+    finally:
+        staging.close()
+    for name, want in state.items():
+        device_scenarios.assert_bits(targets[name], want, name)
+
+
+def test_strided_temporaries_stay_within_a_run(tmp_path):
+    """16 strided 8 MB tensors through a 16 MB cache: the GPU never holds all their temporaries (128 MB)."""
+    base = torch.randn(16, 1024, 2048, device="cuda")
+    state = {f"t{i}": base[i].t() for i in range(16)}
+    with device_scenarios.engine(tmp_path, host_cache_size=0.016, chunk_size_mb=1) as e:
+        e.cache.wait_allocated(60)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        e.save(state, "A", version=1)
+        e.wait_snapshot()
+        peak = torch.cuda.max_memory_allocated() - before
+        e.commit("A")
+        e.wait_persisted()
+        loaded = e.load("A")
+    assert peak <= 4 * (8 << 20), f"{peak / 2**20:.0f} MiB of temporaries at once"
+    for name in ("t0", "t7", "t15"):
+        device_scenarios.assert_bits(loaded[name], state[name].contiguous(), name)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a file on two GPUs needs two GPUs")
+def test_a_file_on_two_gpus_is_ordered_and_complete_on_both(tmp_path):
+    a = torch.zeros(4 << 20, device="cuda:0")
+    b = torch.zeros(4 << 20, device="cuda:1")
+    with device_scenarios.engine(tmp_path, host_cache_size=0.05) as e:
+        device_scenarios.late_fill(a, 1.0)
+        with torch.cuda.device(1):
+            device_scenarios.late_fill(b, 2.0)
+        e.save({"a": a, "b": b}, "A", version=1)
+        e.wait_snapshot()
+        a.fill_(-1.0)
+        b.fill_(-1.0)
+        e.commit("A")
+        e.wait_persisted()
+        loaded = e.load("A")
+    device_scenarios.assert_bits(loaded["a"], torch.ones(4 << 20), "a (GPU 0)")
+    device_scenarios.assert_bits(loaded["b"], torch.full((4 << 20,), 2.0), "b (GPU 1)")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="another GPU needs two")
+def test_restore_to_another_gpu_is_synchronised_and_pinned_there():
+    staging = staged_read.default_staging(2)
+    staging.wait_allocated(60)
+    with torch.cuda.device(1):
+        assert staging.view(0).is_pinned()  # portable: pinned in GPU 1's context too
+    host = {"a": read_plan.aligned_buffer(64 << 20, pin=True).fill_(7)}
+    moved = fast_read.to_device(host, "cuda:1")  # the current device stays GPU 0
+    assert moved["a"].device == torch.device("cuda", 1)
+    assert torch.equal(moved["a"].cpu(), host["a"])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the NCCL branch needs two GPUs")

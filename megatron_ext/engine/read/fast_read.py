@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable
 import torch
 import xxhash
 
+from ..device import cuda_devices_of
 from ..errors import CacheError, CheckpointError
 from ..files import round_up
 from ..format.safetensors import torch_dtype
@@ -266,11 +267,21 @@ def check_hashes(path: str, hashes: list, lock: threading.Lock, deadline: float)
 
 
 def to_device(tensors: dict[str, torch.Tensor], map_location: Any) -> dict[str, torch.Tensor]:
-    """Apply ``torch.load``-style ``map_location``; host-to-GPU copies from pinned memory run async."""
+    """Apply ``torch.load``-style ``map_location``; host-to-GPU copies from pinned memory run async.
+
+    Each copy is queued on the current stream of its *target* device (not the calling thread's
+    current device: ``map_location`` may name another GPU), so every such stream is synchronised:
+    callers get finished tensors, as from ``torch.load``.
+    """
     moved = {k: _map(v, map_location) for k, v in tensors.items()}
-    if any(t.is_cuda for t in moved.values()):
-        torch.cuda.current_stream().synchronize()  # callers get finished tensors, as from torch.load
+    for device in cuda_devices_of(moved.values()):
+        _synchronize(device)
     return moved
+
+
+def _synchronize(device: int) -> None:
+    """Wait for what the calling thread queued on ``device``'s current stream (a seam for the CPU tests)."""
+    torch.cuda.current_stream(device).synchronize()
 
 
 def _map(tensor: torch.Tensor, map_location: Any) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Protocol
 import torch
 import xxhash
 
-from ..device import bind_thread, cuda_device_of, rank_device
+from ..device import bind_thread, cuda_device_of, rank_device, stream_marks
 from ..errors import CacheError, CheckpointError
 from ..format.safetensors import torch_dtype
 from ..host_cache import HostCache
@@ -143,9 +143,15 @@ def stream_into(path: str, entry: dict, targets: dict[str, torch.Tensor], stagin
                    min(READ_PIECE, staging.chunk_bytes))
 
     device = cuda_device_of(targets.values())
+    # What the caller queued on its current streams (a non-default one included) that writes the
+    # targets must land before the readers' copies, which run on the readers' own streams: they
+    # wait for these points first, as the save's copy stream waits for its mark.
+    marks = stream_marks(targets.values())
 
     def land(slot: int, piece: Piece) -> None:  # on the reader: copies of several pieces run in parallel
         bind_thread(device)  # a pool thread: the targets' GPU, never GPU 0 by default (device.py)
+        for mark in marks:
+            mark.wait()
         chunk = staging.view(slot)
         for name, lo, hi in piece.segments:
             begin = metas[name]["offsets"][0]

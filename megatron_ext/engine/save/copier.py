@@ -20,8 +20,9 @@ byte view on the training thread (``byte_source``), the copy thread only slices 
 keeps the GIL), and each run of cache slots is one ``torch._foreach_copy_`` call, on CPU and CUDA
 alike: a checkpoint costs the training thread a few switches per run, not two per tensor.
 
-Tensors, and CUDA temporaries made by ``.contiguous()``, are kept referenced by the scheduler until
-the save's last copy is known complete.
+Tensors are kept referenced by the scheduler until the save's last copy is known complete. A
+CUDA temporary made by ``.contiguous()`` is made when its tensor's first bytes are copied and
+dropped once its last are queued: never all of a file's at once.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..device import bind_thread, cuda_device_of, thread_device
+from ..device import CudaStreams, StreamMark, thread_device
 
 
 def _noop() -> None:
@@ -157,65 +158,87 @@ class CpuCopier:
 
 @dataclasses.dataclass(frozen=True)
 class CudaMark:
-    """A save's CUDA tensors: the device they are on and an event after the kernels that produced them."""
+    """A save's CUDA tensors: an event after the kernels that produced them on each of their devices
+    (``device.stream_marks``); ``device`` is the first one's, where the copy thread binds."""
 
-    event: Any
-    device: int
+    marks: tuple[StreamMark, ...]
+
+    @property
+    def device(self) -> int:
+        return self.marks[0].device
+
+    @property
+    def event(self) -> Any:
+        return self.marks[0].event
 
 
 class CudaCopier(CpuCopier):
     """Device-to-host copies on a private stream per device, ordered after the compute stream by an event.
 
-    ``device`` is the rank's (``device.rank_device``), for saves without CUDA tensors. Not
-    executed by the CPU test suite (no GPU here); kept to these few lines on purpose.
+    A file may hold tensors of several GPUs: each device's copies go on that device's copy stream,
+    which first waits for that device's event; ``chunk_ready`` and ``finish`` cover every stream
+    the save used. ``device`` is the rank's (``device.rank_device``), for saves without CUDA
+    tensors. The stream calls go through ``cuda`` (``device.CudaStreams``): the CPU tests run this
+    class on a deferred stand-in (tests/engine/test_cuda_logic.py).
     """
 
-    def __init__(self, device: int | None = None):
+    def __init__(self, device: int | None = None, cuda: Any = None):
         self.device = device
+        self.cuda = cuda if cuda is not None else CudaStreams()
         self.streams: dict[int | None, Any] = {}  # made on the copy thread, once bound to their device
-        self.stream: Any = None  # the current save's
+        self.used: dict[int | None, Any] = {}  # the current save's streams, by device
+        self.stream: Any = None  # the current save's first (its bound device's)
+
+    def _stream(self, device: int | None) -> Any:
+        if device not in self.streams:
+            self.streams[device] = self.cuda.stream(device)
+        self.used[device] = self.streams[device]
+        return self.streams[device]
 
     def mark(self, tensors: list[torch.Tensor]) -> Any:
-        device = cuda_device_of(tensors)
-        if device is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        return CudaMark(event, device)
+        marks = self.cuda.marks(tensors)
+        return CudaMark(tuple(marks)) if marks else None
 
     def begin(self, mark: Any) -> None:
         device = thread_device(mark.device if mark is not None else None, self.device)
-        bind_thread(device)
-        if device not in self.streams:
-            self.streams[device] = torch.cuda.Stream(device=device)
-        self.stream = self.streams[device]
-        if mark is not None:
-            self.stream.wait_event(mark.event)
+        self.cuda.bind(device)
+        self.used = {}
+        self.stream = self._stream(device)
+        for point in mark.marks if mark is not None else ():
+            self._stream(point.device).wait_event(point.event)
 
     def prepare(self, tensor: torch.Tensor) -> torch.Tensor:
-        # A contiguous temporary made on the copy stream; the scheduler keeps it until finish().
-        if tensor.is_cuda and not tensor.is_contiguous():
-            with torch.cuda.stream(self.stream):
-                return tensor.contiguous()
+        # A contiguous temporary made on its device's copy stream, which alone reads it: the
+        # scheduler may drop it once its last copy is queued (the allocator reuses it in stream order).
+        device = self.cuda.device_of(tensor)
+        if device is not None and not tensor.is_contiguous():
+            return self.cuda.make_on(self._stream(device), tensor.contiguous)
         return tensor
 
     def copy(self, tensor: torch.Tensor, lo: int, hi: int, dst: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
-            copy_bytes(tensor, lo, hi, dst)
+        self.copy_many([(tensor, lo, hi, dst)])
 
     def copy_many(self, parts: list[Part]) -> None:
-        # Every copy queued on the copy stream by one call (the GIL is held only to launch them).
-        with torch.cuda.stream(self.stream):
-            copy_parts(parts, non_blocking=True)
+        # Each device's parts queued on its copy stream by one call (the GIL is held only to launch them).
+        groups: dict[int | None, list[Part]] = {}
+        for part in parts:
+            groups.setdefault(self.cuda.device_of(part[0]), []).append(part)
+        for device, group in groups.items():
+            stream = self._stream(device) if device is not None else self.stream
+            self.cuda.launch(stream, lambda group=group: copy_parts(group, non_blocking=True))
 
     def chunk_ready(self) -> Callable[[], None]:
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event.synchronize
+        events = [self.cuda.record(stream) for stream in self.used.values()]
+
+        def ready() -> None:
+            for event in events:
+                event.synchronize()
+
+        return ready
 
     def finish(self) -> None:
-        if self.stream is not None:  # None: nothing was copied yet (a save abandoned before its first copy)
-            self.stream.synchronize()
+        for stream in self.used.values():  # none: nothing was copied yet (a save abandoned before its first copy)
+            stream.synchronize()
 
 
 def make_copier(use_cuda: bool, device: int | None = None) -> CpuCopier:

@@ -15,8 +15,6 @@ import threading
 import time
 from typing import Any, Callable
 
-import torch
-
 from ..errors import CheckpointError
 from ..format.names import LEVEL_SHARED
 from ..format.safetensors import FileLayout
@@ -70,8 +68,6 @@ class FileJob:
     sidecar_xxh3: str | None = None
     tensor_xxh3: dict[str, str] = dataclasses.field(default_factory=dict)
     snapshot_done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    # Temporaries that must outlive their asynchronous copies (CUDA .contiguous() results).
-    keepalive: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     @property
     def nbytes(self) -> int:

@@ -109,19 +109,15 @@ class SnapshotScheduler(QueueWorker):
         """The checkpoint holds the values now, or never will: let the caller's tensors go."""
         for s in fjob.layout.spans:
             s.tensor = None
-        fjob.keepalive.clear()
 
     def _copy_file(self, fjob: FileJob) -> None:
         """The file's chunks in runs of neighbouring slots: one batched copy and one writer item per run."""
         layout = fjob.layout
         chunk = self.cache.chunk_bytes
         self.copier.begin(fjob.cuda_mark)  # a gated file's mark is taken when its gate opens
-        sources = []
-        for s in layout.spans:
-            src = self.copier.prepare(s.tensor)
-            if src is not s.tensor:
-                fjob.keepalive.append(src)
-            sources.append(src)
+        # What each tensor is copied from (a CUDA temporary for a strided one), made when its first
+        # bytes are copied and dropped once its last are queued: a file's temporaries never all at once.
+        sources: dict[int, object] = {}
         seg = 0  # first tensor that may overlap the current run (tensors are in file order)
         count = fjob.num_chunks(chunk)
         most = run_slots(self.cache)
@@ -142,9 +138,14 @@ class SnapshotScheduler(QueueWorker):
                 s = layout.spans[k]
                 lo, hi = max(s.start, start), min(s.end, end)
                 if hi > lo:
+                    if k not in sources:
+                        sources[k] = self.copier.prepare(s.tensor)
                     parts.append((sources[k], lo - s.start, hi - s.start, dst[lo - start:hi - start]))
                 k += 1
             self.copier.copy_many(parts)
+            del parts
+            for done in [k for k in sources if layout.spans[k].end <= end]:
+                del sources[done]
             index += taken
             self.writer.submit(Chunk(fjob, index - taken, index == count, slot, start, end - start,
                                      self.copier.chunk_ready(), taken))
