@@ -149,6 +149,7 @@ class CheckpointEngine:
         job.files.append(fjob)
         self._files.append(fjob)
         faults.saved()
+        self.pipeline.io.start_early()
         self.scheduler.submit(fjob)
         took = time.monotonic() - started
         job.blocked_s += took

@@ -65,7 +65,7 @@ def test_runs_give_the_file_and_its_checksums_with_or_without_overlap(tmp_path, 
     assert sums["sidecar"] == xxhash.xxh3_64_hexdigest(sidecar)
 
 
-def test_the_worker_starts_at_the_first_write_and_ends_at_shutdown(tmp_path):
+def test_the_worker_starts_at_the_first_save_and_ends_at_shutdown(tmp_path):
     engine = CheckpointEngine({"save_dir": str(tmp_path / "ckpt"), **TINY, **FAST})
     try:
         worker = engine.pipeline.io

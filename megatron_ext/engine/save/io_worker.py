@@ -10,7 +10,8 @@ and does the work with a GIL of its own: a run costs the training process one re
 reply, whatever the number of tensors in it, as DCP's process executor and Megatron-LM's
 persistent worker keep their writes out of the trainer.
 
-``IoWorker`` (training process) starts the worker at the first request and gives each stage a
+``IoWorker`` (training process) starts the worker at the engine's first save (``start_early``; else at
+the first request) and gives each stage a
 ``channel``: the writer's, the stager's and the committer's run side by side, a socket and a
 thread in the worker each. The worker executes ``io_ops.FileIo`` operations; an ``OSError``
 there is raised again in the caller with the same errno and file name. The worker ends when the
@@ -101,6 +102,9 @@ class LocalIo(IoChannel):
     def channel(self, name: str) -> "LocalIo":
         return self
 
+    def start_early(self) -> None:
+        """Nothing to start: the operations run on the calling threads."""
+
     def run(self, file, offset, cache, nbytes, *, path=None, direct=False, spans=None) -> None:
         self._io.run(file, offset, cache, nbytes, path=path, direct=direct, spans=spans)
 
@@ -125,7 +129,7 @@ class LocalIo(IoChannel):
 
 class IoWorker:
     """The worker process over the host cache's memory ``cache_fd`` (``cache_bytes`` long),
-    started at the first request; ``timeout_s`` bounds every reply."""
+    started at the first save or request; ``timeout_s`` bounds every reply."""
 
     def __init__(self, cache_fd: int, cache_bytes: int, timeout_s: float, overlap: bool | None = None):
         self.cache_fd = cache_fd
@@ -136,6 +140,7 @@ class IoWorker:
         self._proc: subprocess.Popen | None = None
         self._channels = {name: _Channel(self, name) for name in CHANNELS}
         self._closed = False
+        self._early: threading.Thread | None = None
 
     def channel(self, name: str) -> "_Channel":
         return self._channels[name]
@@ -143,6 +148,21 @@ class IoWorker:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+    def start_early(self) -> None:
+        """Start the worker on a thread of its own now, unless it runs: the engine calls this at its first
+        save, so the process is up (and maps the cache) while the first run is copied, not after."""
+        with self._lock:
+            if self._proc is not None or self._closed or self._early is not None:
+                return
+            self._early = threading.Thread(target=self._start_quietly, name="datastates-io-start", daemon=True)
+            self._early.start()
+
+    def _start_quietly(self) -> None:
+        try:
+            self._started()
+        except CheckpointError:  # the first request starts it again and raises this to its stage
+            pass
 
     def _started(self) -> None:
         """Start the worker unless it runs (any channel's first request does)."""
@@ -341,6 +361,20 @@ def _answer(io: FileIo, sock: socket.socket) -> None:
         sock.sendall(_LEN.pack(len(data)) + data)
 
 
+#: madvise(2)'s MADV_POPULATE_READ (Linux 5.14; Python's mmap module does not name it).
+_MADV_POPULATE_READ = 22
+
+
+def _map_pages(memory: mmap.mmap) -> None:
+    """Map every page of the cache into this process up front, in one call: the training process
+    faulted them in already, so this only fills the page tables, which the first run's checksum
+    and write would otherwise do a fault at a time, on the flush's path."""
+    try:
+        memory.madvise(_MADV_POPULATE_READ)
+    except (OSError, ValueError):  # an older kernel: the pages are mapped as the runs touch them
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cache-fd", type=int, required=True)
@@ -353,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     memory = mmap.mmap(args.cache_fd, args.cache_bytes)
+    threading.Thread(target=_map_pages, args=(memory,), name="datastates-io-map", daemon=True).start()
     io = FileIo(memoryview(memory), overlap=args.overlap)
     socks = [socket.socket(fileno=fd) for fd in args.channel_fd]
     threads = [threading.Thread(target=_serve, args=(io, s), name=f"datastates-io-{i}", daemon=True)
