@@ -26,6 +26,11 @@ name ``<file>``. ``save`` also leaves a small JSON pointer file at the exact pat
 for, because DeepSpeed finds model files by globbing for them before it calls ``load``; the data
 itself is in ``<file>.<run>.safetensors`` and is only trusted through the tag's manifest.
 ``"commit_wait": "durable"`` makes ``wait`` block until the commit, for callers who want that.
+
+**Loading is safe by default.** A DeepSpeed checkpoint is untrusted input: ``load`` decodes it with
+the engine's allow-list codec (DeepSpeed's own classes are ``DEEPSPEED_SAFE_CLASSES``) and refuses a
+pickle, naming its class, the file and ``"datastates_ckpt": {"allow_pickle": true}``, the only
+switch that unpickles (sidecar pickles and Transformer Engine's extra state alike).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed, read_manifest
 from megatron_ext.engine.config import EngineConfig
-from megatron_ext.engine.errors import ConfigError
+from megatron_ext.engine.errors import ConfigError, UnsafeCheckpointError
 from megatron_ext.engine.files import atomic_write
 from megatron_ext.megatron.te_extra_state import check_extra_state
 
@@ -75,6 +80,19 @@ def _section(deepspeed_config: Any) -> dict:
     if not isinstance(section, dict):
         raise ConfigError(f"datastates_ckpt must be an object, got {section!r}")
     return dict(section)
+
+
+def _refusal(where: str, exc: UnsafeCheckpointError) -> str:
+    """The engine's refusal in DeepSpeed's terms: the file DeepSpeed asked for, the class, and the config key."""
+    classes = ", ".join(exc.classes) or "an unnamed class"
+    if exc.pickled:
+        return (f"{where} (data in {exc.file}) holds a pickled object of class {classes} at {exc.place}; "
+                "DeepSpeed checkpoints are loaded without unpickling. If you trust this checkpoint, set "
+                '"datastates_ckpt": {"allow_pickle": true} in the DeepSpeed config')
+    return (f"{where} (data in {exc.file}) holds an object of class {classes} at {exc.place}, which is not on "
+            "the allow-list. If you trust this checkpoint, allow the class: "
+            f'"datastates_ckpt": {{"safe_classes": ["{classes}"]}} in the DeepSpeed config '
+            '("allow_pickle" does not import classes)')
 
 
 def _split(path: str) -> tuple[str, str, str]:
@@ -145,9 +163,16 @@ class DeepSpeedDataStatesEngine:
             log.warning("[datastates] tag %r under %s is not committed (its bytes may not be durable); "
                         "loading the newest committed tag %r instead", tag, root, fallback[-1])
             tag = fallback[-1]
-        state = self.engine.load(tag, name, root=root, map_location=map_location)
+        where = os.path.join(root, tag, name)
+        try:
+            # Safe decoding unless the config trusts the checkpoint: DeepSpeed's own objects are on the
+            # allow-list (DEEPSPEED_SAFE_CLASSES), so only what someone chose to pickle needs the opt-in.
+            state = self.engine.load(tag, name, root=root, map_location=map_location, allow_pickle=self.allow_pickle)
+        except UnsafeCheckpointError as exc:
+            raise UnsafeCheckpointError(_refusal(where, exc), file=exc.file, place=exc.place, classes=exc.classes,
+                                        pickled=exc.pickled) from None
         # DeepSpeed hands the module state to load_state_dict, where Transformer Engine unpickles its extra state.
-        check_extra_state(state, allow_pickle=self.allow_pickle, where=os.path.join(root, tag, name),
+        check_extra_state(state, allow_pickle=self.allow_pickle, where=where,
                           opt_in='"allow_pickle": true in datastates_ckpt')
         return state
 

@@ -21,7 +21,16 @@ class ConfigError(ValueError):
 
 
 class UnsafeCheckpointError(CheckpointError):
-    """The checkpoint holds a pickle, or a class the loader does not allow; nothing was run."""
+    """The checkpoint holds a pickle, or a class the loader does not allow; nothing was run.
+
+    ``file``, ``place`` (the path inside the state), ``classes`` (the class names involved) and
+    ``pickled`` let an adapter restate the refusal in its own configuration's terms.
+    """
+
+    def __init__(self, message: str, *, file: str = "", place: str = "", classes: tuple[str, ...] = (),
+                 pickled: bool = False):
+        super().__init__(message)
+        self.file, self.place, self.classes, self.pickled = file, place, tuple(classes), pickled
 
 
 class EncodeError(TypeError):

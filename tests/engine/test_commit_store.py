@@ -5,7 +5,6 @@ rank 0's decision (long before the timeout), and every rank's callback sees the 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -15,10 +14,10 @@ from megatron_ext.bench.commit_bench import OpCounter
 from megatron_ext.engine import CheckpointEngine, CheckpointError
 from megatron_ext.engine.save.commit import job_key
 
-from helpers.procs import wait_until
 from helpers.states import FAST, TINY
 
 RUN = "0123456789ab"
+_open = open  # the unwrapped open: reading the worker's counters must not count as the committer's call
 
 
 def _pair(tmp_path, store=None, **config):
@@ -27,24 +26,80 @@ def _pair(tmp_path, store=None, **config):
     return [CheckpointEngine(cfg, rank=r, world_size=2, run_id=RUN, commit_store=store) for r in (0, 1)]
 
 
+def _worker_syscalls(pid: int) -> int:
+    """Read and write system calls the I/O worker process has made so far (the kernel's count, all threads)."""
+    with _open(f"/proc/{pid}/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["syscr"]) + int(fields["syscw"])
+
+
+class _WaitSpy:
+    """The committer's real store and I/O channel, with the two moments that bound its wait recorded on
+    its own thread: its status posted (the ``count`` increment) and its blocking ``wait`` returning.
+    ``entered`` is set when that wait begins, so the late rank is started only once the early one is
+    really waiting."""
+
+    def __init__(self, store, io, ops: OpCounter, worker_pid):
+        self.store, self.io, self.ops, self.worker_pid = store, io, ops, worker_pid
+        self.entered = threading.Event()
+        self.marks: dict[str, tuple[int, int]] = {}
+
+    def _mark(self, name: str) -> None:
+        ident = threading.get_ident()
+        self.marks[name] = (self.ops.counts.get(ident, 0), _worker_syscalls(self.worker_pid()))
+
+    def atomic_write(self, path, data):
+        """The committer's report, written by the worker: its syscalls must show in the same count."""
+        before = _worker_syscalls(self.worker_pid())
+        self.io.atomic_write(path, data)
+        self.marks["report"] = (before, _worker_syscalls(self.worker_pid()))
+
+    def add(self, key, amount):
+        value = self.store.add(key, amount)
+        if key.endswith("/count"):
+            self._mark("posted")
+        return value
+
+    def wait(self, keys, timeout):
+        self.entered.set()
+        try:
+            return self.store.wait(keys, timeout)
+        finally:
+            self._mark("woke")
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
 @pytest.mark.parametrize("early", [0, 1])
 def test_a_rank_waiting_for_the_commit_makes_no_file_system_call(tmp_path, early):
+    """Counted from the status post to the end of the wait, on the committer thread (``os`` calls) and in
+    the I/O worker process, where the engine does its file I/O by default (the kernel's syscall count).
+    The same counters must see the work before the post (the oracle that they are not blind)."""
     engines = _pair(tmp_path)
     late = 1 - early
     try:
-        engines[early].save({"w": torch.ones(1000) * early}, "A", f"r{early}", version=1)
-        job = engines[early].commit("A")
-        key = job_key(job)
-        wait_until(lambda: early not in engines[early].channel.missing(key), "the early rank posts its status")
-        waiter = engines[early].committer._thread.ident
+        assert engines[early].config.flush_process  # the default: file I/O in a worker process
         with OpCounter() as ops:
-            time.sleep(1.5)  # the early rank waits for the late one: the file-based protocol polled here
-            calls = ops.take(waiter)
-        assert calls == 0, f"rank {early} made {calls} file-system calls while waiting for the commit"
-        engines[late].save({"w": torch.ones(1000) * late}, "A", f"r{late}", version=1)
-        engines[late].commit("A")
-        for engine in engines:
-            engine.wait_persisted(timeout=30)
+            spy = _WaitSpy(engines[early].channel.waiting, engines[early].committer.io, ops,
+                           lambda: engines[early].pipeline.io.pid)
+            engines[early].channel.waiting = engines[early].committer.io = spy
+            engines[early].save({"w": torch.ones(1000) * early}, "A", f"r{early}", version=1)
+            engines[early].commit("A")
+            assert spy.entered.wait(30), f"rank {early}'s committer never blocked in the store's wait"
+            worker_before = _worker_syscalls(engines[early].pipeline.io.pid)
+            engines[late].save({"w": torch.ones(1000) * late}, "A", f"r{late}", version=1)
+            engines[late].commit("A")
+            for engine in engines:
+                engine.wait_persisted(timeout=30)
+        calls_posted, worker_posted = spy.marks["posted"]
+        calls_woke, worker_woke = spy.marks["woke"]
+        assert calls_woke - calls_posted == 0, f"rank {early}'s committer made file-system calls while waiting"
+        assert worker_woke - worker_posted == 0, f"rank {early}'s I/O worker worked while the rank waited"
+        assert worker_before == worker_posted  # nothing at all between the post and the late rank's save
+        report_before, report_after = spy.marks["report"]
+        assert report_after > report_before  # the oracle: the count sees the worker write the rank report
+        assert (tmp_path / "ckpt" / "A" / "manifest.json").exists()
     finally:
         for engine in engines:
             engine.shutdown(timeout=10)
@@ -69,7 +124,9 @@ def test_the_store_holds_the_keys_of_a_bounded_number_of_checkpoints(tmp_path):
 
 
 def test_a_peer_failure_reaches_the_other_rank_with_the_decision(tmp_path, fault):
-    engines = _pair(tmp_path)
+    """Rank 0's persist timeout is far beyond the test's own wait: only rank 1's failure status can end
+    its wait in time, and the error says it is that failure (no clock is read)."""
+    engines = _pair(tmp_path, persist_timeout_s=3600.0)
     committed = threading.Event()  # rank 1's disk fills once both commits are asked for
 
     def fail_rank_one(level, path, offset, nbytes):
@@ -78,15 +135,14 @@ def test_a_peer_failure_reaches_the_other_rank_with_the_decision(tmp_path, fault
             raise OSError(28, "No space left on device (injected)")
 
     fault(fail_rank_one)
-    started = time.monotonic()
     try:
         for r, engine in enumerate(engines):
             engine.save({"w": torch.ones(5000) * r}, "A", f"r{r}", version=1)
             engine.commit("A")
         committed.set()
-        with pytest.raises(CheckpointError, match="failed on rank 1: .*No space left"):
-            engines[0].wait_persisted(timeout=60)
-        assert time.monotonic() - started < FAST["persist_timeout_s"], "rank 0 waited out its timeout"
+        with pytest.raises(CheckpointError, match="failed on rank 1: .*No space left") as raised:
+            engines[0].wait_persisted(timeout=120)
+        assert "not every rank reported" not in str(raised.value)  # the peer's status, not a timeout verdict
         assert not (tmp_path / "ckpt" / "A" / "manifest.json").exists()
     finally:
         for engine in engines:

@@ -87,7 +87,9 @@ def test_rank_zero_durable_late_names_the_missing_rank_not_its_own_timeout(tmp_p
         message = str(raised.value)
         assert "not every rank reported its files durable within 3s (missing ranks: 1)" in message, message
         assert "did not finish in time" not in message, message
-        assert 3.0 + 1.0 < time.monotonic() - started < 3.0 + MARGIN_S
+        # It waited past its own 3 s for the committer's verdict (a lower bound the 1.5 s delay implies);
+        # no upper bound: the message says whose verdict ended the wait, a clock on a shared machine cannot.
+        assert time.monotonic() - started > 3.0 + 1.0
     finally:
         _close(engines)
 

@@ -112,6 +112,14 @@ def test_build_manifest_refuses_duplicate_names_and_version_disagreement():
     assert doc["attempt_of"] == "ba9876543210" and "tensors" not in doc["files"]["a"]
 
 
+def test_a_rank_that_saved_nothing_states_no_version():
+    """DeepSpeed without ZeRO: data-parallel ranks other than 0 save nothing and only join the commit."""
+    doc = build_manifest("c1", "0123456789ab", 3, 2, [_summary(0, ["a"], version=3), _summary(1, [], version=None)])
+    assert doc["version"] == 3 and sorted(doc["files"]) == ["a"] and sorted(doc["reports"]) == ["0", "1"]
+    doc = build_manifest("c1", "0123456789ab", None, 2, [_summary(0, [], version=None), _summary(1, ["b"], version=3)])
+    assert doc["version"] == 3  # rank 0 saved nothing: the savers' version
+
+
 # ---------------------------------------------------------------------------- format 1
 def test_a_format_1_checkpoint_still_loads_verifies_and_inspects(make_engine, tmp_path):
     state = _state(12, seed=3)

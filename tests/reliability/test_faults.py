@@ -3,8 +3,10 @@
 Each fault hits rank 1 while it writes checkpoint c002 (the hook in megatron_ext.engine.faults):
 no space left, an I/O error, a slow file system, a writer thread that dies, a rank that never
 reports. Afterwards c001 must still be committed and load bit-exact; with on_failure=stop every
-rank raises (within the configured timeout) and stays stopped, with on_failure=continue c002 is
-abandoned everywhere and c003 commits.
+rank raises and stays stopped, with on_failure=continue c002 is abandoned everywhere and c003
+commits. Only the rank that never reports runs under the short timeout it waits out; the others get
+one far longer than the run, so no verdict depends on how fast a loaded machine is, and the error
+message, not a clock, says which verdict it was.
 """
 
 from __future__ import annotations
@@ -21,16 +23,17 @@ from megatron_ext.engine import CheckpointEngine
 from megatron_ext.procs import torchrun_command
 
 HERE = Path(__file__).parent
-TIMEOUT_S = 6
+TIMEOUT_S = 6  # what the rank that never reports waits out
+LONG_TIMEOUT_S = 120  # beyond what any of these runs needs: only a rank's own report ends a wait
 
 
-def _run(tmp_path: Path, fault: str, on_failure: str) -> dict[int, dict]:
+def _run(tmp_path: Path, fault: str, on_failure: str, timeout_s: int = LONG_TIMEOUT_S) -> dict[int, dict]:
     root, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    env = dict(os.environ, FAULT=fault, FAULT_RANK="1", ON_FAILURE=on_failure, TIMEOUT=str(TIMEOUT_S),
+    env = dict(os.environ, FAULT=fault, FAULT_RANK="1", ON_FAILURE=on_failure, TIMEOUT=str(timeout_s),
                OMP_NUM_THREADS="1")
     cmd = torchrun_command(2, str(HERE / "fault_worker.py"), str(root), str(out))
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LONG_TIMEOUT_S + 120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)}
 
@@ -53,7 +56,7 @@ def test_write_fault_stops_every_rank_with_one_clear_error(tmp_path, fault, mess
     for rank in range(2):
         c002 = outcome[rank]["c002"]
         assert not c002["ok"] and message in c002["error"], (rank, c002)
-        assert c002["seconds"] < TIMEOUT_S + 5  # the peer's error report, not a timeout
+        assert "not every rank reported" not in c002["error"]  # the peer's error report, not a timeout
         assert not outcome[rank]["c003"]["ok"]  # stopped: the engine refuses to go on
     assert "failed on rank 1" in outcome[0]["c002"]["error"]
     assert not (tmp_path / "ckpt" / "c002" / "manifest.json").exists()
@@ -83,9 +86,12 @@ def test_slow_file_system_still_commits(tmp_path):
 
 @pytest.mark.multiproc
 def test_rank_that_never_reports_times_out_on_every_rank(tmp_path):
-    outcome = _run(tmp_path, "never_report", "stop")
+    outcome = _run(tmp_path, "never_report", "stop", timeout_s=TIMEOUT_S)
     assert not outcome[0]["c002"]["ok"]
-    assert "not every rank reported" in outcome[0]["c002"]["error"] and "missing ranks: 1" in outcome[0]["c002"]["error"]
-    assert TIMEOUT_S - 1 < outcome[0]["c002"]["seconds"] < TIMEOUT_S + 10
+    error = outcome[0]["c002"]["error"]
+    assert f"not every rank reported its files durable within {TIMEOUT_S}s (missing ranks: 1)" in error, error
+    # Not before the timeout (a lower bound the engine's own deadline implies; no upper bound on a shared
+    # machine: the message above says the timeout decided, not how long the machine took to say so).
+    assert outcome[0]["c002"]["seconds"] >= TIMEOUT_S
     assert not outcome[1]["c002"]["ok"]  # it never saved c002: waiting for it is an error too
     _assert_c001_intact(tmp_path / "ckpt")

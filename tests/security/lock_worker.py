@@ -63,7 +63,10 @@ def main() -> None:
         ranks[0].save(_state(2), "iter_0000002", "rank0", version=2)
         ranks[0].commit("iter_0000002")
         report = os.path.join(save_dir, "iter_0000002", ".reports", f"rank-00000.{run_id}.json")
+        deadline = time.monotonic() + 120
         while not os.path.exists(report):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{report} never appeared")
             time.sleep(0.02)
         _write(status, {"pid": os.getpid(), "run_id": run_id})
         time.sleep(300)  # the test kills this process

@@ -10,7 +10,9 @@ file never appears), delete nothing, and leave the previous checkpoint loadable.
 from __future__ import annotations
 
 import base64
+import collections
 import enum
+import fractions
 import gc
 import os
 import pickle
@@ -114,14 +116,29 @@ def test_hostile_sidecar_value_is_refused_and_runs_nothing(genuine, tmp_path, au
         engine.shutdown()
 
 
-def test_pickle_is_refused_with_its_own_error(genuine, tmp_path):
+def test_pickle_is_refused_with_its_own_error(genuine, tmp_path, audit):
+    """The refusal names what the pickle would call (read from its opcodes, never run) and where it is."""
     spawned = tmp_path / "spawned"
     payload, _ = attacks(str(spawned), "")["pickle"]
     rewrite_sidecar(genuine, C2, lambda state: state.update(step=payload))
     with CheckpointEngine({"save_dir": str(genuine), **SMALL}, read_only=True) as engine:
-        with pytest.raises(UnsafeCheckpointError, match="holds a pickled object"):
-            engine.load(C2, "rank00000")
+        with audit.watch():
+            with pytest.raises(UnsafeCheckpointError, match=rf"holds a pickled object of class {os.name}\.system "
+                                                            r"\(at /step\)") as info:
+                engine.load(C2, "rank00000")
+        assert not audit.spawned()
+    assert info.value.pickled and info.value.classes == (f"{os.name}.system",) and info.value.place == "/step"
     assert not spawned.exists()
+
+
+def test_the_names_in_a_pickle_are_read_without_running_it():
+    """Every protocol; memoised STACK_GLOBAL strings; a damaged pickle names what it could read, no error."""
+    value = {"a": [fractions.Fraction(1, 3), collections.OrderedDict(), fractions.Fraction(1, 2)]}
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        assert codec.pickle_globals(pickle.dumps(value, protocol=protocol)) == ["fractions.Fraction",
+                                                                                 "collections.OrderedDict"]
+    assert codec.pickle_globals(pickle.dumps(value)[:40]) == []
+    assert codec.pickle_globals(b"not a pickle") == []
 
 
 def test_a_finalizer_class_cannot_be_allowed():

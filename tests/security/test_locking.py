@@ -169,9 +169,13 @@ def test_a_second_engine_in_the_same_process_is_refused(tmp_path):
     CheckpointEngine({"save_dir": str(tmp_path), **SMALL}).shutdown()
 
 
-def test_a_sibling_rank_waits_for_its_run_to_show_up_in_a_stale_lock_file(tmp_path):
+def test_a_sibling_rank_waits_for_its_run_to_show_up_in_a_stale_lock_file(tmp_path, monkeypatch):
     """After a crash the lock file still names the dead run; a rank whose sibling has just taken the
-    lock (and not yet written its name) must wait for its own run id, not take the stale name."""
+    lock (and not yet written its name) must wait for its own run id, not take the stale name.
+
+    The sibling writes its name only once the rank has read the stale one (a spy on the lock
+    module's own reader), so the rank is seen waiting on every run, however the threads are scheduled.
+    """
     import fcntl
     import threading
 
@@ -182,38 +186,69 @@ def test_a_sibling_rank_waits_for_its_run_to_show_up_in_a_stale_lock_file(tmp_pa
     path.write_text(json.dumps({"host": "gone", "pid": 1, "run_id": "deaddeaddead", "since": 0, "runs": ["deaddeaddead"]}))
     sibling = os.open(path, os.O_RDWR)
     fcntl.flock(sibling, fcntl.LOCK_EX)  # the sibling holds the lock, its name not written yet
+    read_stale = threading.Event()
+    real_read = dir_lock._read
 
-    def write_name_later():
-        time.sleep(0.5)
-        os.pwrite(sibling, json.dumps({"run_id": run_id, "runs": ["deaddeaddead", run_id]}).encode().ljust(200), 0)
+    def spying_read(fd):
+        record = real_read(fd)
+        if record.get("run_id") == "deaddeaddead":
+            read_stale.set()
+        return record
 
-    writer = threading.Thread(target=write_name_later)
+    monkeypatch.setattr(dir_lock, "_read", spying_read)
+
+    def write_name_once_the_rank_waits():
+        if read_stale.wait(60):  # never set: the rank did not wait, and fails on its own
+            os.pwrite(sibling, json.dumps({"run_id": run_id, "runs": ["deaddeaddead", run_id]}).encode().ljust(200), 0)
+
+    writer = threading.Thread(target=write_name_once_the_rank_waits)
     writer.start()
     try:
         with CheckpointEngine({"save_dir": str(tmp_path / "save"), "local_dir": str(local), **SMALL},
                               rank=1, world_size=2, run_id=run_id, commit_store=dist.HashStore()) as engine:
+            assert read_stale.is_set()  # it saw the dead run's name first, and waited past it
             assert engine.local_lock.state == "shared"
+            assert engine.local_lock.runs == ["deaddeaddead", run_id]
     finally:
-        writer.join()
+        read_stale.set()  # release the writer whatever happened
+        writer.join(60)
         os.close(sibling)
 
 
 def test_a_forked_child_does_not_keep_the_lock_after_the_engine_releases_it(tmp_path):
     """DataLoader workers fork while the engine holds its lock; Megatron-LM shuts the engine down after
-    training and saves once more with a new one, in the same process, with the workers still alive."""
+    training and saves once more with a new one, in the same process, with the workers still alive.
+
+    The child says it is up over a pipe (its at-fork handler has run by then) and stays alive until
+    the parent closes the other pipe: no sleep decides the order."""
+    import select
+
     from megatron_ext.engine.save import lock as dir_lock
 
     first = dir_lock.acquire(str(tmp_path), "aaaaaaaaaaaa", "save_dir")
+    up_r, up_w = os.pipe()
+    done_r, done_w = os.pipe()
     child = os.fork()
     if child == 0:  # a worker that outlives the engine
-        time.sleep(3)
-        os._exit(0)
+        try:
+            os.close(up_r)
+            os.close(done_w)
+            os.write(up_w, b"up")
+            select.select([done_r], [], [], 60)  # until the parent is done (end of file), at most 60 s
+        finally:
+            os._exit(0)
+    os.close(up_w)
+    os.close(done_r)
     try:
-        time.sleep(0.5)  # the worker is up (it dropped its copy of the lock file right after the fork)
+        ready, _, _ = select.select([up_r], [], [], 60)
+        assert ready and os.read(up_r, 2) == b"up", "the forked child never started"
         first.release()
         again = dir_lock.acquire(str(tmp_path), "bbbbbbbbbbbb", "save_dir")
         assert again.held
+        assert os.waitpid(child, os.WNOHANG) == (0, 0)  # the child was alive all along
         again.release()
     finally:
-        os.kill(child, signal.SIGKILL)
-        os.waitpid(child, 0)
+        os.close(done_w)
+        os.close(up_r)
+        _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -26,6 +26,7 @@ import importlib
 import io
 import math
 import pickle
+import pickletools
 import re
 import threading
 from typing import Any, Callable, Iterable, Mapping
@@ -370,12 +371,12 @@ class _Decoder:
         if tag == "enum":
             module, qualname, raw = _list(val, 3)
             raw = rec(raw, 2)
-            cls = self.cls(module, qualname, enum.Enum)
+            cls = self.cls(module, qualname, enum.Enum, path)
             return self.member(cls, raw) if cls is not None else _Placeholder()
         if tag == "nt":
             module, qualname, fields = _list(val, 3)
             values = [rec(v, i) for i, v in enumerate(_list(fields))]
-            cls = self.cls(module, qualname, tuple)
+            cls = self.cls(module, qualname, tuple, path)
             if cls is None:
                 return _Placeholder()
             if not hasattr(cls, "_fields") or len(cls._fields) != len(values):
@@ -384,7 +385,7 @@ class _Decoder:
         if tag == "obj":
             module, qualname, fields = _list(val, 3)
             values = self.fields(fields, path)
-            cls = self.cls(module, qualname, object)
+            cls = self.cls(module, qualname, object, path)
             if cls is None:
                 return _Placeholder()
             if issubclass(cls, (enum.Enum, tuple)) or hasattr(cls, "__slots__"):
@@ -397,9 +398,12 @@ class _Decoder:
             if not self.build:
                 return _Placeholder()
             if not self.allow_pickle:
+                names = pickle_globals(raw)
+                what = f" of class {', '.join(names)}" if names else ""
                 raise UnsafeCheckpointError(
-                    f"{self.where}: holds a pickled object (at {path or '<root>'}); load it with allow_pickle=True "
-                    "only if you trust where it came from")
+                    f"{self.where}: holds a pickled object{what} (at {path or '<root>'}); load it with "
+                    "allow_pickle=True only if you trust where it came from",
+                    file=self.where, place=path or "<root>", classes=tuple(names), pickled=True)
             return pickle.loads(raw)
         raise _Bad(f"unknown tag {TAG}{tag}")
 
@@ -421,7 +425,7 @@ class _Decoder:
                 raise _Bad(f"field name {name!r} is not allowed")
         return {k: self.value(v, f"{path}/{k}") for k, v in val.items()}
 
-    def cls(self, module: Any, qualname: Any, kind: type) -> type | None:
+    def cls(self, module: Any, qualname: Any, kind: type, path: str) -> type | None:
         """The allowed class ``module.qualname`` (a plain dictionary lookup), or an error naming it."""
         if type(module) is not str or type(qualname) is not str:
             raise _Bad("a class is named by two strings, module and qualname")
@@ -430,9 +434,10 @@ class _Decoder:
         cls = self.classes.get((module, qualname))
         if cls is None:
             raise UnsafeCheckpointError(
-                f"{self.where}: holds an object of class {module}.{qualname}, which this loader does not allow; "
-                "if you trust the checkpoint, allow the class (the safe_classes config key, or "
-                "megatron_ext.engine.add_safe_classes)")
+                f"{self.where}: holds an object of class {module}.{qualname}, which this loader does not allow "
+                f"(at {path or '<root>'}); if you trust the checkpoint, allow the class (the safe_classes config "
+                "key, or megatron_ext.engine.add_safe_classes)",
+                file=self.where, place=path or "<root>", classes=(f"{module}.{qualname}",))
         if not issubclass(cls, kind):
             raise _Bad(f"{module}.{qualname} is not a {kind.__name__}")
         return cls
@@ -444,6 +449,50 @@ class _Decoder:
             if type(member.value) is type(raw) and member.value == raw:
                 return member
         raise _Bad(f"{class_name(cls)} has no member with value {raw!r}")
+
+
+_STRING_OPS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8"}
+_PUT_OPS = {"PUT", "BINPUT", "LONG_BINPUT"}
+_GET_OPS = {"GET", "BINGET", "LONG_BINGET"}
+_NO_PUSH_OPS = {"PROTO", "FRAME", "STOP", "MEMOIZE", *_PUT_OPS}
+
+
+def pickle_globals(raw: bytes, limit: int = 8) -> list[str]:
+    """The classes (and functions) a pickle names, read from its opcodes without running it.
+
+    For refusal messages only: the user must see *what* was refused to decide whether to trust it.
+    ``GLOBAL``/``INST`` carry the name; ``STACK_GLOBAL`` takes the two strings pushed before it
+    (directly or from the memo), which is how ``pickle.dumps`` writes them. An unreadable pickle
+    names nothing.
+    """
+    found: list[str] = []
+    pushed: list[Any] = []  # what each pushing opcode left on top (strings only; None otherwise)
+    memo: dict[int, Any] = {}
+    try:
+        for op, arg, _ in pickletools.genops(raw):
+            name = op.name
+            if name in ("GLOBAL", "INST"):
+                module, _, attr = str(arg).partition(" ")
+                found.append(f"{module}.{attr}")
+            elif name == "STACK_GLOBAL":
+                module, attr = (pushed[-2:] if len(pushed) >= 2 else [None, None])
+                if isinstance(module, str) and isinstance(attr, str):
+                    found.append(f"{module}.{attr}")
+                pushed.append(None)
+            elif name in _STRING_OPS:
+                pushed.append(arg if isinstance(arg, str) else None)
+            elif name in _GET_OPS:
+                pushed.append(memo.get(arg))
+            elif name == "MEMOIZE":
+                memo[len(memo)] = pushed[-1] if pushed else None
+            elif name in _PUT_OPS:
+                memo[arg] = pushed[-1] if pushed else None
+            elif name not in _NO_PUSH_OPS:
+                pushed.append(None)
+    except Exception:  # noqa: BLE001 - a malformed pickle: name what was read so far
+        pass
+    unique = list(dict.fromkeys(found))
+    return unique[:limit] + (["..."] if len(unique) > limit else [])
 
 
 def _list(val: Any, length: int | None = None) -> list:

@@ -107,9 +107,12 @@ def assemble_manifest(checkpoint: str, run_id: str, version: int | None, world_s
                 if owner.setdefault(name, head[0]) != head[0]:
                     raise CheckpointError(f"checkpoint {checkpoint}: file name {name!r} saved by ranks {owner[name]} "
                                           f"and {head[0]}; names must be unique per checkpoint")
-    versions = {head[1] for head in heads}
+    # A rank that saved nothing only joins the commit (``commit`` takes no version): it states none.
+    versions = {head[1] for head in heads if len(head) > 3}
     if len(versions) > 1:
         raise CheckpointError(f"checkpoint {checkpoint}: ranks disagree on the version {sorted(map(str, versions))}")
+    if versions:
+        version = versions.pop()
     header = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": run_id, "checkpoint": checkpoint,
         "version": version, "world_size": world_size, "committed_at": time.time(),
