@@ -48,7 +48,7 @@ from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committe
 from megatron_ext.engine.config import EngineConfig
 from megatron_ext.engine.errors import ConfigError, UnsafeCheckpointError
 from megatron_ext.engine.files import atomic_write
-from megatron_ext.megatron.te_extra_state import check_extra_state
+from megatron_ext.te_extra_state import check_extra_state
 
 log = logging.getLogger("megatron_ext.deepspeed")
 

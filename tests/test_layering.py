@@ -79,6 +79,14 @@ def test_the_read_side_and_the_format_import_nothing_of_the_save_pipeline(room):
     assert _importers(room, "megatron_ext.engine.engine") == []
 
 
+def test_the_deepspeed_adapter_imports_nothing_of_the_megatron_adapter():
+    """What both adapters need (Transformer Engine's extra state) sits beside them, not in ``megatron/``."""
+    assert _importers("megatron_ext.deepspeed_adapter", "megatron_ext.megatron") == []
+    top_level = _imports(REPO / "datastates.py")  # the module DeepSpeed imports by that name
+    assert "megatron_ext.deepspeed_adapter" in top_level
+    assert [m for m in top_level if m.startswith("megatron_ext.megatron")] == []
+
+
 def test_the_format_imports_nothing_of_the_read_side():
     assert _importers("megatron_ext.engine.format", "megatron_ext.engine.read") == []
 

@@ -41,7 +41,8 @@ from megatron_ext.engine.errors import CheckpointError
 from megatron_ext.engine.format.catalog import list_committed, read_manifest
 from megatron_ext.engine.host_cache import HostCache
 from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions, open_committed
-from megatron_ext.megatron import core_state, optimizer_forms, optimizer_load, saved_run, te_extra_state
+from megatron_ext import te_extra_state
+from megatron_ext.megatron import core_state, optimizer_forms, optimizer_load, saved_run
 from megatron_ext.megatron.args import MegatronAdapterOptions, adapter_engine_config
 from megatron_ext.megatron.checkpoint_layout import (
     CHECKPOINT_VERSION,

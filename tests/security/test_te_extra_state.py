@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, UnsafeCheckpointError
-from megatron_ext.megatron import te_extra_state as tes
+from megatron_ext import te_extra_state as tes
 
 from helpers import te_shapes
 
