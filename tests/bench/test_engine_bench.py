@@ -19,7 +19,8 @@ KEYS = {"state_bytes", "rss_with_state_bytes", "device", "memcpy_gbps", "d2h_gbp
         "dcp_stager_staged_s", "dcp_stager_done_s", "ratio_blocking_vs_dcp", "ratio_blocking_vs_dcp_stager",
         "ratio_flush_vs_direct", "datastates_cpu_s_per_gb", "floor_checksum_cpu_s_per_gb", "floor_write_cpu_s_per_gb",
         "floor_cpu_s_per_gb", "ratio_cpu_vs_floor", "datastates_warm_flush_gbps", "datastates_warm_cpu_s_per_gb",
-        "ratio_warm_flush_vs_direct", "ratio_warm_cpu_vs_floor",
+        "ratio_warm_flush_vs_direct", "ratio_warm_cpu_vs_floor", "datastates_warm_copy_cpu_s_per_gb",
+        "ratio_warm_cpu_besides_copy_vs_floor",
         "ratio_rss_vs_state_plus_cache", "workdir"}
 
 
