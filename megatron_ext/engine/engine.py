@@ -149,7 +149,6 @@ class CheckpointEngine:
         job.files.append(fjob)
         self._files.append(fjob)
         faults.saved()
-        self.pipeline.io.start_early()
         self.scheduler.submit(fjob)
         took = time.monotonic() - started
         job.blocked_s += took

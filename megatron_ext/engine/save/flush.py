@@ -94,6 +94,10 @@ class RankWriter(QueueWorker):
         # The writer waits on each chunk's CUDA event (``chunk.ready``): it binds to the rank's device.
         self.start(f"datastates-writer-{self.level}", lambda: bind_thread(ctx.device))
 
+    def expect_writes(self) -> None:
+        """A copy begins: have the I/O worker up by the time its first run is filled (once; cheap after)."""
+        self.io.start_early()
+
     def take_back(self, job: CheckpointJob) -> None:
         """Pull a skipped checkpoint's queued chunks out of the pipeline and free their slots now."""
         q = self._queue

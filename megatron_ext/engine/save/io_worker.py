@@ -10,8 +10,8 @@ and does the work with a GIL of its own: a run costs the training process one re
 reply, whatever the number of tensors in it, as DCP's process executor and Megatron-LM's
 persistent worker keep their writes out of the trainer.
 
-``IoWorker`` (training process) starts the worker at the engine's first save (``start_early``; else at
-the first request) and gives each stage a
+``IoWorker`` (training process) starts the worker as the first copy begins (``start_early``, from the
+snapshot thread; else at the first request) and gives each stage a
 ``channel``: the writer's, the stager's and the committer's run side by side, a socket and a
 thread in the worker each. The worker executes ``io_ops.FileIo`` operations; an ``OSError``
 there is raised again in the caller with the same errno and file name. The worker ends when the
@@ -76,6 +76,9 @@ def overlap_checksums() -> bool:
 class IoChannel:
     """What a stage calls; ``LocalIo`` and ``_Channel`` implement it."""
 
+    def start_early(self) -> None:
+        """Get ready for requests soon to come (the worker process started in the background)."""
+
     def run(self, file: int, offset: int, cache: int, nbytes: int, *, path: str | None = None,
             direct: bool = False, spans: list[int] | None = None) -> None:
         raise NotImplementedError
@@ -102,8 +105,6 @@ class LocalIo(IoChannel):
     def channel(self, name: str) -> "LocalIo":
         return self
 
-    def start_early(self) -> None:
-        """Nothing to start: the operations run on the calling threads."""
 
     def run(self, file, offset, cache, nbytes, *, path=None, direct=False, spans=None) -> None:
         self._io.run(file, offset, cache, nbytes, path=path, direct=direct, spans=spans)
@@ -129,7 +130,7 @@ class LocalIo(IoChannel):
 
 class IoWorker:
     """The worker process over the host cache's memory ``cache_fd`` (``cache_bytes`` long),
-    started at the first save or request; ``timeout_s`` bounds every reply."""
+    started as the first copy begins, or at the first request; ``timeout_s`` bounds every reply."""
 
     def __init__(self, cache_fd: int, cache_bytes: int, timeout_s: float, overlap: bool | None = None):
         self.cache_fd = cache_fd
@@ -150,8 +151,10 @@ class IoWorker:
         return self._proc.pid if self._proc is not None else None
 
     def start_early(self) -> None:
-        """Start the worker on a thread of its own now, unless it runs: the engine calls this at its first
-        save, so the process is up (and maps the cache) while the first run is copied, not after."""
+        """Start the worker on a thread of its own now, unless it runs: the snapshot thread calls this
+        as a copy begins, so the process is up (and maps the cache) while the first run is copied."""
+        if self._proc is not None or self._early is not None:  # the usual case, without the lock
+            return
         with self._lock:
             if self._proc is not None or self._closed or self._early is not None:
                 return
@@ -240,6 +243,9 @@ class _Channel(IoChannel):
         self.sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._buffer = bytearray()
+
+    def start_early(self) -> None:
+        self.worker.start_early()
 
     def run(self, file, offset, cache, nbytes, *, path=None, direct=False, spans=None) -> None:
         self._call("run", {"file": file, "offset": offset, "cache": cache, "nbytes": nbytes, "path": path,

@@ -7,7 +7,7 @@ Control flows one way and nothing is wired after construction:
    the committer.
 2. ``FailureHandler`` (the channel tells the other ranks of a failure), then the ``SaveContext``
    every stage shares.
-3. The I/O worker (io_worker.py, started at the first save), then ``LevelStager`` (with a
+3. The I/O worker (io_worker.py, started as the first copy begins), then ``LevelStager`` (with a
    node-local level) and ``RankWriter``, whose durable files go on to the stager or straight to
    the signal; each stage talks to the worker on a channel of its own.
 4. ``Skips``, which removes skipped checkpoints' files through the writer, then the

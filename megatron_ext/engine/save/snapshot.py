@@ -70,6 +70,7 @@ class SnapshotScheduler(QueueWorker):
             if fjob.gate is not None:  # values still being filled in by the caller (copy_gate.py)
                 fjob.gate.wait(time.monotonic() + self.ctx.timeout_s, self.ctx.check)
             faults.before_copy()
+            self.writer.expect_writes()
             self._copy_file(fjob)
         except _Abandoned:
             self.copier.finish()  # no copy may still read the caller's tensors after snapshot_done
