@@ -37,9 +37,11 @@ matching state dict.
 
 From ``torch_dist``: megatron-core's metadata (``load_sharded_metadata``) lists every tensor and
 object; the tensors are cut into the chunks the original ranks wrote (the DCP metadata's chunks),
-which are the shards of that layout, spread over as many rank files as the run had ranks and
-written by the engine itself (one engine per rank, one run id), so the result is a committed
-checkpoint with manifest and tracker that ``--use-datastates`` resumes from.
+which are the shards of that layout (views, not copies), spread over as many rank files as the run
+had ranks and written by the engine's ``OfflineWriter``: one rank's file after the other through one
+chunk-sized buffer, in this process, so neither memory nor processes grow with the number of ranks.
+The result is the committed checkpoint (files, reports, manifest, tracker) the engine writes for
+those states, which ``--use-datastates`` resumes from.
 
 The non-sharded state is mapped between the two containers: this adapter's ``meta`` (iteration,
 scheduler, args, layout) and per-rank ``rng`` vs the reference trainer's ``iteration``,
@@ -54,13 +56,12 @@ import copy
 import math
 import os
 import re
-import uuid
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from megatron_ext.engine import CheckpointEngine, CheckpointError
+from megatron_ext.engine import CheckpointError
 from megatron_ext.engine.read.committed import open_committed
 from megatron_ext.megatron import checkpoint_layout as ckpt_layout
 from megatron_ext.megatron.export import rank_zero_file, saved_meta
@@ -321,17 +322,17 @@ def _rank_of(tp_rank: int, pp_rank: int, dp_rank: int, layout: dict) -> int:
     return tp_rank + layout["tp"] * (dp_rank + layout["dp"] * pp_rank)
 
 
-def from_torch_dist(source: str, out: str, iteration: int | None = None,
-                    host_cache_gib: float = 0.25, *, checkpoint: str | None = None,
-                    progress: Any = None) -> dict[str, Any]:
+def from_torch_dist(source: str, out: str, iteration: int | None = None, chunk_mb: float = 16.0, *,
+                    checkpoint: str | None = None, progress: Any = None) -> dict[str, Any]:
     """Write a torch_dist checkpoint (``source``: its save directory, default the tracker's, or its own
-    directory) as a committed datastates one in ``out``."""
+    directory) as a committed datastates one in ``out``; ``chunk_mb``: the writer's one buffer."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from megatron_ext.engine.save.offline_writer import OfflineWriter  # the writing direction only
     from megatron_ext.megatron.optimizer_forms import BOXES, PLAIN_FORM, STORED_FORM
 
     ckpt, iteration = _source_checkpoint(source, iteration, checkpoint)
@@ -382,11 +383,13 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
             state.pop("param_state", None)
             state.update({"param_state_sharding_type": MODEL_SPACE, STORED_FORM: dict(PLAIN_FORM), BOXES: True})
 
+    # Which rank file holds which chunk: the least loaded so far, in key order. A chunk is a view
+    # of the loaded tensor, not a copy; the writer copies it through its buffer into the file.
     per_rank = [{"tensors": {}, "objects": {}, "meta": {}} for _ in range(world)]
     load = [0] * world
     rngs: dict[int, dict] = {}
     if progress is not None:
-        progress.total_bytes = sum(loaded[k].numel() * loaded[k].element_size() * 2 for k, d in described.items()
+        progress.total_bytes = sum(loaded[k].numel() * loaded[k].element_size() for k, d in described.items()
                                    if not d[3] and isinstance(loaded.get(k), torch.Tensor))
         progress.total_files = world
     for key, (object_key, object_offset, object_shape, is_object) in sorted(described.items()):
@@ -411,7 +414,7 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
             saved_key = FP32_PARAM + key[len(PARAM):]
         for chunk in chunks[key]:
             offset, size = tuple(chunk.offsets), tuple(chunk.sizes)
-            data = value[tuple(slice(o, o + s) for o, s in zip(offset, size))].clone()
+            data = value[tuple(slice(o, o + s) for o, s in zip(offset, size))]
             sid = f"{saved_key}@{','.join(str(o) for o in offset)}"
             owner = min(range(world), key=lambda r: (load[r], r))
             per_rank[owner]["tensors"][sid] = data
@@ -420,11 +423,10 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
                                            "dtype": str(data.dtype).removeprefix("torch."),
                                            "axis_fragmentations": [], "prepend_axis_num": 0}
             load[owner] += data.numel() * data.element_size()
-            if progress is not None:
-                progress.update(data.numel() * data.element_size())
     missing = sorted(set(range(world)) - set(rngs))
     if missing:
         raise CheckpointError(f"{ckpt}: no rng_state for rank(s) {missing[:8]} of the {world}-rank layout {layout}")
+    shard_count = sum(len(p["meta"]) for p in per_rank)
 
     model_common = {k: v for k, v in common.items()
                     if k not in ("optimizer", "args", "iteration", "opt_param_scheduler", "checkpoint_version",
@@ -432,14 +434,12 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
     saved_common = {**model_common, "optimizer": optimizer_common} if optimizer_common else model_common
     name = ckpt_layout.checkpoint_name(iteration)
     _new_checkpoint_dir(out, iteration)
-    run_id = uuid.uuid4().hex[:12]
-    config = {"save_dir": out, "host_cache_size": host_cache_gib, "remove_partial_on_start": False,
-              "safe_classes": list(megatron_safe_classes())}
-    store = dist.HashStore()  # the ranks of the layout, in this one process, commit through it
-    engines = [CheckpointEngine(config, rank=r, world_size=world, run_id=run_id, commit_store=store)
-               for r in range(world)]
-    try:
-        for rank, engine in enumerate(engines):
+    # One writer for every rank's file, one rank after the other, through one buffer of one chunk:
+    # memory and processes do not grow with the number of ranks (an engine per rank would hold a
+    # host cache and an I/O worker each until rank 0 commits).
+    config = {"chunk_size_mb": chunk_mb, "safe_classes": list(megatron_safe_classes())}
+    with OfflineWriter(config, out, name, world_size=world, version=iteration) as writer:
+        for rank in range(world):
             coords = {"tp_rank": rank % layout["tp"], "dp_rank": (rank // layout["tp"]) % layout["dp"],
                       "pp_rank": rank // (layout["tp"] * layout["dp"])}
             rank_layout = {"world_size": world, **{k: layout[k] for k in ("tp", "pp", "dp")}, **coords}
@@ -449,18 +449,14 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None,
                     iteration, common.get("num_floating_point_operations_so_far", 0),
                     common.get("opt_param_scheduler"), args, rank_layout,
                     checkpoint_version=common.get("checkpoint_version", ckpt_layout.CHECKPOINT_VERSION))
-            state = ckpt_layout.rank_state(per_rank[rank], rngs[rank], common=saved_common if rank == 0 else None,
-                                           meta=run)
-            engine.save(state, name, ckpt_layout.rank_file_name(rank), version=iteration,
-                        extra=ckpt_layout.rank_extra(per_rank[rank]["objects"], rank_layout))
-            engine.commit(name, on_committed=ckpt_layout.tracker_writer(out, iteration, rank))
-        for rank, engine in enumerate(engines):
-            engine.wait_persisted()
+            shards = per_rank[rank]
+            state = ckpt_layout.rank_state(shards, rngs[rank], common=saved_common if rank == 0 else None, meta=run)
+            writer.save(rank, state, ckpt_layout.rank_file_name(rank),
+                        extra=ckpt_layout.rank_extra(shards["objects"], rank_layout))
             if progress is not None:
-                progress.update(sum(t.numel() * t.element_size() for t in per_rank[rank]["tensors"].values()), 1)
-    finally:
-        for engine in engines:
-            engine.shutdown()
+                progress.update(sum(t.numel() * t.element_size() for t in shards["tensors"].values()), 1)
+            per_rank[rank] = None  # its views go; the loaded tensors stay until the end
+        writer.commit(on_committed=ckpt_layout.tracker_writer(out, iteration, 0))
     return {"source": ckpt, "out": os.path.join(out, name), "iteration": iteration, "ranks": world,
-            "shards": sum(len(p["meta"]) for p in per_rank), "layout": layout,
+            "shards": shard_count, "layout": layout,
             "optimizer_format": sharding_type, "loads_as": MODEL_SPACE if fully_reshardable else sharding_type}

@@ -10,6 +10,8 @@
   ``datastates`` or DeepSpeed's own engine.
 * ``commit_wait``: crash tests wait (bounded) for a committed checkpoint before the kill, so a
   loaded machine's slower commits cannot leave nothing to resume from.
+* ``torch_dist_layout``: a megatron-core ``torch_dist`` checkpoint of any TP x PP x DP layout (the
+  180-GPU template's, for ``convert``), every rank's shards saved by megatron-core from one process.
 * ``demo``: the engine alone on a toy model (``megatron-ext demo``).
 * ``main_job``: the README's main job (``megatron-ext main-job``, ``scripts/run_main.sh``):
   ``pretrain_gpt.py`` through ``megatron_lm`` with ``--use-datastates --save-interval 1``, SIGKILL,

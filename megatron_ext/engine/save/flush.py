@@ -50,7 +50,7 @@ def _use_direct(setting, directory: str) -> bool:
     return ok
 
 
-class _DirectChoice:
+class DirectChoice:
     """Whether a level root takes O_DIRECT writes: probed once per root, not per checkpoint
     directory (a probe is six system calls on the writing thread)."""
 
@@ -86,7 +86,7 @@ class RankWriter(QueueWorker):
         self.io = io
         self.level = ctx.first_level
         self.fail = ctx.fail
-        self._direct = _DirectChoice(ctx.o_direct)
+        self._direct = DirectChoice(ctx.o_direct)
         self._numbers = itertools.count()  # the worker's name for each file being written
         self._open: dict[int, int] = {}  # id(FileJob) -> its number at the worker
         self._failed = False  # a fatal failure: nothing more is written
@@ -201,7 +201,7 @@ class LevelStager(QueueWorker):
         self.next = next_stage
         self.io = io
         self.fail = ctx.fail
-        self._direct = _DirectChoice(ctx.o_direct)
+        self._direct = DirectChoice(ctx.o_direct)
         self._failed = False
         self.start("datastates-stager")
 
@@ -257,4 +257,4 @@ def remove_files(root: str, job: FileJob) -> None:
             pass
 
 
-__all__ = ["RankWriter", "LevelStager", "LEVEL_LOCAL", "LEVEL_SHARED"]
+__all__ = ["DirectChoice", "RankWriter", "LevelStager", "LEVEL_LOCAL", "LEVEL_SHARED"]
