@@ -6,7 +6,7 @@ the harness's CPU answers reach it. Its loop starts with
 ``torch.cuda.set_device(rank % torch.cuda.device_count())``, a division by zero on a CPU (the
 worker dies and its rank waits for it forever), and syncs CUDA after its host copies. Its loop runs
 through ``async_loop`` here, a module the worker can import (the harness itself is ``__main__``),
-which gives the worker the ranks' CPU answers first.
+which gives the worker the CPU answers its loop needs first.
 
 On CPU ranks the worker's host copy (``preload_tensors``: ``tensor.to("cpu")``) copies nothing: the
 tensors already live in host memory and reach the worker through shared memory (torch moves a
@@ -28,18 +28,19 @@ def install() -> None:
 
 
 def async_loop(*args: Any, **kwargs: Any) -> None:
-    """megatron-core's worker loop, in the worker process, after the ranks' CPU answers.
+    """megatron-core's worker loop, in the worker process, after the CPU answers its loop needs: the device
+    mode (``enable_cpu_emulation``), one device to pick, and CUDA syncs that return at once.
 
     The worker imports megatron-core afresh: its ``PersistentAsyncCaller.async_loop`` is the original.
     """
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 
     from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
-    from megatron_ext.testing.megatron_lm import _patch_cuda_queries
 
     if PersistentAsyncCaller.async_loop is async_loop:  # not a fresh import after all: no loop to call
         raise RuntimeError("the async checkpoint worker shares the rank's megatron-core: cannot find its loop")
     enable_cpu_emulation()
-    _patch_cuda_queries()
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda device: None
     torch.cuda.synchronize = lambda device=None: None
     return PersistentAsyncCaller.async_loop(*args, **kwargs)
