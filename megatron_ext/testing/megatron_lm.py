@@ -26,7 +26,7 @@ What a CPU run of ``megatron/training`` needs beyond the megatron-core emulation
 * MoE's all-to-all split sizes handed over as lists (``_split_sizes_as_lists``), and its metrics'
   default device the GPU run's (``_moe_metrics_on_the_device``);
 * ``--async-save``'s persistent checkpoint worker (a ``forkserver`` process, which none of these
-  answers reach) given them too (``testing/async_save_worker.py``): it starts with
+  answers reach) given those its loop needs (``testing/async_save_worker.py``): it starts with
   ``torch.cuda.set_device(rank % torch.cuda.device_count())``;
 * megatron-core's ``fully_reshardable`` optimizer load made to work with torch's Adam
   (``_torch_adam_loads_fully_reshardable``);
