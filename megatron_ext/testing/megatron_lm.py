@@ -25,6 +25,9 @@ What a CPU run of ``megatron/training`` needs beyond the megatron-core emulation
   (``_native_loads_torch_adam``), and under ``torch.no_grad`` (an fp32 load fails otherwise);
 * MoE's all-to-all split sizes handed over as lists (``_split_sizes_as_lists``), and its metrics'
   default device the GPU run's (``_moe_metrics_on_the_device``);
+* ``--async-save``'s persistent checkpoint worker (a ``forkserver`` process, which none of these
+  answers reach) given those its loop needs (``testing/async_save_worker.py``): it starts with
+  ``torch.cuda.set_device(rank % torch.cuda.device_count())``;
 * megatron-core's ``fully_reshardable`` optimizer load made to work with torch's Adam
   (``_torch_adam_loads_fully_reshardable``);
 * ``--optimizer-cpu-offload`` (``_hybrid_optimizer_on_cpu``): the optimizer's parameters count as
@@ -208,6 +211,8 @@ def _keep_cpu_generator(build: Callable) -> Callable:
 def _patch_megatron_training() -> None:
     from megatron.training import arguments, checkpointing, training
 
+    from megatron_ext.testing import async_save_worker
+
     inner_initialize = training.initialize_megatron
 
     def initialize_megatron(*args: Any, **kwargs: Any):
@@ -227,6 +232,7 @@ def _patch_megatron_training() -> None:
     _torch_adam_loads_fully_reshardable()
     _hybrid_optimizer_on_cpu()
     _moe_metrics_on_the_device()
+    async_save_worker.install()
 
 
 def _moe_metrics_on_the_device() -> None:

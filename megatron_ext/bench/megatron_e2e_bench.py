@@ -1,0 +1,240 @@
+"""Megatron-LM's own ``pretrain_gpt.py`` end to end: no checkpoints vs a checkpoint every iteration.
+
+Each mode is one job on CPU ranks (``testing/megatron_lm.py``), same model, seed and flags:
+
+* ``none``: no ``--save``;
+* ``datastates``: ``--use-datastates --save-interval 1`` (host cache: the default, ``auto``);
+* ``torch_dist``: Megatron-LM's own ``torch_dist`` save, synchronous, every iteration;
+* ``torch_dist_async``: the same with ``--async-save --use-persistent-ckpt-worker --async-strategy
+  mcore`` (megatron-core's async strategy; Megatron-LM switches ``--async-save`` off without the
+  persistent worker, and ``nvrx`` needs nvidia-resiliency-ext). Its worker process gets the ranks'
+  CPU answers from ``testing/async_save_worker.py``; on CPU ranks its host copy copies nothing.
+
+**How an iteration is timed.** Megatron-LM's "elapsed time per iteration" stops its timer around
+the save (``save_checkpoint_and_time``), so it cannot see what a checkpoint costs. Here the time of
+iteration ``k`` is the wall time between the log lines of iterations ``k - 1`` and ``k``, read from
+the timestamps (microseconds) Megatron-LM writes at the start of each line (``--log-interval 1``):
+it holds iteration ``k - 1``'s save and everything that save leaves to iteration ``k`` (the lazy
+wait in the optimizer step, the async save's finalize). Iteration 1 has no such time (start-up);
+iteration 2 holds the first save (datastates creates its engine, the async worker its first
+request); the median is over the iterations after ``warmup`` (default 3: iterations 4 on).
+Megatron-LM's own figure is reported beside it (``megatron_elapsed_s``). ``--repeats R`` runs every
+mode R times, the order reversed every other round, and takes the medians over all rounds: the
+machine's load drifts between jobs (2 shared cores).
+
+The default model is Llama-style (``LLAMA_STYLE``: SwiGLU, RMSNorm, rotary, GQA, untied
+embeddings), bf16 with the distributed optimizer on 2 ranks: about 150 MB of datastates checkpoint
+per rank per iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+from megatron_ext.arg_types import NONNEG_INT, POSITIVE_INT, number
+from megatron_ext.bench.common import working_dir
+from megatron_ext.procs import run_logged
+from megatron_ext.testing import megatron_lm
+
+NAME = "megatron-e2e"
+HELP = ("Megatron-LM's pretrain_gpt.py (Llama-style, 2 CPU ranks): seconds per iteration with no checkpoints, "
+        "datastates, torch_dist and torch_dist --async-save every iteration")
+
+MODES = ("none", "datastates", "torch_dist", "torch_dist_async")
+SAVES = {"none": [],
+         "datastates": ["--use-datastates"],
+         "torch_dist": ["--ckpt-format", "torch_dist"],
+         "torch_dist_async": ["--ckpt-format", "torch_dist", "--async-save", "--use-persistent-ckpt-worker",
+                              "--async-strategy", "mcore"]}
+TIMING = ("seconds per iteration: wall time between consecutive iteration log lines of Megatron-LM "
+          "(their timestamps, parsed from the log), so each holds the previous iteration's save")
+#: Targets on 2 CPU cores (issue 41).
+TARGET_VS_NONE = 1.10
+TARGET_VS_TORCH_DIST = 2.0
+
+
+def _with(flags: list[str], **values: str) -> list[str]:
+    """``flags`` with the given options' values replaced (``num_layers="8"`` sets ``--num-layers 8``)."""
+    out = list(flags)
+    for name, value in values.items():
+        out[out.index("--" + name.replace("_", "-")) + 1] = value
+    return out
+
+
+_COMMON = ["--bf16", "--use-distributed-optimizer", *megatron_lm.LLAMA_STYLE]
+#: ``default``: ~150 MB of checkpoint per rank (21M parameters); ``tiny``: the tests' GPT, for a fast check.
+MODELS = {
+    "default": [*_with(megatron_lm.TINY_GPT, num_layers="4", hidden_size="512", num_attention_heads="8",
+                       seq_length="256", max_position_embeddings="256", micro_batch_size="4",
+                       global_batch_size="8", vocab_size="10240", lr_decay_iters="100"), *_COMMON],
+    "tiny": [*megatron_lm.TINY_GPT, *_COMMON],
+}
+RUN_TIMEOUT_S = 1800
+# Not anchored at the line's start: another rank's output can land in front of it (rank 0's memory
+# report, written at the same moment); Megatron-LM's own figure is optional for the same reason.
+_LINE = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+)\] iteration\s+(\d+)/\s*\d+ \|"
+                   r"(?:.*?elapsed time per iteration \(ms\): ([\d.]+))?")
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench megatron-e2e] {msg}", file=sys.stderr, flush=True)
+
+
+def iteration_times(log: str) -> dict[int, tuple[float, float | None]]:
+    """Iteration ``k`` -> (seconds between the log lines of ``k - 1`` and ``k``, Megatron-LM's own seconds or
+    None where its line was cut), for every ``k`` whose predecessor was logged too."""
+    stamps: dict[int, tuple[datetime.datetime, float | None]] = {}
+    for when, iteration, elapsed_ms in _LINE.findall(log):
+        stamps[int(iteration)] = (datetime.datetime.fromisoformat(when), float(elapsed_ms) / 1e3 if elapsed_ms else None)
+    return {k: ((stamps[k][0] - stamps[k - 1][0]).total_seconds(), stamps[k][1])
+            for k in sorted(stamps) if k - 1 in stamps}
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def run_mode(mode: str, base: Path, checkout: Path, iters: int, warmup: int, model: list[str], nproc: int,
+             name: str | None = None) -> dict:
+    """One job in ``mode`` (in ``base / name``): every iteration's time, the median after ``warmup``, one
+    checkpoint's size."""
+    run_dir = base / (name or mode)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    save = run_dir / "ckpt"
+    args = [*model, "--train-iters", str(iters), *SAVES[mode]]
+    if mode != "none":
+        args += ["--save", str(save), "--save-interval", "1"]
+    log_path = run_dir / "train.log"
+    cmd = megatron_lm.torchrun_command(nproc, args, checkout)
+    code = run_logged(cmd, megatron_lm.environment(), str(log_path), RUN_TIMEOUT_S)
+    log = log_path.read_text(errors="replace")
+    if code != 0:
+        tail = "\n".join(line for line in log.splitlines() if "....." not in line)[-3000:]
+        raise RuntimeError(f"{mode}: Megatron-LM exited with {code} (log {log_path})\n$ {' '.join(cmd)}\n{tail}")
+    times = iteration_times(log)
+    measured = {k: t for k, t in times.items() if k > warmup}
+    if not measured:
+        raise RuntimeError(f"{mode}: no iteration after the warm-up was timed (log {log_path})")
+    result = {"iter_s": statistics.median(t for t, _ in measured.values()),
+              "megatron_elapsed_s": statistics.median([e for _, e in measured.values() if e is not None] or [0.0]),
+              "iterations_timed": list(measured), "iter_s_runs": [t for t, _ in measured.values()],
+              "iter_s_warmup": {k: t for k, (t, _) in times.items() if k <= warmup}}
+    if mode != "none":
+        last = save / f"iter_{iters:07d}"
+        result["ckpt_bytes_per_rank"] = _tree_bytes(last) / nproc if last.is_dir() else None
+        shutil.rmtree(save, ignore_errors=True)  # 12 checkpoints of 300 MB per mode otherwise
+    return result
+
+
+def run(iters: int = 12, warmup: int = 3, size: str = "default", workdir: str | None = None, nproc: int = 2,
+        modes: tuple[str, ...] = MODES, repeats: int = 1) -> dict:
+    """Every mode in turn, ``repeats`` rounds (the order reversed every other round, so that a drift of the
+    machine's load weighs on every mode alike); per mode the median over every round's measured iterations."""
+    if warmup >= iters:
+        raise ValueError(f"--warmup {warmup} leaves no iteration of {iters} to measure")
+    checkout, reason = megatron_lm.find_checkout()
+    if checkout is None:
+        raise RuntimeError(reason)
+    load_before = os.getloadavg()
+    with working_dir(workdir, "megatron-ext-bench-e2e-") as base:
+        rounds: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for rnd in range(repeats):
+            for i, mode in enumerate(modes if rnd % 2 == 0 else modes[::-1], 1):
+                _progress(f"round {rnd + 1}/{repeats}, {i}/{len(modes)} {mode}: {iters} iterations on {nproc} CPU "
+                          f"ranks ({size} model)")
+                got = run_mode(mode, Path(base), checkout, iters, warmup, MODELS[size], nproc, f"{mode}-{rnd}")
+                rounds[mode].append(got)
+                _progress(f"{mode}: {got['iter_s']:.3f} s per iteration")
+        runs = {mode: _merged(got) for mode, got in rounds.items()}
+    result = {"nproc": nproc, "size": size, "iterations": iters, "warmup": warmup, "repeats": repeats,
+              "iterations_measured": iters - warmup, "timing": TIMING,
+              "load_average_before": list(load_before), "load_average_after": list(os.getloadavg()),
+              "targets": {"datastates_vs_none": TARGET_VS_NONE, "torch_dist_vs_datastates": TARGET_VS_TORCH_DIST},
+              "modes": runs}
+    for mode, r in runs.items():
+        result[f"iter_s_{mode}"] = r["iter_s"]
+    if "none" in runs:
+        for mode in runs:
+            if mode != "none":
+                result[f"ratio_{mode}_vs_none"] = runs[mode]["iter_s"] / runs["none"]["iter_s"]
+    if "datastates" in runs:
+        result["ckpt_bytes_per_rank"] = runs["datastates"]["ckpt_bytes_per_rank"]
+        if "torch_dist" in runs:
+            result["speedup_datastates_vs_torch_dist"] = runs["torch_dist"]["iter_s"] / runs["datastates"]["iter_s"]
+    return result
+
+
+def _merged(rounds: list[dict]) -> dict:
+    """One mode's rounds as one: medians over all their measured iterations, each round kept."""
+    if len(rounds) == 1:
+        return rounds[0]
+    merged = {"iter_s": statistics.median(t for r in rounds for t in r["iter_s_runs"]),
+              "megatron_elapsed_s": statistics.median(r["megatron_elapsed_s"] for r in rounds),
+              "iterations_timed": [k for r in rounds for k in r["iterations_timed"]],
+              "iter_s_runs": [t for r in rounds for t in r["iter_s_runs"]], "rounds": rounds}
+    if "ckpt_bytes_per_rank" in rounds[0]:
+        merged["ckpt_bytes_per_rank"] = rounds[0]["ckpt_bytes_per_rank"]
+    return merged
+
+
+_LABELS = {"none": "no checkpoints", "datastates": "--use-datastates, every iteration",
+           "torch_dist": "torch_dist, every iteration", "torch_dist_async": "torch_dist --async-save, every iter."}
+
+
+def format_table(r: dict) -> str:
+    size = f", {r['ckpt_bytes_per_rank'] / 1e6:.0f} MB of datastates checkpoint per rank" if r.get(
+        "ckpt_bytes_per_rank") else ""
+    load = ", ".join(f"{x:.2f}" for x in r["load_average_before"])
+    rounds = f" of {r['repeats']} rounds" if r.get("repeats", 1) > 1 else ""
+    left_out = "iteration 1: start-up"
+    if r["warmup"] >= 2:
+        left_out += f"; iterations 2-{r['warmup']}: the first saves (engine and worker creation)"
+    lines = [f"Megatron-LM pretrain_gpt.py, {r['size']} Llama-style model, {r['nproc']} CPU ranks{size}",
+             f"{r['timing']}; median of iterations {r['warmup'] + 1}-{r['iterations']}{rounds} ({left_out}, "
+             f"left out); load average {load}",
+             f"  {'mode':38s} {'s/iteration':>11s} {'vs none':>8s} {'Megatron timer':>15s}"]
+    for mode, m in r["modes"].items():
+        ratio = r.get(f"ratio_{mode}_vs_none")
+        lines.append(f"  {_LABELS[mode]:38s} {m['iter_s']:11.3f} {f'{ratio:.3f}x' if ratio else '':>8s} "
+                     f"{m['megatron_elapsed_s']:14.3f}s")
+    if "ratio_datastates_vs_none" in r:
+        ok = r["ratio_datastates_vs_none"] <= TARGET_VS_NONE
+        lines.append(f"  target: datastates <= {TARGET_VS_NONE:.2f}x of none: {r['ratio_datastates_vs_none']:.3f}x "
+                     f"({'met' if ok else 'NOT met'})")
+    if "speedup_datastates_vs_torch_dist" in r:
+        ok = r["speedup_datastates_vs_torch_dist"] >= TARGET_VS_TORCH_DIST
+        lines.append(f"  target: datastates >= {TARGET_VS_TORCH_DIST:.0f}x faster than torch_dist every iteration: "
+                     f"{r['speedup_datastates_vs_torch_dist']:.2f}x ({'met' if ok else 'NOT met'})")
+    lines.append("  (Megatron timer: its 'elapsed time per iteration', which stops around the save)")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench megatron-e2e``."""
+    p.add_argument("--iters", type=number(int, 2), default=12, help="iterations per job (default 12)")
+    p.add_argument("--warmup", type=NONNEG_INT, default=3,
+                   help="iterations left out of the median, from the first (default 3)")
+    p.add_argument("--size", choices=tuple(MODELS), default="default",
+                   help="default: ~150 MB of checkpoint per rank; tiny: the tests' GPT, a quick check")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run (default all)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=1,
+                   help="rounds of every mode, order reversed every other; medians over all (default 1)")
+    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel, default 2)")
+    p.add_argument("--dir", default=None, help="work directory, kept (default: a temporary one here, removed)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(args) -> int:
+    modes = tuple(m for m in MODES if m in args.modes)
+    result = run(args.iters, args.warmup, args.size, args.dir, args.nproc, modes, args.repeats)
+    print(json.dumps(result, indent=1) if args.json else format_table(result))
+    return 0
