@@ -220,16 +220,33 @@ class CommitChannel:
 
     @staticmethod
     def _damaged(collected: "Collected", records: list[bytes], seed: int) -> ShareDamaged:
-        """Which rank's record did not arrive as posted (only once the records failed the check)."""
-        found = set(map(xxhash.xxh3_64_intdigest, records, itertools.repeat(seed)))
+        """Which rank's record did not arrive as posted, or which rank a record no status vouches
+        for claims to be (only once the records failed the check, so cost does not matter)."""
+        digests = [xxhash.xxh3_64_intdigest(record, seed) for record in records]
+        found = set(digests)
         lost = sorted(status >> 64 for status in collected.durable if status & _DIGEST not in found)
         if lost:
             return ShareDamaged(f"rank {lost[0]}'s share of the manifest did not arrive as it posted it (no record in "
                                 "the commit store has the digest its status carries: damaged or replaced on its way)"
                                 + (f"; nor did those of ranks {lost[1:4]}" if len(lost) > 1 else ""), lost[0])
+        rank_of = {status & _DIGEST: status >> 64 for status in collected.durable}
+        seen: set[int] = set()
+        twice = sorted({rank_of[d] for d in digests if d in rank_of and (d in seen or seen.add(d))})
+        if twice:
+            return ShareDamaged(f"rank {twice[0]}'s share of the manifest is in the commit store twice", twice[0])
+        for record, digest in zip(records, digests):
+            if record and digest not in rank_of:
+                try:
+                    claimed = json.loads(record.split(PART, 1)[0])[0]
+                except (ValueError, TypeError, IndexError, KeyError):
+                    continue
+                if type(claimed) is int:
+                    return ShareDamaged(f"the commit store holds a share of the manifest that says it is rank "
+                                        f"{claimed}'s, which no status vouches for (posted by a stranger, such as "
+                                        "another job's rank on a reused port, or for another attempt)", claimed)
         return ShareDamaged(f"the commit store holds {collected.records.count(RECORD)} records of the manifest for "
                             f"{len(collected.durable)} durable ranks, or bytes outside any record: a record no rank "
-                            "can be named for (posted twice, or by a stranger)", None)
+                            "can be named for", None)
 
     def missing(self, key: str) -> list[int]:
         """The ranks whose status of ``key`` is not in yet (for messages; two ``get``, no wait)."""
