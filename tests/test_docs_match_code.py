@@ -57,7 +57,6 @@ def test_format_names_exactly_the_commit_store_keys():
 
     source = (PACKAGE / "engine" / "save" / "coordination.py").read_text()
     used = set(coordination._KEYS) | {"skip"} | {f"share.{m}" for m in re.findall(r'"share\.(\w+)"', source)}
-    used |= {"share.files", "share.reports"}  # the shares the committer passes (commit.py)
     status = FORMAT.split("3. **Status.**", 1)[1].split("5. **Decision.**", 1)[0]
     named = set(re.findall(r"`((?:share\.)?[a-z]+)`", status))
     store_words = named & (used | {"durable", "heads", "done"})

@@ -1,8 +1,9 @@
 """The manifest: a checkpoint's commit marker and the only index of its files.
 
-Rank 0 assembles it from the ranks' shares (``assemble_manifest``) and holds the result to the
-format (``check_assembled``) before it commits; every reader trusts it only after validation
-(format/validation.py, docs/FORMAT.md).
+Each rank encodes its share of it (``manifest_part``) and holds those exact bytes to the rules a
+loader applies (``check_share``) before posting them; rank 0 joins the shares that arrived intact
+(save/coordination.py) and checks what spans ranks (``assemble_manifest``) before it commits.
+Every reader trusts a manifest only after validation (format/validation.py, docs/FORMAT.md).
 
 Format 2 keeps rank 0's work independent of the number of tensors: the manifest lists each rank's
 report (the per-tensor index that rank wrote) with its size and checksum instead of inlining
@@ -16,12 +17,15 @@ import json
 import logging
 import os
 import time
+from itertools import chain
+from operator import itemgetter
+from typing import Any
 
 import xxhash
 
 from ..errors import CheckpointError
 from .names import FORMAT_NAME, MANIFEST, REPORTS, report_name
-from .safetensors import FORMAT_VERSION
+from .safetensors import FORMAT_VERSION, INT64_MAX
 from .safetensors import parse_json as strict_json
 from .validation import (
     MAX_MANIFEST_BYTES,
@@ -29,12 +33,11 @@ from .validation import (
     FormatViolation,
     parse_json,
     read_bounded,
-    validate_manifest_doc,
+    validate_file_entry,
+    validate_header,
     validate_report,
+    validate_report_entry,
 )
-
-log = logging.getLogger("megatron_ext.engine")
-
 
 log = logging.getLogger("megatron_ext.engine")
 
@@ -85,6 +88,71 @@ def manifest_part(summary: dict) -> tuple[list, dict[str, bytes]]:
     return head, {"files": files, "reports": b',"%d":%s' % (rank, encode_json(summary["report"]))}
 
 
+def check_share(checkpoint: str, run_id: str, rank: int, world_size: int, head: list,
+                shares: dict[str, bytes]) -> None:
+    """A rank, before it posts: its share (``manifest_part``), the exact bytes it posts, held to the
+    rules ``read_manifest`` applies to them, so that rank 0 need not parse the manifest it joins.
+
+    Beyond the loader's rules: each entry is of this rank, its files are the ones ``head`` names,
+    in order, and its paths are the ones the writer makes (``<checkpoint>/<name>.<run_id>.safetensors``
+    and ``.state.json``), so names that rank 0 finds unique across ranks make every path unique.
+    A share no loader would accept is this rank's ``CheckpointError``, posted as its failure.
+    """
+    try:
+        if type(head) is not list or len(head) < 2:
+            raise FormatViolation(f"head {str(head)[:200]} is not [version, bytes, names...]")
+        version, nbytes, *names = head
+        if version is not None and not (type(version) is int and abs(version) <= INT64_MAX):
+            raise FormatViolation(f"version {version!r} is not a whole number (an int64)")
+        if type(nbytes) is not int or nbytes < 0:
+            raise FormatViolation(f"bytes {nbytes!r} is not a size")
+        entries = _members(shares["files"], "files")
+        if list(entries) != names:
+            raise FormatViolation(f"its files {list(entries)[:3]} are not the ones its head names {names[:3]}")
+        paths: set[str] = set()
+        for name, entry in entries.items():
+            try:
+                validate_file_entry(name, entry, checkpoint, world_size, paths)
+                if entry["rank"] != rank:
+                    raise FormatViolation(f"its entry says rank {entry['rank']}")
+                base = f"{checkpoint}/{name}.{run_id}"
+                if (entry["tensor_file"], entry["state_file"]) != (base + ".safetensors", base + ".state.json"):
+                    raise FormatViolation(f"paths {entry['tensor_file']!r}, {entry['state_file']!r} are not "
+                                          f"{base}.safetensors and .state.json")
+            except FormatViolation as exc:
+                raise FormatViolation(f"file {name!r}: {exc}") from None
+        listed = _members(shares["reports"], "reports")
+        if list(listed) != [str(rank)]:
+            raise FormatViolation(f"reports lists ranks {list(listed)[:3]}, not exactly its own")
+        validate_report_entry(listed[str(rank)], rank, checkpoint, run_id)
+    except FormatViolation as exc:
+        raise CheckpointError(f"checkpoint {checkpoint}: rank {rank}'s share of the manifest would not load: "
+                              f"{exc}") from None
+
+
+#: Bytes that frame shares in the commit store (save/coordination.py). Strict JSON never holds one:
+#: inside strings control characters are escaped, outside them they are not whitespace.
+FRAMING_BYTES = (b"\x1e", b"\x1f")
+
+
+def _members(part: Any, what: str) -> dict:
+    """A share of one manifest object: empty, or comma-led members that alone make a strict JSON
+    object (so any shares joined, the first comma dropped, make that object's body)."""
+    if type(part) is not bytes:
+        raise FormatViolation(f"its share of {what} is not bytes")
+    if part == b"":
+        return {}
+    if part[:1] != b"," or any(byte in part for byte in FRAMING_BYTES):
+        raise FormatViolation(f"its share of {what} is not comma-led JSON members")
+    try:
+        doc = strict_json(b"{" + part[1:] + b"}")
+    except ValueError as exc:
+        raise FormatViolation(f"its share of {what} is {exc}") from None
+    if not doc:
+        raise FormatViolation(f"its share of {what} is a lone comma")
+    return doc
+
+
 def assemble_manifest(checkpoint: str, run_id: str, version: int | None, world_size: int, heads: list[list],
                       shares: dict[str, bytes], attempt_of: str | None = None) -> tuple[dict, bytes]:
     """The format-2 manifest from every rank's ``manifest_part``: ``(header, bytes)``.
@@ -92,14 +160,19 @@ def assemble_manifest(checkpoint: str, run_id: str, version: int | None, world_s
     ``heads``: ``[rank, *head]`` of every rank, in rank order; ``shares``: for each of
     ``MANIFEST_SHARES``, every rank's share joined. ``header`` is the manifest without ``files``
     and ``reports``. Rank 0's cost: a few C-speed passes over N small heads, no share decoded.
+
+    What only rank 0 can check is checked here: every rank once, names unique across ranks, one
+    version, its own header by the loader's rules, the size bound. With shares that each passed
+    ``check_share`` and arrived intact (save/coordination.py), that is every rule ``read_manifest``
+    applies (docs/FORMAT.md, "Manifest validation").
     """
     if len(heads) != world_size:
         raise CheckpointError(f"checkpoint {checkpoint}: {len(heads)} rank summaries for world size {world_size}")
-    ranks = [head[0] for head in heads]
+    ranks = list(map(itemgetter(0), heads))  # C-speed passes: rank 0 runs this over every rank each commit
     if ranks != list(range(world_size)):
         rank = next(r for r, got in enumerate(ranks) if got != r)
         raise CheckpointError(f"checkpoint {checkpoint}: summary {rank} is of rank {ranks[rank]!r}")
-    names = [name for head in heads for name in head[3:]]
+    names = list(chain.from_iterable(map(itemgetter(slice(3, None)), heads)))
     if len(set(names)) != len(names):
         owner: dict[str, int] = {}
         for head in heads:
@@ -119,8 +192,15 @@ def assemble_manifest(checkpoint: str, run_id: str, version: int | None, world_s
     }
     if attempt_of is not None:
         header["attempt_of"] = attempt_of
+    try:
+        validate_header(header, checkpoint)
+    except FormatViolation as exc:
+        raise CheckpointError(f"checkpoint {checkpoint}: the manifest's header would not load: {exc}") from None
     data = b"".join((encode_json(header)[:-1], b',"files":{', shares["files"][1:], b'},"reports":{',
                      shares["reports"][1:], b"}}"))
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"checkpoint {checkpoint}: a manifest of {len(data)} bytes, more than a loader "
+                              f"reads ({MAX_MANIFEST_BYTES})")
     return header, data
 
 
@@ -135,63 +215,6 @@ def build_manifest(checkpoint: str, run_id: str, version: int | None, world_size
             shares[name] += share[name]
     _, data = assemble_manifest(checkpoint, run_id, version, world_size, heads, shares, attempt_of)
     return parse_json(data, f"{checkpoint}/{MANIFEST}")
-
-
-def check_assembled(checkpoint: str, data: bytes, heads: list[list], shares: dict[str, bytes],
-                    where: str) -> dict:
-    """Rank 0, before the manifest counts: ``data`` (what ``assemble_manifest`` joined) validated
-    exactly as ``read_manifest`` will read it back, and every file entry held to the rank that
-    announced it in its head. Returns the parsed manifest.
-
-    The shares were encoded by the ranks and joined without being read; one that a bug, a bit
-    flip in the store or a stranger on a reused port damaged would otherwise commit a checkpoint
-    no loader accepts, and retention would then delete the last good one. A failure is a
-    ``CheckpointError`` naming the rank whose share broke the rule.
-    """
-    owner = {name: head[0] for head in heads for name in head[3:]}
-    try:
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise FormatViolation(f"{len(data)} bytes, more than a manifest may have ({MAX_MANIFEST_BYTES})")
-        try:
-            doc = strict_json(data)
-        except ValueError as exc:
-            raise FormatViolation(str(exc), rank=_unparsable_share(shares, owner)) from None
-        validate_manifest_doc(doc, checkpoint)
-        for name, entry in doc["files"].items():
-            if owner.get(name) != entry["rank"]:
-                raise FormatViolation(f"file {name!r} is listed as rank {entry['rank']}'s, but "
-                               + (f"rank {owner[name]} saved it" if name in owner else "no rank saved it"), file=name)
-        if len(doc["files"]) != len(owner):
-            lacking = next(name for name in owner if name not in doc["files"])
-            raise FormatViolation(f"file {lacking!r}, which rank {owner[lacking]} saved, is not listed", file=lacking)
-    except FormatViolation as exc:
-        rank = exc.rank if exc.rank is not None else owner.get(exc.file)
-        part = f"rank {rank}'s share of it" if rank is not None else "a share no rank can be named for"
-        raise CheckpointError(f"checkpoint {checkpoint}: the manifest fails validation in {part}: {exc}; "
-                              f"the checkpoint is not committed ({where} not written)") from None
-    return doc
-
-
-def _unparsable_share(shares: dict[str, bytes], owner: dict[str, int]) -> int | None:
-    """The rank whose entry in the joined shares is not JSON (only when the manifest was not)."""
-    decoder = json.JSONDecoder()
-    for part, raw in shares.items():
-        text, pos, last = raw.decode("utf-8", "replace"), 0, None
-        while pos < len(text):
-            who = None
-            try:
-                if text[pos] != ",":
-                    raise ValueError("no comma")
-                key, pos = decoder.raw_decode(text, pos + 1)
-                if type(key) is str:
-                    who = owner.get(key) if part == "files" else (int(key) if key.isdigit() else None)
-                if text[pos:pos + 1] != ":":
-                    raise ValueError("no colon")
-                _, pos = decoder.raw_decode(text, pos + 1)
-            except ValueError:
-                return who if who is not None else last  # else: the damage follows the last good entry
-            last = who
-    return None
 
 
 class TensorIndex:

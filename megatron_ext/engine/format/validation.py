@@ -78,6 +78,26 @@ def validate_manifest(doc: Any, checkpoint: str, where: str) -> dict:
 
 
 def validate_manifest_doc(doc: Any, checkpoint: str) -> None:
+    version = validate_header(doc, checkpoint)
+    world, run_id = doc["world_size"], doc["run_id"]
+    if version >= 2:
+        _validate_reports(doc.get("reports"), checkpoint, run_id, world)
+    elif "reports" in doc:
+        raise FormatViolation("reports are not part of format 1")
+    files = doc.get("files")
+    if type(files) is not dict:
+        raise FormatViolation("files is not an object")
+    paths: set[str] = set()
+    for name, entry in files.items():
+        try:
+            _validate_file(name, entry, checkpoint, world, paths, inline=version == 1)
+        except FormatViolation as exc:
+            raise FormatViolation(f"file {name!r}: {exc}", file=name) from None
+
+
+def validate_header(doc: Any, checkpoint: str) -> int:
+    """The manifest's fields besides ``files`` and ``reports`` (what rank 0 itself writes);
+    returns the format version."""
     if type(doc) is not dict:
         raise FormatViolation("not a JSON object")
     if doc.get("format") != FORMAT_NAME:
@@ -104,19 +124,7 @@ def validate_manifest_doc(doc: Any, checkpoint: str) -> None:
     committed_at = doc.get("committed_at")
     if not _is_number(committed_at):
         raise FormatViolation(f"committed_at {committed_at!r} is not a time")
-    if version >= 2:
-        _validate_reports(doc.get("reports"), checkpoint, run_id, world)
-    elif "reports" in doc:
-        raise FormatViolation("reports are not part of format 1")
-    files = doc.get("files")
-    if type(files) is not dict:
-        raise FormatViolation("files is not an object")
-    paths: set[str] = set()
-    for name, entry in files.items():
-        try:
-            _validate_file(name, entry, checkpoint, world, paths, inline=version == 1)
-        except FormatViolation as exc:
-            raise FormatViolation(f"file {name!r}: {exc}", file=name) from None
+    return version
 
 
 def _validate_reports(reports: Any, checkpoint: str, run_id: str, world: int) -> None:
@@ -128,16 +136,25 @@ def _validate_reports(reports: Any, checkpoint: str, run_id: str, world: int) ->
         missing = next((r for r in range(min(world, len(reports) + 1)) if str(r) not in reports), None)
         raise FormatViolation(f"reports must list exactly ranks 0..{world - 1}", rank=missing)
     for rank in range(world):
-        entry = reports[str(rank)]
-        want = f"{checkpoint}/{REPORTS}/{report_name(rank, run_id)}"
-        if type(entry) is not dict or entry.get("file") != want:
-            raise FormatViolation(f"report of rank {rank} is not an object naming {want!r}", rank=rank)
-        if not _is_int(entry.get("size")) or not 2 <= entry["size"] <= MAX_REPORT_BYTES:
-            raise FormatViolation(f"report of rank {rank}: size {entry.get('size')!r} is not a report size "
-                           f"(2 to {MAX_REPORT_BYTES} bytes)", rank=rank)
-        if type(entry.get("xxh3_64")) is not str or not _HASH.fullmatch(entry["xxh3_64"]):
-            raise FormatViolation(f"report of rank {rank}: xxh3_64 {entry.get('xxh3_64')!r} is not an xxh3-64 checksum",
-                           rank=rank)
+        validate_report_entry(reports[str(rank)], rank, checkpoint, run_id)
+
+
+def validate_report_entry(entry: Any, rank: int, checkpoint: str, run_id: str) -> None:
+    """The manifest's record of one rank's report: its file, size and checksum."""
+    want = f"{checkpoint}/{REPORTS}/{report_name(rank, run_id)}"
+    if type(entry) is not dict or entry.get("file") != want:
+        raise FormatViolation(f"report of rank {rank} is not an object naming {want!r}", rank=rank)
+    if not _is_int(entry.get("size")) or not 2 <= entry["size"] <= MAX_REPORT_BYTES:
+        raise FormatViolation(f"report of rank {rank}: size {entry.get('size')!r} is not a report size "
+                       f"(2 to {MAX_REPORT_BYTES} bytes)", rank=rank)
+    if type(entry.get("xxh3_64")) is not str or not _HASH.fullmatch(entry["xxh3_64"]):
+        raise FormatViolation(f"report of rank {rank}: xxh3_64 {entry.get('xxh3_64')!r} is not an xxh3-64 checksum",
+                       rank=rank)
+
+
+def validate_file_entry(name: str, entry: Any, checkpoint: str, world: int, paths: set[str]) -> None:
+    """One format-2 ``files`` entry (no ``tensors``); ``paths`` collects its paths, each refused if seen."""
+    _validate_file(name, entry, checkpoint, world, paths, inline=False)
 
 
 def _validate_file(name: str, entry: Any, checkpoint: str, world: int, paths: set[str], inline: bool = True) -> None:

@@ -6,12 +6,14 @@
    also goes to the local directory, recording that the local copy is complete. Then it posts its
    status, ``durable`` with what its report lists, to the commit store (coordination.py).
 2. Rank 0 waits for every rank's status, joins the shares of the manifest they carry (each rank
-   encoded its own), validates the result exactly as a loader will read it back
-   (``manifest.check_assembled``; each rank checked its own report the same way before posting),
-   and writes ``<ckpt>/manifest.json`` atomically. The manifest is the commit marker: a directory without
-   one is not a checkpoint and is never loaded. A manifest that fails validation is never
-   written: the checkpoint fails on every rank, naming the rank whose share broke the rule, and
-   nothing is deleted. Then it publishes its decision.
+   encoded its own and held it, with its report, to the rules a loader applies:
+   ``manifest.check_share``), once each arrived exactly as posted (``CommitChannel.open_shares``:
+   a digest per rank, no JSON parsed but small heads), checks what spans ranks
+   (``manifest.assemble_manifest``) and writes ``<ckpt>/manifest.json`` atomically. The manifest
+   is the commit marker: a directory without one is not a checkpoint and is never loaded. A
+   manifest a loader would refuse is never written: the checkpoint fails on every rank, naming
+   the rank whose share broke a rule or was damaged, and nothing is deleted. Then it publishes
+   its decision.
 3. The other ranks wait for the decision. Callbacks (a framework's "latest" tracker) run only
    once the manifest is durable; on ranks other than 0 the file list is read from disk only if a callback asks for it.
 
@@ -39,7 +41,7 @@ from ..format.catalog import read_manifest
 from ..format.manifest import (
     MANIFEST_SHARES,
     assemble_manifest,
-    check_assembled,
+    check_share,
     encode_json,
     manifest_part,
     summary_of,
@@ -49,7 +51,8 @@ from ..format.names import (FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, 
 from ..format.safetensors import FORMAT_VERSION
 from ..format.validation import check_report
 from .context import SaveContext
-from .coordination import COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, DecisionTimeout, checkpoint_key
+from .coordination import (COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, DecisionTimeout, ShareDamaged,
+                           checkpoint_key)
 from .jobs import CheckpointJob, JobState
 from .signal import CommitSignal
 
@@ -111,12 +114,15 @@ def gc_paused():
 
 def durable_status(report: dict, data: bytes, rel: str) -> tuple[list, dict[str, bytes]]:
     """What a rank posts once its files are durable: a small head and its share of the manifest,
-    encoded here (``manifest_part``), so rank 0 joins the N shares without decoding them.
+    encoded here (``manifest_part``) and held, as the exact bytes posted, to the loader's rules
+    (``check_share``), so rank 0 joins the N shares without decoding or validating them.
 
     Never the tensor index: that stays in the report file, so the store and rank 0 handle O(files)
     bytes per rank, not O(tensors).
     """
-    return manifest_part(summary_of(report, data, rel))
+    head, shares = manifest_part(summary_of(report, data, rel))
+    check_share(report["checkpoint"], report["run_id"], report["rank"], report["world_size"], head, shares)
+    return head, shares
 
 
 class ManifestOnDisk(dict):
@@ -293,6 +299,7 @@ class Committer:
         report = rank_report(job, self.rank, self.world_size)
         check_report(report, self.rank)  # what a loader will ask of it, before it counts
         data = encode_json(report)
+        status = durable_status(report, data, f"{job.checkpoint}/{REPORTS}/{report_name(self.rank, job.tag)}")
         reports_dir = os.path.join(job.root, job.checkpoint, REPORTS)
         job.make_directory(reports_dir)
         self._atomic_write(os.path.join(reports_dir, report_name(self.rank, job.tag)), data)
@@ -301,7 +308,7 @@ class Committer:
             local_reports = os.path.join(local, job.checkpoint, REPORTS)
             job.make_directory(local_reports)
             self._atomic_write(os.path.join(local_reports, report_name(self.rank, job.tag)), data)
-        return durable_status(report, data, f"{job.checkpoint}/{REPORTS}/{report_name(self.rank, job.tag)}")
+        return status
 
     def _atomic_write(self, path: str, data: bytes) -> None:
         """Temp file, fsync, rename, directory fsync: eight system calls, one request to the worker."""
@@ -354,7 +361,7 @@ class Committer:
         the deadline of the commit: the training thread's own wait defers to it (deadlines.py).
         """
         job.commit_stage.hold(self.timeout_s, lambda: "every rank's report of its files" + self._missing(key))
-        collected = self.channel.collect(key, self.timeout_s, MANIFEST_SHARES)
+        collected = self.channel.collect(key, self.timeout_s)
         with gc_paused():
             return self._settle(job, key, collected)
 
@@ -380,11 +387,10 @@ class Committer:
         else:
             job.commit_stage.hold(self.timeout_s, lambda: "rank 0 to write the manifest")
             try:
-                header = self._write_manifest(job, collected)
+                header = self._write_manifest(job, key, collected)
             except CheckpointError as exc:
                 decision = {"state": FAILED, "error": str(exc)}
             else:
-                job.committed_bytes = sum(head[2] for head in collected.durable)
                 decision = {"state": COMMITTED, "manifest": header}
         return self.channel.settle(key, decision)
 
@@ -395,15 +401,24 @@ class Committer:
             return ""
         return " (missing ranks: " + ", ".join(map(str, missing)) + ")" if missing else ""
 
-    def _write_manifest(self, job: CheckpointJob, collected: Collected) -> dict:
-        """The manifest from every rank's durable status and shares, written atomically; returns its header."""
+    def _write_manifest(self, job: CheckpointJob, key: str, collected: Collected) -> dict:
+        """The manifest from every rank's durable status and shares, written atomically; returns its header.
+
+        Each share passed its rank's ``check_share``; here rank 0 checks that each arrived as
+        posted and what spans ranks, and the manifest then passes ``read_manifest`` (docs/FORMAT.md).
+        """
         ckpt_dir = os.path.join(job.root, job.checkpoint)
-        attempt_of = self.run_id if job.tag != self.run_id else None  # a second save of this id in this run
-        header, data = assemble_manifest(job.checkpoint, job.tag, job.version, self.world_size,
-                                         collected.durable, collected.shares, attempt_of)
         path = os.path.join(ckpt_dir, MANIFEST)
-        check_assembled(job.checkpoint, data, collected.durable, collected.shares, path)  # before it counts
+        try:
+            heads, shares = self.channel.open_shares(key, collected, MANIFEST_SHARES)
+        except ShareDamaged as exc:
+            raise CheckpointError(f"checkpoint {job.checkpoint}: {exc}; the checkpoint is not committed "
+                                  f"({path} not written)") from None
+        attempt_of = self.run_id if job.tag != self.run_id else None  # a second save of this id in this run
+        header, data = assemble_manifest(job.checkpoint, job.tag, job.version, self.world_size, heads, shares,
+                                         attempt_of)
         self._atomic_write(path, data)
+        job.committed_bytes = sum(head[2] for head in heads)
         if self.may_remove(job.root) and not job.created(ckpt_dir):  # a new directory holds no other run's files
             _remove_other_runs(ckpt_dir, job.tag)
         return header
