@@ -1,6 +1,6 @@
-"""``bench megatron-e2e``: the log parsing, and one whole run at the smallest size (four short Megatron-LM
-jobs, about a minute on 2 idle cores) that must give every mode iteration timings; timing values are not
-checked (nothing here asserts on time)."""
+"""``bench megatron-e2e``: the log parsing, and (``--run-slow``) one whole run at the smallest size (four
+short Megatron-LM jobs, about a minute on 2 idle cores) that must give every mode iteration timings;
+timing values are not checked (nothing here asserts on time)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ def test_iteration_time_is_the_wall_time_between_consecutive_log_lines():
     assert megatron_e2e_bench.iteration_times(cut)[3] == pytest.approx((21.499091 - 20.152468, None))
 
 
+@pytest.mark.slow  # four Megatron-LM jobs (about a minute idle): the default run keeps the parsing test
 def test_every_mode_gives_iteration_timings(tmp_path, capsys):
     checkout_or_skip()
     code = cli.main(["bench", "megatron-e2e", "--size", "tiny", "--iters", "2", "--warmup", "0", "--json",
