@@ -41,6 +41,7 @@ from pathlib import Path
 
 from megatron_ext.arg_types import NONNEG_INT, POSITIVE_INT, number
 from megatron_ext.bench.common import working_dir
+from megatron_ext.engine.files import tree_bytes
 from megatron_ext.procs import run_logged
 from megatron_ext.testing import megatron_lm
 
@@ -98,10 +99,6 @@ def iteration_times(log: str) -> dict[int, tuple[float, float | None]]:
             for k in sorted(stamps) if k - 1 in stamps}
 
 
-def _tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def run_mode(mode: str, base: Path, checkout: Path, iters: int, warmup: int, model: list[str], nproc: int,
              name: str | None = None) -> dict:
     """One job in ``mode`` (in ``base / name``): every iteration's time, the median after ``warmup``, one
@@ -130,7 +127,7 @@ def run_mode(mode: str, base: Path, checkout: Path, iters: int, warmup: int, mod
               "iter_s_warmup": {k: t for k, (t, _) in times.items() if k <= warmup}}
     if mode != "none":
         last = save / f"iter_{iters:07d}"
-        result["ckpt_bytes_per_rank"] = _tree_bytes(last) / nproc if last.is_dir() else None
+        result["ckpt_bytes_per_rank"] = tree_bytes(str(last)) / nproc if last.is_dir() else None
         shutil.rmtree(save, ignore_errors=True)  # 12 checkpoints of 300 MB per mode otherwise
     return result
 

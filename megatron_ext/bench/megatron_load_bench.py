@@ -56,6 +56,7 @@ from typing import Any
 
 from megatron_ext.bench.common import drop_page_cache, read_seconds
 from megatron_ext.engine import read_manifest
+from megatron_ext.engine.files import tree_bytes
 from megatron_ext.engine.format.manifest import TensorIndex
 from megatron_ext.procs import run_logged
 from megatron_ext.testing import megatron_lm
@@ -166,8 +167,8 @@ def measure(workdir: str, nproc: int = 2, repeats: int = 3, model: list[str] = M
         in_rank.append(in_rank_read_s(log, nproc))
     result = {
         "megatron_nproc": nproc,
-        "megatron_ckpt_bytes_datastates": _tree_bytes(saved["datastates"]),
-        "megatron_ckpt_bytes_torch_dist": _tree_bytes(saved["torch_dist"]),
+        "megatron_ckpt_bytes_datastates": tree_bytes(saved["datastates"], skip_dirs=("datastates_telemetry",)),
+        "megatron_ckpt_bytes_torch_dist": tree_bytes(saved["torch_dist"], skip_dirs=("datastates_telemetry",)),
         "megatron_same_training": losses["datastates"] == losses["torch_dist"] and bool(losses["datastates"]),
     }
     for key, runs in seconds.items():
@@ -389,12 +390,3 @@ def read_tree(root: str) -> None:
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 while f.readinto(buf):
                     pass
-
-
-def _tree_bytes(root: str) -> int:
-    """Bytes of the checkpoint files under ``root`` (telemetry logs excluded)."""
-    total = 0
-    for parent, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if d != "datastates_telemetry"]
-        total += sum(os.path.getsize(os.path.join(parent, n)) for n in names)
-    return total

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -34,6 +33,7 @@ import torch
 from .device import bind_thread, on_device
 from .errors import CacheError
 from .files import ALIGN
+from .priority import lowest_cpu_priority
 
 _PAGE = 4096
 #: ``cudaHostRegisterPortable``: the pages count as pinned in every CUDA context of the process.
@@ -43,15 +43,6 @@ REGISTER_PORTABLE = 1
 def _cudart() -> Any:
     """CUDA's runtime bindings (a seam: the CPU tests put a recording stand-in here)."""
     return torch.cuda.cudart()
-
-
-def _lowest_cpu_priority() -> None:
-    """Nice 19 for the calling thread only (Linux keeps a nice value per thread); elsewhere nothing."""
-    if sys.platform.startswith("linux"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        except OSError:
-            pass  # a sandbox may refuse it: the cache is then touched at normal priority
 
 
 class HostCache:
@@ -84,7 +75,7 @@ class HostCache:
         self._thread.start()
 
     def _allocate(self) -> None:
-        _lowest_cpu_priority()
+        lowest_cpu_priority()
         try:
             bind_thread(self.device)  # pinning makes a CUDA context current: the rank's, not GPU 0's
             buffer = torch.frombuffer(self._mmap, dtype=torch.uint8)  # page-aligned, as O_DIRECT needs

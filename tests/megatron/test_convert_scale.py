@@ -34,6 +34,7 @@ pytest.importorskip("megatron.core")
 
 from helpers.process_watch import run_watched  # noqa: E402
 from helpers.procs import REPO, child_env  # noqa: E402
+from helpers.torch_dist_compare import SAME_TENSORS  # noqa: E402
 
 TP, PP, DP = 4, 5, 9  # configs/gpt_70b_180gpu.env
 TIMEOUT_S = 600
@@ -86,16 +87,4 @@ def test_convert_at_the_180_rank_layout_has_bounded_memory_and_processes(tmp_pat
 
     back = tmp_path / "back"
     _run("-m", "megatron_ext", "convert", str(out), "--to", "torch_dist", str(back))
-    compare = (
-        "import sys, torch\n"
-        "from megatron.core.dist_checkpointing.serialization import load_plain_tensors\n"
-        "from megatron_ext.megatron.convert import single_process_group\n"
-        "with single_process_group():\n"
-        "    a, b = (load_plain_tensors(p) for p in sys.argv[1:])\n"
-        "a, b = ({k: v for k, v in d.items() if isinstance(v, torch.Tensor)} for d in (a, b))\n"
-        "assert sorted(a) == sorted(b) and len(a) == 189, (len(a), len(b))\n"
-        "bad = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k].view(-1).view(torch.uint8),\n"
-        "                                                                    b[k].view(-1).view(torch.uint8))]\n"
-        "assert not bad, bad[:5]\n"
-    )
-    _run("-c", compare, str(source / "iter_0000007"), str(back / "iter_0000007"))
+    _run("-c", SAME_TENSORS, str(source / "iter_0000007"), str(back / "iter_0000007"), "189")

@@ -27,6 +27,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from helpers.procs import torchrun_command  # noqa: E402
+from helpers.torch_dist_compare import SAME_TENSORS  # noqa: E402
 from helpers.trainer_runs import REPO, RUN_TIMEOUT_S, run_trainer, trainer_env  # noqa: E402
 
 FP32 = ["--use-distributed-optimizer", "--global-batch-size", "4", "--micro-batch-size", "2", "--seed", "7",
@@ -160,17 +161,7 @@ def test_convert_to_torch_dist_and_back_resumes_bit_exact(tmp_path):
     # And once more to torch_dist (bucket-space optimizer this time): the same tensors as the trainer wrote.
     again = tmp_path / "again"
     cli("convert", str(back), "--iteration", "3", "--to", "torch_dist", str(again))
-    compare = (
-        "import sys, torch\n"
-        "from megatron.core.dist_checkpointing.serialization import load_plain_tensors\n"
-        "from megatron_ext.megatron.convert import single_process_group\n"
-        "with single_process_group():\n"
-        "    a, b = (load_plain_tensors(p) for p in sys.argv[1:])\n"
-        "a, b = ({k: v for k, v in d.items() if isinstance(v, torch.Tensor)} for d in (a, b))\n"
-        "assert sorted(a) == sorted(b) and len(a) > 10, (sorted(a), sorted(b))\n"
-        "assert all(torch.equal(a[k], b[k]) for k in a)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", compare, str(td / "iter_0000003"), str(again / "iter_0000003")],
+    proc = subprocess.run([sys.executable, "-c", SAME_TENSORS, str(td / "iter_0000003"), str(again / "iter_0000003")],
                           cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

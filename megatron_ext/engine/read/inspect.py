@@ -11,22 +11,11 @@ import os
 from typing import Callable
 
 from ..errors import CheckpointError
+from ..files import tree_bytes
 from ..format.catalog import commit_order, read_manifest
 from ..format.names import MANIFEST, REPORTS
 from .committed import CommittedCheckpoint, ReadOptions, open_committed
 from .entries import FileEntry
-
-
-def _dir_bytes(path: str) -> int:
-    """Bytes of the files under ``path`` (links are not followed: nothing outside is touched)."""
-    total = 0
-    for base, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(base, name)).st_size
-            except OSError:
-                pass
-    return total
 
 
 def common_layout(files: list[FileEntry]) -> dict:
@@ -56,7 +45,7 @@ def describe(root: str, local_dir: str | None = None, only: str | None = None,
         has_manifest = os.path.lexists(os.path.join(path, MANIFEST))
         if not has_manifest and not os.path.isdir(os.path.join(path, REPORTS)):
             continue
-        row = {"checkpoint": name, "committed": False, "bytes_on_disk": _dir_bytes(path)}
+        row = {"checkpoint": name, "committed": False, "bytes_on_disk": tree_bytes(path)}
         try:
             manifest = read_manifest(path) if has_manifest else None
         except CheckpointError as exc:

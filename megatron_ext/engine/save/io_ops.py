@@ -22,6 +22,7 @@ import os
 import xxhash
 
 from ..files import ChunkFile, atomic_write, fsync_dir, round_up, write_durable
+from ..priority import lowest_cpu_priority
 
 
 class IoError(Exception):
@@ -49,7 +50,8 @@ class FileIo:
 
     An O_DIRECT run is checksummed on a second thread while it is written: the write waits for the
     device, so hashing meanwhile costs no core and the run takes max(checksum, write) instead of
-    their sum (the flush kept up with the O_DIRECT write only this way, docs/BENCHMARKS.md). A
+    their sum (the flush kept up with the O_DIRECT write only this way, docs/BENCHMARKS.md); without
+    ``overlap`` that thread runs at the lowest priority, so it only takes a core nobody else wants. A
     page-cache write is a copy on the writing thread's core: with ``overlap`` it is checksummed
     alongside too; without, one after the other, which keeps one core busy instead of two (on a
     node with few cores per rank the training thread would wait for the other).
@@ -80,7 +82,11 @@ class FileIo:
         if self._checksums is None:
             import concurrent.futures  # only here: the worker process starts faster without it
 
-            self._checksums = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="datastates-io-checksum")
+            # Without a core to spare (``overlap`` off) the checksum only fills the write's wait: at
+            # the lowest priority it never takes the core of the training thread (docs/BENCHMARKS.md).
+            spare = self.overlap_buffered
+            self._checksums = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="datastates-io-checksum", initializer=None if spare else lowest_cpu_priority)
         summed = self._checksums.submit(_checksum, f, data, offset)
         try:
             f.out.write_at(offset, written)

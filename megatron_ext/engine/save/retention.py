@@ -26,6 +26,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
+from ..files import tree_bytes
 from ..format.catalog import list_committed, read_manifest, remember_committed, run_of
 from ..format.names import MANIFEST, REPORTS, RUN_FILE
 from .job_table import JobTable
@@ -98,18 +99,6 @@ def hide_and_remove(directory: str) -> None:
         shutil.rmtree(hidden, ignore_errors=True)
 
 
-def _tree_bytes(path: str) -> int:
-    """The bytes of the files under ``path`` (what removing it frees, about)."""
-    total = 0
-    for parent, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(parent, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
 def _partial_of(path: str, runs: set[str]) -> bool:
     """An uncommitted save of this job: no manifest, and either our ``.reports`` or only data files
     named like ours, one of them of a run that held the lock (a crash can come before ``.reports``)."""
@@ -169,7 +158,7 @@ def remove_partial(root: str, runs: set[str] = frozenset()) -> tuple[list[str], 
         path = os.path.join(root, name)
         if name.startswith("."):
             if name.endswith(".deleting"):
-                freed += _tree_bytes(path)
+                freed += tree_bytes(path)
                 shutil.rmtree(path, ignore_errors=True)
             continue
         if not os.path.isdir(path) or os.path.islink(path):
@@ -184,7 +173,7 @@ def remove_partial(root: str, runs: set[str] = frozenset()) -> tuple[list[str], 
             if os.path.lexists(os.path.join(hidden, MANIFEST)):  # committed after all, just now: keep it
                 os.replace(hidden, path)
                 continue
-            freed += _tree_bytes(hidden)
+            freed += tree_bytes(hidden)
             shutil.rmtree(hidden, ignore_errors=True)
             removed.append(name)
     return removed, freed
