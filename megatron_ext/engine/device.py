@@ -36,25 +36,22 @@ def rank_device() -> int | None:
     return torch.cuda.current_device()
 
 
+def cuda_index(tensor: Any) -> int | None:
+    """The index of ``tensor``'s CUDA device (a device without an index is the first); None off a GPU."""
+    device = tensor.device
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else 0
+
+
 def cuda_device_of(tensors: Iterable[Any]) -> int | None:
     """The index of the first CUDA tensor's device among ``tensors``; None if none is on a GPU."""
-    for tensor in tensors:
-        device = tensor.device
-        if device.type == "cuda":
-            return device.index if device.index is not None else 0
-    return None
+    return next((index for index in map(cuda_index, tensors) if index is not None), None)
 
 
 def cuda_devices_of(tensors: Iterable[Any]) -> list[int]:
     """Every CUDA device among ``tensors``, in the order they first appear (a file may span GPUs)."""
-    devices: list[int] = []
-    for tensor in tensors:
-        device = tensor.device
-        if device.type == "cuda":
-            index = device.index if device.index is not None else 0
-            if index not in devices:
-                devices.append(index)
-    return devices
+    return list(dict.fromkeys(index for index in map(cuda_index, tensors) if index is not None))
 
 
 def thread_device(tensors_device: int | None, rank: int | None) -> int | None:
@@ -105,7 +102,7 @@ class CudaStreams:
 
     @staticmethod
     def device_of(tensor: torch.Tensor) -> int | None:
-        return (tensor.device.index or 0) if tensor.is_cuda else None
+        return cuda_index(tensor)
 
     @staticmethod
     def marks(tensors: Iterable[Any]) -> list[StreamMark]:
@@ -138,5 +135,5 @@ class CudaStreams:
         return event
 
 
-__all__ = ["CudaStreams", "StreamMark", "bind_thread", "cuda_device_of", "cuda_devices_of", "on_device",
-           "rank_device", "stream_marks", "thread_device"]
+__all__ = ["CudaStreams", "StreamMark", "bind_thread", "cuda_device_of", "cuda_devices_of", "cuda_index",
+           "on_device", "rank_device", "stream_marks", "thread_device"]

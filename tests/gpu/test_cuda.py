@@ -46,7 +46,7 @@ def test_engine_uses_the_cuda_copier_and_a_pinned_cache(tmp_path):
         assert engine.cache.pinned and engine.cache.view(0).is_pinned()
         x = torch.arange(1000.0, device="cuda")
         mark = engine.scheduler.copier.mark([x])
-        assert isinstance(mark, CudaMark) and isinstance(mark.event, torch.cuda.Event)
+        assert isinstance(mark, CudaMark) and isinstance(mark.marks[0].event, torch.cuda.Event)
         assert mark.device == x.device.index == engine.device == torch.cuda.current_device()
         assert engine.scheduler.copier.mark([torch.zeros(3)]) is None  # host tensors need no event
 

@@ -109,6 +109,26 @@ class FileLayout:
     data_start: int
     size: int  # total file size in bytes
 
+    def header_in(self, start: int, end: int) -> bytes:
+        """The header's bytes within file range [start, end) (those at its start; none past it)."""
+        return self.header[start:min(end, self.data_start)] if start < self.data_start else b""
+
+    def spans_in(self, start: int, end: int, first: int = 0) -> tuple[list[tuple[int, int, int]], int]:
+        """The tensors with bytes in file range [start, end), as ``(index, lo, hi)`` with [lo, hi) the
+        file offsets of those bytes, and the first index a later range may overlap: ranges come in
+        file order, so a caller passes it back as ``first`` and the whole file costs O(tensors)."""
+        spans = self.spans
+        while first < len(spans) and spans[first].end <= start:
+            first += 1
+        found = []
+        k = first
+        while k < len(spans) and spans[k].start < end:
+            lo, hi = max(spans[k].start, start), min(spans[k].end, end)
+            if hi > lo:
+                found.append((k, lo, hi))
+            k += 1
+        return found, first
+
 
 def plan(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> FileLayout:
     """O(number of tensors): reads shapes and dtypes only, never the data."""

@@ -46,14 +46,14 @@ from ..format.manifest import (
     manifest_part,
     summary_of,
 )
-from ..format.names import (FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, MANIFEST, REPORTS, RUN_FILE,
-                            report_name)
+from ..format.names import FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, MANIFEST, REPORTS, report_name
 from ..format.safetensors import FORMAT_VERSION
 from ..format.validation import check_report
 from .context import SaveContext
 from .coordination import (COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, DecisionTimeout, ShareDamaged,
                            checkpoint_key)
 from .jobs import CheckpointJob, JobState
+from .retention import remove_unlisted
 from .signal import CommitSignal
 
 if TYPE_CHECKING:
@@ -420,30 +420,5 @@ class Committer:
         self._atomic_write(path, data)
         job.committed_bytes = sum(head[2] for head in heads)
         if self.may_remove(job.root) and not job.created(ckpt_dir):  # a new directory holds no other run's files
-            _remove_other_runs(ckpt_dir, job.tag)
+            remove_unlisted(ckpt_dir, job.tag)
         return header
-
-
-def _remove_other_runs(ckpt_dir: str, run_id: str) -> None:
-    """Delete data files an earlier, overwritten or crashed attempt at this checkpoint left behind.
-
-    Only files named like ours (``<name>.<12 hex>.safetensors`` / ``.state.json``) of another run,
-    and never one the manifest on disk, re-read just before deleting, names. Usually there are
-    none, and then the manifest is not read again.
-    """
-    leftovers = [n for n in os.listdir(ckpt_dir) if (m := RUN_FILE.search(n)) and m.group(1) != run_id]
-    if not leftovers:
-        return
-    try:
-        manifest = read_manifest(ckpt_dir)
-    except CheckpointError:
-        return  # not ours to judge: leave everything
-    if manifest is None or manifest["run_id"] != run_id:
-        return
-    keep = {os.path.basename(f[k]) for f in manifest["files"].values() for k in ("tensor_file", "state_file")}
-    for name in leftovers:
-        if name not in keep:
-            try:
-                os.unlink(os.path.join(ckpt_dir, name))
-            except OSError:
-                pass

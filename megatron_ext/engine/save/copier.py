@@ -167,10 +167,6 @@ class CudaMark:
     def device(self) -> int:
         return self.marks[0].device
 
-    @property
-    def event(self) -> Any:
-        return self.marks[0].event
-
 
 class CudaCopier(CpuCopier):
     """Device-to-host copies on a private stream per device, ordered after the compute stream by an event.

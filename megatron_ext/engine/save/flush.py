@@ -163,9 +163,7 @@ class RankWriter(QueueWorker):
         sidecar_path = os.path.join(self.ctx.directory(fjob, self.level), fjob.sidecar_rel)
         faults.before_write(self.level, sidecar_path, 0, len(fjob.sidecar))
         sums = self.io.finish(number, fjob.layout.size, sidecar_path, fjob.sidecar)
-        fjob.file_xxh3 = sums["file"]
-        fjob.tensor_xxh3 = {s.name: digest for s, digest in zip(fjob.layout.spans, sums["tensors"])}
-        fjob.sidecar_xxh3 = sums["sidecar"]
+        fjob.take_checksums(sums)
         fjob.durable_at[self.level] = time.monotonic()
         self.next.durable(fjob)
 

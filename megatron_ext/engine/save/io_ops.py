@@ -84,9 +84,9 @@ class FileIo:
 
             # Without a core to spare (``overlap`` off) the checksum only fills the write's wait: at
             # the lowest priority it never takes the core of the training thread (docs/BENCHMARKS.md).
-            spare = self.overlap_buffered
             self._checksums = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="datastates-io-checksum", initializer=None if spare else lowest_cpu_priority)
+                1, thread_name_prefix="datastates-io-checksum",
+                initializer=None if self.overlap_buffered else lowest_cpu_priority)
         summed = self._checksums.submit(_checksum, f, data, offset)
         try:
             f.out.write_at(offset, written)

@@ -105,7 +105,6 @@ class LocalIo(IoChannel):
     def channel(self, name: str) -> "LocalIo":
         return self
 
-
     def run(self, file, offset, cache, nbytes, *, path=None, direct=False, spans=None) -> None:
         self._io.run(file, offset, cache, nbytes, path=path, direct=direct, spans=spans)
 
@@ -386,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-fd", type=int, required=True)
     p.add_argument("--cache-bytes", type=int, required=True)
     p.add_argument("--channel-fd", type=int, action="append", required=True)
-    p.add_argument("--overlap", action="store_true", help="checksum page-cache writes on a second thread too (O_DIRECT ones always are)")
+    p.add_argument("--overlap", action="store_true",
+                   help="checksum page-cache writes on a second thread too (O_DIRECT ones always are)")
     args = p.parse_args(argv)
     # The training process decides when the flush ends: an interrupt or a scheduler's SIGTERM to the
     # job must not stop the writes of the checkpoint it is finishing.

@@ -78,6 +78,12 @@ class FileJob:
         """Its checkpoint's shared root directory."""
         return self.job.root
 
+    def take_checksums(self, sums: dict) -> None:
+        """The checksums ``io_ops.FileIo.finish`` returned for this file (hex): file, tensors in file order, sidecar."""
+        self.file_xxh3 = sums["file"]
+        self.tensor_xxh3 = {s.name: digest for s, digest in zip(self.layout.spans, sums["tensors"])}
+        self.sidecar_xxh3 = sums["sidecar"]
+
     def num_chunks(self, chunk_bytes: int) -> int:
         return -(-self.layout.size // chunk_bytes)
 

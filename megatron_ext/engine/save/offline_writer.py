@@ -123,18 +123,13 @@ class OfflineWriter:
         try:
             for start in range(0, layout.size, chunk):
                 end = min(start + chunk, layout.size)
-                if start < layout.data_start:
-                    head = layout.header[start:min(end, layout.data_start)]
-                    self._buffer[:len(head)] = head
-                while seg < len(layout.spans) and layout.spans[seg].end <= start:
-                    seg += 1
-                parts, k = [], seg
-                while k < len(layout.spans) and layout.spans[k].start < end:
+                head = layout.header_in(start, end)
+                self._buffer[:len(head)] = head
+                found, seg = layout.spans_in(start, end, seg)
+                parts = []
+                for k, lo, hi in found:
                     s = layout.spans[k]
-                    lo, hi = max(s.start, start), min(s.end, end)
-                    if hi > lo:
-                        parts.append((s.tensor, lo - s.start, hi - s.start, self._bytes[lo - start:hi - start]))
-                    k += 1
+                    parts.append((s.tensor, lo - s.start, hi - s.start, self._bytes[lo - start:hi - start]))
                 self._copier.copy_many(parts)
                 self._run(number, start, end - start, path, directory, spans if start == 0 else None)
             sums = self._io.finish(number, layout.size, os.path.join(self.root, fjob.sidecar_rel), fjob.sidecar)
@@ -146,9 +141,7 @@ class OfflineWriter:
         except BaseException:
             self._io.abort(number)
             raise
-        fjob.file_xxh3 = sums["file"]
-        fjob.tensor_xxh3 = {s.name: digest for s, digest in zip(layout.spans, sums["tensors"])}
-        fjob.sidecar_xxh3 = sums["sidecar"]
+        fjob.take_checksums(sums)
 
     def _run(self, number: int, offset: int, nbytes: int, path: str, directory: str, spans: list[int] | None) -> None:
         if spans is None:

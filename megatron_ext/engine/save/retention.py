@@ -114,28 +114,31 @@ def _partial_of(path: str, runs: set[str]) -> bool:
     return bool(tags) and len(tags) == len(names) and any(tag in runs for tag in tags)
 
 
-def _remove_unlisted(path: str) -> int:
-    """In a committed checkpoint, data files named like ours that its manifest does not name (a later
-    attempt at the same id that crashed); returns the bytes freed. The manifest's files stay."""
+def remove_unlisted(ckpt_dir: str, run_id: str | None = None) -> int:
+    """Delete data files named like ours (``<name>.<12 hex>.safetensors`` / ``.state.json``) that the
+    committed manifest of ``ckpt_dir``, read just before, does not name: an earlier, overwritten or
+    crashed attempt at this checkpoint. With ``run_id`` (rank 0 after writing its manifest) only
+    other runs' files, and only under a manifest of that run. Returns the bytes freed; the
+    manifest's files always stay, and usually there is nothing to remove and nothing is read."""
     try:
-        names = [n for n in os.listdir(path) if RUN_FILE.search(n)]
+        leftovers = [n for n in os.listdir(ckpt_dir) if (m := RUN_FILE.search(n)) and m.group(1) != run_id]
     except OSError:
         return 0
-    if not names:
+    if not leftovers:
         return 0
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(ckpt_dir)
     except CheckpointError:
         return 0  # not ours to judge: leave everything
-    if manifest is None:
+    if manifest is None or (run_id is not None and manifest["run_id"] != run_id):
         return 0
     keep = {os.path.basename(f[k]) for f in manifest["files"].values() for k in ("tensor_file", "state_file")}
     freed = 0
-    for name in names:
+    for name in leftovers:
         if name not in keep:
             try:
-                size = os.lstat(os.path.join(path, name)).st_size
-                os.unlink(os.path.join(path, name))
+                size = os.lstat(os.path.join(ckpt_dir, name)).st_size
+                os.unlink(os.path.join(ckpt_dir, name))
                 freed += size
             except OSError:
                 pass
@@ -164,7 +167,7 @@ def remove_partial(root: str, runs: set[str] = frozenset()) -> tuple[list[str], 
         if not os.path.isdir(path) or os.path.islink(path):
             continue
         if os.path.lexists(os.path.join(path, MANIFEST)):
-            freed += _remove_unlisted(path)
+            freed += remove_unlisted(path)
             continue
         if _partial_of(path, runs):
             hidden = hide(path)

@@ -127,22 +127,17 @@ class SnapshotScheduler(QueueWorker):
             slot, taken = self._slots(fjob, min(most, count - index))
             start = index * chunk
             end = min(start + taken * chunk, layout.size)
-            if start < layout.data_start:
-                head = layout.header[start:min(end, layout.data_start)]
+            head = layout.header_in(start, end)
+            if head:
                 self.cache.memory(slot, len(head))[:] = head
             dst = self.cache.run_view(slot, taken)
-            while seg < len(layout.spans) and layout.spans[seg].end <= start:
-                seg += 1
+            found, seg = layout.spans_in(start, end, seg)
             parts = []
-            k = seg
-            while k < len(layout.spans) and layout.spans[k].start < end:
+            for k, lo, hi in found:
                 s = layout.spans[k]
-                lo, hi = max(s.start, start), min(s.end, end)
-                if hi > lo:
-                    if k not in sources:
-                        sources[k] = self.copier.prepare(s.tensor)
-                    parts.append((sources[k], lo - s.start, hi - s.start, dst[lo - start:hi - start]))
-                k += 1
+                if k not in sources:
+                    sources[k] = self.copier.prepare(s.tensor)
+                parts.append((sources[k], lo - s.start, hi - s.start, dst[lo - start:hi - start]))
             self.copier.copy_many(parts)
             del parts
             for done in [k for k in sources if layout.spans[k].end <= end]:
