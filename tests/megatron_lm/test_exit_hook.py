@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 
 from helpers.megatron_lm_runs import DATASTATES, assert_same_trajectory, read_tracker, run, trajectory
+from megatron_ext.testing.megatron_lm import LLAMA_STYLE
 
+# A Llama-style model (gated MLP, RMSNorm, rope, GQA), as users train, with the all-gathers held for the forward pass.
 ARGS = ["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-        "--save-interval", "1", "--train-iters", "4", "--logging-level", "20", *DATASTATES]
+        "--save-interval", "1", "--train-iters", "4", "--logging-level", "20", *LLAMA_STYLE, *DATASTATES]
 
 
 def test_exit_right_after_a_gated_save_commits_it(checkout, tmp_path):
