@@ -20,7 +20,7 @@ from typing import Any
 from .errors import CheckpointError
 
 #: The block O_DIRECT needs offsets, lengths and memory aligned to; the tensor file's header is
-#: padded to it (format/safetensors.py) and the host cache's slots are multiples of it.
+#: padded to it (format/tensor_file.py) and the host cache's slots are multiples of it.
 ALIGN = 4096
 
 

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 
 from megatron_ext.engine import CheckpointError
-from megatron_ext.engine.format.safetensors import INT64_MAX, TORCH_DTYPES, shape_elements
+from megatron_ext.engine.format.tensor_file import INT64_MAX, TORCH_DTYPES, shape_elements
 from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions, open_committed
 from megatron_ext.engine.read.verify import Problem, problem_of
 from megatron_ext.megatron.checkpoint_layout import is_datastates_checkpoint, is_megatron_checkpoint

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from megatron_ext.engine.errors import CheckpointError
-from megatron_ext.engine.format.safetensors import torch_dtype
+from megatron_ext.engine.format.tensor_file import torch_dtype
 from megatron_ext.engine.read.committed import CommittedCheckpoint
 from megatron_ext.megatron import sharding
 from megatron_ext.megatron.shard_assembly import SavedShards

@@ -15,7 +15,7 @@ import xxhash
 
 from megatron_ext.engine import CheckpointError, read_manifest
 from megatron_ext.engine.format.manifest import TensorIndex, build_manifest, encode_json, file_tensors, summarize_report
-from megatron_ext.engine.format.safetensors import FORMAT_VERSION
+from megatron_ext.engine.format.version import FORMAT_VERSION
 from megatron_ext.engine.format.validation import validate_manifest
 from megatron_ext.engine.read.inspect import describe
 from megatron_ext.engine.read.verify import verify_checkpoint

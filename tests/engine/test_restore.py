@@ -14,7 +14,7 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, ConfigError, EngineConfig
 from megatron_ext.engine.files import supports_o_direct
-from megatron_ext.engine.format.safetensors import torch_dtype
+from megatron_ext.engine.format.tensor_file import torch_dtype
 from megatron_ext.engine.host_cache import HostCache
 from megatron_ext.engine.read import fast_read, read_plan, staged_read
 

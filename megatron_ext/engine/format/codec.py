@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, EncodeError, UnsafeCheckpointError
-from .safetensors import shape_elements
+from .tensor_file import shape_elements
 
 TAG = "$"  # dicts whose only key starts with TAG are tagged values
 

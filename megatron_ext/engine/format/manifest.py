@@ -25,8 +25,9 @@ import xxhash
 
 from ..errors import CheckpointError
 from .names import FORMAT_NAME, MANIFEST, REPORTS, report_name
-from .safetensors import FORMAT_VERSION, INT64_MAX
-from .safetensors import parse_json as strict_json
+from .tensor_file import INT64_MAX
+from .version import FORMAT_VERSION
+from .strict_json import parse_json as strict_json
 from .validation import (
     MAX_MANIFEST_BYTES,
     MAX_REPORT_BYTES,

@@ -12,8 +12,9 @@ from typing import Any
 from ..errors import CheckpointError
 from ..files import open_regular
 from .names import FORMAT_NAME, REPORTS, RUN_ID, report_name, valid_name
-from .safetensors import FORMAT_VERSION, INT64_MAX, TORCH_DTYPES, SafetensorsHeader, shape_elements
-from .safetensors import parse_json as strict_json
+from .tensor_file import INT64_MAX, TORCH_DTYPES, SafetensorsHeader, shape_elements
+from .version import FORMAT_VERSION
+from .strict_json import parse_json as strict_json
 
 _HASH = re.compile(r"[0-9a-f]{16}")
 

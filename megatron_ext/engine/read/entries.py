@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..format.safetensors import TORCH_DTYPES
+from ..format.tensor_file import TORCH_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,7 @@ import xxhash
 from ..device import cuda_devices_of
 from ..errors import CacheError, CheckpointError
 from ..files import round_up
-from ..format.safetensors import torch_dtype
+from ..format.tensor_file import torch_dtype
 from .read_plan import (
     O_DIRECT_FLAG,
     READ_PIECE,

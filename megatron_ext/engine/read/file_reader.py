@@ -19,7 +19,7 @@ from ..errors import CheckpointError
 from ..files import open_regular
 from ..format import codec
 from ..format.names import REPORTS, report_name
-from ..format.safetensors import read_header
+from ..format.tensor_file import read_header
 from ..format.sidecar import read_sidecar
 from ..format.validation import check_tensor_file
 from .fast_read import read_tensors, to_device

@@ -21,7 +21,7 @@ import xxhash
 
 from ..device import bind_thread, cuda_device_of, rank_device, stream_marks
 from ..errors import CacheError, CheckpointError
-from ..format.safetensors import torch_dtype
+from ..format.tensor_file import torch_dtype
 from ..host_cache import HostCache
 from .fast_read import RegionReads, check_hashes, read_tensors
 from .read_plan import (

@@ -24,7 +24,7 @@ from ..files import open_regular
 from ..format import codec
 from ..format.catalog import read_manifest
 from ..format.names import MANIFEST, valid_name
-from ..format.safetensors import read_header
+from ..format.tensor_file import read_header
 from ..format.sidecar import read_sidecar
 from ..format.validation import check_tensor_file
 from .committed import CommittedCheckpoint, ReadOptions, open_committed

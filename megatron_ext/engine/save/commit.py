@@ -47,7 +47,7 @@ from ..format.manifest import (
     summary_of,
 )
 from ..format.names import FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, MANIFEST, REPORTS, report_name
-from ..format.safetensors import FORMAT_VERSION
+from ..format.version import FORMAT_VERSION
 from ..format.validation import check_report
 from .context import SaveContext
 from .coordination import (COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, DecisionTimeout, ShareDamaged,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..format import codec
-from ..format import safetensors as file_layout
+from ..format import tensor_file
 from ..format.names import valid_name
 from ..format.sidecar import check_sidecar_volume
 from .copier import CpuCopier, byte_source
@@ -36,7 +36,7 @@ class PlannedFile:
     tag: str
     sidecar: bytes
     tensors: list[torch.Tensor]
-    layout: file_layout.FileLayout
+    layout: tensor_file.FileLayout
 
     @classmethod
     def encode(cls, state: Any, checkpoint: str, name: str, rank: int, tag: str, *, pickle_fallback: Any,
@@ -47,7 +47,7 @@ class PlannedFile:
         sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton}, separators=(",", ":")).encode("utf-8")
         # A sidecar no loader would read (too large, too many values) is refused now, not at load.
         check_sidecar_volume(sidecar, len(encoder.tensors), f"checkpoint {checkpoint}, file {name!r}")
-        layout = file_layout.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name, "rank": str(rank),
+        layout = tensor_file.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name, "rank": str(rank),
                                                     "run_id": tag})
         for span in layout.spans:  # torch calls here, not on the copy thread (copier.py)
             span.tensor = byte_source(span.tensor)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..errors import CheckpointError
 from ..format.names import LEVEL_SHARED
-from ..format.safetensors import FileLayout
+from ..format.tensor_file import FileLayout
 from .deadlines import StageDeadline
 
 _POLL_S = 0.05  # how often a wait re-checks for background failures

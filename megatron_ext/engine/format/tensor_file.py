@@ -23,14 +23,9 @@ from typing import Any
 
 import torch
 
+from .strict_json import parse_json
+from .version import HEADER_FORMAT_VERSION
 from ..files import round_up  # to the O_DIRECT block (files.ALIGN, 4 KiB): the header is padded to it
-
-#: The checkpoint format's one version number (the manifest's and the rank reports' ``format_version``;
-#: docs/FORMAT.md). Defined here, below ``manifest``, so both modules share it.
-FORMAT_VERSION = 2
-#: ``format_version`` in each tensor file's safetensors ``__metadata__``: the same version, as a
-#: string because safetensors metadata values are strings.
-HEADER_FORMAT_VERSION = str(FORMAT_VERSION)
 
 _ST_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -220,32 +215,6 @@ def read_header(fd: int, file_size: int) -> SafetensorsHeader:
     if position != file_size:
         raise ValueError(f"the tensors end at byte {position}, the file has {file_size}")
     return SafetensorsHeader(tensors, metadata, data_start, position)
-
-
-def parse_json(raw: bytes) -> Any:
-    """This format's JSON (headers, manifests, sidecars): UTF-8, no duplicate keys, no NaN literals.
-
-    ``ValueError`` says what is wrong (``RecursionError`` for absurd nesting becomes one too).
-    """
-    def pairs(items: list[tuple[str, Any]]) -> dict:
-        out: dict = {}
-        for key, value in items:
-            if key in out:
-                raise ValueError(f"duplicate key {key!r}")
-            out[key] = value
-        return out
-
-    def constant(name: str) -> Any:
-        raise ValueError(f"{name} is not JSON")
-
-    try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=pairs, parse_constant=constant)
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
-    except ValueError as exc:
-        raise ValueError(f"not valid JSON: {exc}") from None
 
 
 def _no_surrogates(text: str) -> None:
