@@ -7,11 +7,14 @@ never in the middle of a run.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import errno
 import math
 import os
+import types
+import typing
 from typing import Any, Mapping
 
 from .errors import CheckpointError, ConfigError
@@ -44,64 +47,113 @@ _MAX_CACHE_GB = float(1 << 20)
 _MAX_TIMEOUT_S = 1e7  # about 116 days
 
 
+#: Metadata keys of an ``EngineConfig`` field (``_knob``): its one declaration, from which the
+#: ``--datastates-*`` flags (``engine_flags``), the README's table (``config_table_markdown``) and
+#: the DeepSpeed ``"datastates_ckpt"`` keys (the field names, ``from_dict``) are made.
+HELP, UNIT, NONE_MEANS, OLD_FLAGS, OFF_FLAGS, FLAG_ELSEWHERE, NO_FLAG, METAVAR = (
+    "help", "unit", "none_means", "old_flags", "off_flags", "flag_elsewhere", "no_flag", "metavar")
+FLAG_PREFIX = "--datastates-"
+
+
+def _knob(default: Any, help: str, *, unit: str | None = None, none_means: str | None = None,
+          old_flags: tuple[str, ...] = (), off_flags: tuple[str, ...] = (), flag_elsewhere: str | None = None,
+          no_flag: str | None = None, metavar: str | None = None) -> Any:
+    """One field with its metadata: ``help`` (markdown: the README's meaning), ``unit`` (GiB, MiB,
+    seconds), ``none_means`` (what a None default stands for), ``old_flags`` (earlier spellings of
+    its flag, still accepted), ``off_flags`` (earlier flags that set a boolean to false),
+    ``flag_elsewhere`` (the framework's own flag sets it) or ``no_flag`` (why there is none)."""
+    return dataclasses.field(default=default, metadata={
+        HELP: help, UNIT: unit, NONE_MEANS: none_means, OLD_FLAGS: old_flags, OFF_FLAGS: off_flags,
+        FLAG_ELSEWHERE: flag_elsewhere, NO_FLAG: no_flag, METAVAR: metavar})
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """What the engine needs to know; see ``docs/ARCHITECTURE.md`` for each knob's effect."""
+    """What the engine needs to know, each knob declared once (``_knob``); see ``docs/ARCHITECTURE.md`` for its effect.
 
-    #: Size of the one host buffer all snapshots stream through, in GB (GiB), as in DeepSpeed.
-    host_cache_size: float = 1.0
-    #: Unit of copying and writing, in MiB. Shrunk automatically for tiny caches.
-    chunk_size_mb: float = 16.0
-    #: Default root directory of checkpoints (the shared level); callers may pass another per save.
-    save_dir: str | None = None
-    #: Optional node-local directory: ranks flush here first, a background stage copies to the root.
-    local_dir: str | None = None
-    #: "auto" probes each level's root, True requires O_DIRECT, False never uses it (writes). Restore
-    #: reads are buffered with kernel read-ahead unless True (``fast_read``).
-    o_direct: bool | str = "auto"
-    #: Seconds any single wait may take before it fails with an error instead of hanging.
-    snapshot_timeout_s: float = 600.0
-    persist_timeout_s: float = 1800.0
-    #: JSON-lines telemetry file ({rank} is replaced); None: ``<save_dir>/datastates_telemetry/rank-RRRRR.jsonl``.
-    telemetry_path: str | None = None
-    #: Store non-tensor objects the safe encoder does not know with pickle (loaded only on request).
-    pickle_fallback: bool = False
-    #: After a failed flush or commit: "stop" (every later engine call raises it) or "continue"
-    #: (that checkpoint is abandoned, reported in the log and telemetry; training goes on).
-    on_failure: OnFailure = OnFailure.STOP
-    #: When a snapshot finds the host cache full because earlier checkpoints are still flushing:
-    #: "wait" (backpressure: training waits for the flush) or "supersede" (pending checkpoints that
-    #: have not started flushing are dropped for the newer one, and a snapshot still waiting for
-    #: cache space when ``wait_snapshot`` is called is abandoned; training never waits for a flush).
-    overload_policy: OverloadPolicy = OverloadPolicy.WAIT
-    #: With "supersede": if the newest checkpoint committed in this run is more than this many
-    #: versions older than a new save, that save waits instead (None: no bound).
-    max_durable_age: int | None = None
-    #: Retention: keep the newest ``keep_last`` committed checkpoints (None keeps all) ...
-    keep_last: int | None = None
-    #: ... plus those whose version is a multiple of ``keep_every``.
-    keep_every: int | None = None
-    #: Rank 0 removes uncommitted checkpoint directories a crashed run left, at start-up.
-    remove_partial_on_start: bool = True
-    #: Exact classes ("package.module.ClassName") whose enum members, named tuples and plain objects
-    #: the sidecar may hold, beyond ``codec.add_safe_classes``'s (codec.py; adapters add their own).
-    safe_classes: tuple[str, ...] = ()
-    #: Threads reading a checkpoint file in parallel at restore (O_DIRECT per ``o_direct``).
-    restore_threads: int = 4
-    #: Checksum and write in the I/O worker process (save/io_worker.py), which takes none of the
-    #: training process's GIL; False: on the engine's threads in this process.
-    flush_process: bool = True
-    #: Also send each rank's files to the host memory of a rank on the next node (replica.py), so a
-    #: lost node is recovered from its peers' memory instead of the shared file system.
-    peer_replica: bool = False
-    #: Ranks per node for the peer mapping; None: torchrun's LOCAL_WORLD_SIZE. Smaller values
-    #: simulate several nodes on one machine.
-    ranks_per_node: int | None = None
-    #: Host-memory directory for the replicas this node holds, created private (0700, checked before
-    #: every use); None: ``/dev/shm/megatron_ext-<uid>/replicas-<hash of save_dir>``.
-    replica_dir: str | None = None
-    #: Ignored, accepted for DeepSpeed compatibility.
-    parser_threads: int | None = None
+    Construction checks the values alone; ``check_node`` adds the checks that read this node (its
+    memory, the safe classes' modules), run at start-up by ``from_dict`` and the engine.
+    """
+
+    host_cache_size: float = _knob(
+        1.0, "host cache: the one buffer all snapshots stream through, allocated once in the background", unit="GiB")
+    chunk_size_mb: float = _knob(
+        16.0, "unit of copy and write; at most a quarter of the cache (shrunk for tiny caches)", unit="MiB")
+    save_dir: str | None = _knob(
+        None, "default checkpoint root (the shared level); callers may pass another per save",
+        flag_elsewhere="--save")
+    local_dir: str | None = _knob(
+        None, "node-local level (e.g. NVMe scratch): ranks flush here first, a background stage copies to "
+              "`save_dir`; restarts read it when every rank finds its files", metavar="DIR")
+    o_direct: bool | str = _knob(
+        "auto", "`true` requires O_DIRECT, `false` never uses it, `\"auto\"` probes each level's root once for "
+                "writes (a directory under it that refuses O_DIRECT is probed on its own) and reads buffered with "
+                "kernel read-ahead at restore", metavar="true|false|auto")
+    snapshot_timeout_s: float = _knob(
+        600.0, "longest `wait_snapshot` may block before it raises", unit="seconds")
+    persist_timeout_s: float = _knob(
+        1800.0, "longest a flush or commit may take before it raises on every rank (a rank that never reports "
+                "is named) instead of hanging", unit="seconds", old_flags=("--datastates-timeout",))
+    telemetry_path: str | None = _knob(
+        None, "JSON lines, one per checkpoint and level (`{rank}` is replaced); its directory is proven at "
+              "start-up by writing a file there (so `/proc`, which root's `os.access` calls writable, is refused "
+              "then)", none_means="`<save_dir>/datastates_telemetry/rank-{rank:05d}.jsonl`", metavar="PATH")
+    pickle_fallback: bool = _knob(
+        False, "store non-tensor objects the safe encoder does not know with pickle (loaded only with "
+               "`allow_pickle=True`; DeepSpeed: `\"allow_pickle\": true` in `datastates_ckpt`)")
+    on_failure: OnFailure = _knob(
+        OnFailure.STOP, "after a failed flush or commit (disk full, I/O error, a rank that never reports): "
+                        "`\"stop\"` (every later engine call raises it) or `\"continue\"` (that checkpoint is "
+                        "abandoned, logged and in telemetry; training goes on)")
+    overload_policy: OverloadPolicy = _knob(
+        OverloadPolicy.WAIT, "host cache full of checkpoints still flushing: `\"wait\"` (backpressure: training "
+                             "waits for the flush) or `\"supersede\"` (pending checkpoints that have not started "
+                             "flushing are dropped for the newer one, and a snapshot still waiting for cache space "
+                             "at `wait_snapshot` is abandoned; training never waits for storage; docs/ARCHITECTURE.md)")
+    max_durable_age: int | None = _knob(
+        None, "with `\"supersede\"`: a save waits when the newest checkpoint committed in this run is more than "
+              "this many versions (Megatron-LM: iterations) older", none_means="no bound", metavar="VERSIONS")
+    keep_last: int | None = _knob(
+        None, "retention: keep the newest K committed checkpoints (in `latest()`'s order), plus those `keep_every` "
+              "keeps; the rest is deleted in the background. Where versioned checkpoints exist, unversioned ones "
+              "beside them (named exports) are never deleted. A whole number >= 1, here and in "
+              "`commit(keep_last=)` (anything else is a `ConfigError` at the call)", none_means="keep all",
+        metavar="K")
+    keep_every: int | None = _knob(
+        None, "retention, with `keep_last`: also keep every checkpoint whose version is a multiple of M",
+        metavar="M")
+    remove_partial_on_start: bool = _knob(
+        True, "rank 0, holding the directory's lock, removes uncommitted checkpoint directories left by a crash "
+              "(and data files a committed checkpoint's manifest does not name) when the engine starts; a "
+              "`save_dir` such a crash filled is probed for space only after that")
+    safe_classes: tuple[str, ...] = _knob(
+        (), "exact classes (`\"package.module.ClassName\"`) whose enum members, named tuples and plain objects "
+            "the sidecar may hold, beyond `add_safe_classes(...)`; the adapters ship their own lists "
+            "(docs/FORMAT.md). Their modules are imported at start-up (a configuration is trusted input). "
+            "Replaces `object_modules` (module prefixes), which is now an error", metavar="CLASS")
+    restore_threads: int = _knob(
+        4, "threads per rank reading a checkpoint file in parallel at restore, each one contiguous region "
+           "(O_DIRECT per `o_direct`)", metavar="N")
+    flush_process: bool = _knob(
+        True, "the flush's checksums and writes run in an I/O worker process over the host cache's shared "
+              "memory, so none of them takes the training process's GIL (docs/ARCHITECTURE.md, \"The GIL\"); "
+              "`false`: on the engine's threads in the training process, for systems that forbid starting a "
+              "process", off_flags=("--datastates-flush-in-process",))
+    peer_replica: bool = _knob(
+        False, "also keep each rank's files in the host memory of the rank with the same local index on the next "
+               "node; `open_checkpoint`/`load` become collectives that recover a lost node from there "
+               "(docs/ARCHITECTURE.md, docs/RELIABILITY.md). Cannot be combined with `\"supersede\"`")
+    ranks_per_node: int | None = _knob(
+        None, "ranks per node for the peer mapping; smaller values simulate several nodes on one machine",
+        none_means="`LOCAL_WORLD_SIZE`", metavar="N")
+    replica_dir: str | None = _knob(
+        None, "host-memory directory for the replicas a node holds (with `peer_replica`), created private "
+              "(0700) and checked before every use: another user's directory, one open to others or a symbolic "
+              "link on its path is refused", none_means="`/dev/shm/megatron_ext-<uid>/replicas-<hash of save_dir>`",
+        metavar="DIR")
+    parser_threads: int | None = _knob(
+        None, "accepted for DeepSpeed compatibility, ignored", none_means="—",
+        no_flag="a DeepSpeed key only, ignored")
 
     @property
     def host_cache_bytes(self) -> int:
@@ -134,13 +186,27 @@ class EngineConfig:
             raise ConfigError(
                 f"unknown datastates_ckpt key(s) {unknown}; known keys: {sorted(known)}"
             )
-        cfg = cls(**data)
+        cfg = cls(**data).check_node()
         if probe:
             cfg.validate(full_ok=True)
         return cfg
 
+    def check_node(self) -> "EngineConfig":
+        """The start-up checks that look beyond the values: the cache fits this node's physical memory,
+        and each of ``safe_classes`` is a class defined under exactly that name (its module is imported:
+        a configuration is trusted input). ``from_dict`` and the engine run it; returns ``self``."""
+        ram = _physical_memory_bytes()
+        if ram and self.host_cache_bytes > ram * 0.9:
+            raise ConfigError(
+                f"host_cache_size {self.host_cache_size} GB exceeds 90% of this node's "
+                f"{ram / GIB:.1f} GB of memory"
+            )
+        self.allowed_classes()
+        return self
+
     def __post_init__(self) -> None:
-        """Every construction path (``EngineConfig(...)``, ``from_dict``, ``dataclasses.replace``) is checked."""
+        """Every construction path (``EngineConfig(...)``, ``from_dict``, ``dataclasses.replace``) checks the
+        values; reading the node and importing modules is ``check_node``'s, so constructing has no side effects."""
         _number(self.host_cache_size, "host_cache_size")
         if not self.host_cache_size > 0:
             raise ConfigError(f"host_cache_size must be > 0 GB, got {self.host_cache_size}")
@@ -148,12 +214,6 @@ class EngineConfig:
             raise ConfigError(f"host_cache_size {self.host_cache_size} GB is absurd (the bound is {_MAX_CACHE_GB:g})")
         if self.host_cache_bytes < 4 * 4096:
             raise ConfigError(f"host_cache_size {self.host_cache_size} GB is below the 16 KiB minimum")
-        ram = _physical_memory_bytes()
-        if ram and self.host_cache_bytes > ram * 0.9:
-            raise ConfigError(
-                f"host_cache_size {self.host_cache_size} GB exceeds 90% of this node's "
-                f"{ram / GIB:.1f} GB of memory"
-            )
         _number(self.chunk_size_mb, "chunk_size_mb")
         if not (0 < self.chunk_size_mb <= 4096):
             raise ConfigError(f"chunk_size_mb must be in (0, 4096], got {self.chunk_size_mb}")
@@ -170,7 +230,6 @@ class EngineConfig:
         if type(names) is not tuple or not all(type(n) is str and n for n in names):
             raise ConfigError(f"safe_classes must be a list of class names (\"package.module.Class\"), got {self.safe_classes!r}")
         object.__setattr__(self, "safe_classes", names)
-        self.allowed_classes()  # each name must be a class defined under exactly that name
         for name in ("pickle_fallback", "remove_partial_on_start", "peer_replica", "flush_process"):
             if type(getattr(self, name)) is not bool:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -336,3 +395,97 @@ def check_writable_dir(path: str, what: str = "directory", private: bool = False
         if _no_room(exc, what, os.path.abspath(path), full):
             return
         raise ConfigError(f"{what} {path!r} is not writable: {exc.strerror or exc}") from exc
+
+
+# ------------------------------------------------------------------ the declaration's other forms
+@dataclasses.dataclass(frozen=True)
+class EngineFlag:
+    """One command-line flag made from an ``EngineConfig`` field: ``parser.add_argument(*options, **kwargs)``."""
+
+    key: str
+    options: tuple[str, ...]
+    kwargs: dict
+
+
+def flag_name(key: str) -> str:
+    """The flag a key gets: ``--datastates-`` and the key with dashes."""
+    return FLAG_PREFIX + key.replace("_", "-")
+
+
+def default_text(field: dataclasses.Field, markdown: bool = False) -> str:
+    """A field's default as users write it (``1``, ``"auto"``, ``false``, ``[]``), or what None stands for."""
+    value = field.default
+    if value is None:
+        text = field.metadata[NONE_MEANS] or "none"
+        return text if markdown else text.replace("`", "")
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):  # the enums are str enums
+        text = f'"{value}"'
+    elif isinstance(value, float):
+        text = f"{value:g}"
+    elif isinstance(value, tuple):
+        text = "[" + ", ".join(f'"{v}"' for v in value) + "]"
+    else:
+        text = str(value)
+    return f"`{text}`" if markdown and isinstance(value, (bool, str, tuple)) else text
+
+
+def flag_help(field: dataclasses.Field) -> str:
+    """A flag's help: the field's help as plain text, its unit and its default (``%`` escaped for argparse)."""
+    unit = field.metadata[UNIT]
+    tail = f"{unit}; default: {default_text(field)}" if unit else f"default: {default_text(field)}"
+    return f"{field.metadata[HELP]} ({tail}).".replace("`", "").replace("%", "%%")
+
+
+def _parse_o_direct(text: str) -> bool | str:
+    value = text.strip().lower()
+    if value in ("true", "false", "auto"):
+        return {"true": True, "false": False}.get(value, "auto")
+    raise argparse.ArgumentTypeError(f"true, false or auto, not {text!r}")
+
+
+def engine_flags(dest_prefix: str = "datastates_") -> list[EngineFlag]:
+    """The ``--datastates-*`` flags of every field that has one, each field's value in ``dest_prefix + key``
+    (None when absent: the engine's default applies). Earlier spellings are aliases of the same flag."""
+    hints = typing.get_type_hints(EngineConfig)
+    flags = []
+    for field in dataclasses.fields(EngineConfig):
+        meta = field.metadata
+        if meta[NO_FLAG] or meta[FLAG_ELSEWHERE]:
+            continue
+        dest = dest_prefix + field.name
+        hint = hints[field.name]
+        kinds = ([k for k in typing.get_args(hint) if k is not type(None)]
+                 if typing.get_origin(hint) in (typing.Union, types.UnionType) else [hint])
+        kwargs: dict[str, Any] = {"dest": dest, "default": None, "help": flag_help(field)}
+        unit = meta[UNIT]
+        metavar = meta[METAVAR] or ("SECONDS" if unit == "seconds" else unit)
+        if kinds == [bool]:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif len(kinds) == 1 and issubclass(typing.get_origin(kinds[0]) or kinds[0], enum.Enum):
+            kwargs["choices"] = [str(c) for c in kinds[0]]
+        elif kinds == [bool, str]:
+            kwargs.update(type=_parse_o_direct, metavar=metavar)
+        elif typing.get_origin(kinds[0]) is tuple:
+            kwargs.update(type=str, nargs="+", metavar=metavar)
+        else:
+            kwargs.update(type=kinds[0], metavar=metavar)
+        flags.append(EngineFlag(field.name, (flag_name(field.name),) + meta[OLD_FLAGS], kwargs))
+        for off in meta[OFF_FLAGS]:
+            flags.append(EngineFlag(field.name, (off,), {
+                "dest": dest, "action": "store_const", "const": False, "default": None,
+                "help": f"the earlier spelling of --no-{flag_name(field.name)[2:]}."}))
+    return flags
+
+
+def config_table_markdown() -> str:
+    """The README's table of configuration keys, made from the fields (tests/test_config_declared_once.py)."""
+    rows = ["| key | default | unit | meaning |", "|---|---|---|---|"]
+    for field in dataclasses.fields(EngineConfig):
+        meaning = field.metadata[HELP]
+        if field.metadata[FLAG_ELSEWHERE]:
+            meaning += f" (Megatron-LM: `{field.metadata[FLAG_ELSEWHERE]}`)"
+        rows.append(f"| `{field.name}` | {default_text(field, markdown=True)} | {field.metadata[UNIT] or ''} "
+                    f"| {meaning.replace('|', chr(92) + '|')} |")
+    return "\n".join(rows) + "\n"

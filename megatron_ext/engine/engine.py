@@ -69,7 +69,8 @@ class CheckpointEngine:
         Otherwise the job locks ``save_dir`` (rank 0) and ``local_dir`` (every node) for the
         engine's life (lock.py); another job's lock is an error at start-up on every rank.
         """
-        self.config = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config, probe=False)
+        self.config = (config.check_node() if isinstance(config, EngineConfig)
+                       else EngineConfig.from_dict(config, probe=False))
         default_rank, default_world = _default_rank_world()
         self.rank = default_rank if rank is None else rank
         self.world_size = default_world if world_size is None else world_size

@@ -9,88 +9,80 @@ flags split in two: those the engine takes (``engine_config_from_args``) and the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ext.engine.config import EngineConfig
+from megatron_ext.engine.config import EngineConfig, engine_flags, flag_name
 from megatron_ext.engine.errors import ConfigError
 from megatron_ext.megatron.host_cache_size import AUTO
 from megatron_ext.megatron.safe_classes import megatron_safe_classes
 
 
+#: What ``--datastates-host-cache-size`` means here: the adapter's ``auto`` is its default.
+_HOST_CACHE_HELP = ("Host (pinned) cache per rank in GiB, allocated once; snapshots wait for flushes when it is full. "
+                    "'auto' (the default): this rank's checkpoint bytes (known at its first save, or from the "
+                    "checkpoint a load reads) plus one chunk, at most half of the node's MemAvailable divided by "
+                    "its ranks (LOCAL_WORLD_SIZE); one log line gives the figures. The engine's own host_cache_size "
+                    "key takes GiB only.")
+
+
 def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--use-datastates``, the adapter's own flags, and one flag per engine key (``engine_flags``)."""
     group = parser.add_argument_group("datastates", "lazy asynchronous multi-level checkpointing (megatron_ext)")
     group.add_argument("--use-datastates", action="store_true",
                        help="Checkpoint with megatron_ext: save only records the tensors, copies to host "
                             "memory overlap with the next forward/backward, each rank streams its own "
                             "shards to storage, and the tracker file is written once all ranks are durable. "
                             "Meant for --save-interval 1.")
-    group.add_argument("--datastates-host-cache-size", type=host_cache_size, default=None, metavar="GB|auto",
-                       help="Host (pinned) cache per rank in GB, allocated once; snapshots wait for flushes when "
-                            "it is full. 'auto' (the default): this rank's checkpoint bytes (known at its first "
-                            "save, or from the checkpoint a load reads) plus one chunk, at most half of the "
-                            "node's available memory divided by its ranks (LOCAL_WORLD_SIZE); logged once.")
-    group.add_argument("--datastates-local-dir", type=str, default=None, metavar="DIR",
-                       help="Optional node-local directory (e.g. NVMe scratch): ranks flush there first and a "
-                            "background stage copies to --save. Restarts read it when every rank finds its files.")
-    group.add_argument("--datastates-chunk-size-mb", type=float, default=None, metavar="MB",
-                       help="Unit of copy and write in MiB (default 16).")
-    group.add_argument("--datastates-restore-threads", type=int, default=None, metavar="N",
-                       help="Threads per rank that read a checkpoint at load, each streaming its own part of "
-                            "a file (default 4).")
-    group.add_argument("--datastates-timeout", type=float, default=None, metavar="SECONDS",
-                       help="Longest a flush or commit may take before every rank fails with an error "
-                            "instead of hanging (default 1800).")
-    group.add_argument("--datastates-on-failure", choices=["stop", "continue"], default=None,
-                       help="When a checkpoint fails to flush or commit (disk full, I/O error, a rank that "
-                            "never reports within --datastates-timeout): 'stop' raises on every rank (default), "
-                            "'continue' abandons that checkpoint, logs it, and trains on.")
-    group.add_argument("--datastates-keep-last", type=int, default=None, metavar="K",
-                       help="Keep only the newest K committed checkpoints (plus --datastates-keep-every); "
-                            "older ones are deleted in the background. Default: keep all.")
-    group.add_argument("--datastates-keep-every", type=int, default=None, metavar="M",
-                       help="With --datastates-keep-last, also keep every checkpoint whose iteration is a "
-                            "multiple of M.")
-    group.add_argument("--datastates-overload-policy", choices=["wait", "supersede"], default=None,
-                       help="When a checkpoint does not fit in the host cache because earlier ones are still "
-                            "flushing: 'wait' stalls training until the flush frees space (default), 'supersede' "
-                            "drops pending checkpoints that have not started flushing (and a snapshot still "
-                            "waiting for space when the optimizer step comes), so training never waits for storage.")
-    group.add_argument("--datastates-max-durable-age", type=int, default=None, metavar="ITERS",
-                       help="With 'supersede': when the newest committed checkpoint is more than ITERS iterations "
-                            "older than a new save, that save waits instead. Default: no bound.")
-    group.add_argument("--datastates-flush-in-process", action="store_true", default=None,
-                       help="Checksum and write on the engine's threads in the training process instead of its "
-                            "I/O worker process (which takes none of the training process's GIL); for systems "
-                            "that forbid starting a process. Off by default.")
+    for flag in engine_flags():
+        kwargs = flag.kwargs
+        if flag.key == "host_cache_size":
+            kwargs = dict(kwargs, type=host_cache_size, metavar="GiB|auto", help=_HOST_CACHE_HELP)
+        group.add_argument(*flag.options, **kwargs)
     group.add_argument("--datastates-load-fallback", action="store_true",
-                       help="If the newest committed checkpoint fails its checks (a flipped byte, a truncated "
-                            "or missing file), load the next older committed one instead of stopping.")
+                       help="If the newest committed checkpoint fails its checks on any rank (a flipped byte, a "
+                            "truncated or missing file), all ranks load the next older committed one instead of "
+                            "stopping.")
     group.add_argument("--datastates-allow-pickle", action="store_true",
                        help="Trust the checkpoint's pickles: Transformer Engine's fp8 extra state goes to its "
                             "modules (which unpickle it) without the check that it holds only TE's fp8 metadata. "
-                            "Only for checkpoints from a source you trust: unpickling can run any code.")
-    group.add_argument("--datastates-peer-replica", action="store_true", default=None,
-                       help="Also send each rank's checkpoint files to the host memory (/dev/shm) of the rank "
-                            "with the same local index on the next node; a restart after losing one node "
-                            "recovers its ranks from there instead of the shared file system. Off by default.")
-    group.add_argument("--datastates-ranks-per-node", type=int, default=None, metavar="N",
-                       help="Ranks per node for --datastates-peer-replica (default: LOCAL_WORLD_SIZE); a smaller "
-                            "value simulates several nodes on one machine.")
-    group.add_argument("--datastates-replica-dir", type=str, default=None, metavar="DIR",
-                       help="Host-memory directory for the replicas a node holds, created private (0700) "
-                            "(default /dev/shm/megatron_ext-<uid>/replicas-<hash of --save>).")
+                            "By default each one is first decoded by a restricted unpickler and refused unless it "
+                            "holds only what TE writes (docs/RELIABILITY.md, 'Threat model'). Only for checkpoints "
+                            "from a source you trust: unpickling can run any code.")
     return parser
 
 
+def flag_table_markdown() -> str:
+    """README's table of the ``--datastates-*`` flags, made from the parser ``add_datastates_args`` builds
+    (tests/test_config_declared_once.py): an engine key's flag points to the key's row in the configuration
+    table, the adapter's own flags carry their help."""
+    keys = {field.name for field in dataclasses.fields(EngineConfig)}
+    group = next(g for g in add_datastates_args(argparse.ArgumentParser())._action_groups if g.title == "datastates")
+    rows = ["| flag | meaning |", "|---|---|"]
+    for action in group._group_actions:
+        metavar = action.metavar or ("|".join(action.choices) if action.choices else None)
+        shown = ", ".join(f"`{o} {metavar}`" if metavar and action.nargs != 0 else f"`{o}`"
+                          for o in action.option_strings).replace("|", "\\|")
+        key = action.dest.removeprefix("datastates_")
+        if key in keys and key != "host_cache_size":
+            meaning = f"engine key `{key}`"
+            if action.const is False:
+                meaning += " `false`, the earlier spelling of " + f"`--no-{flag_name(key)[2:]}`"
+        else:
+            meaning = action.help.replace("|", "\\|")
+        rows.append(f"| {shown} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
 def host_cache_size(text: str) -> float | str:
-    """``--datastates-host-cache-size``: a number of GB, or ``auto``."""
+    """``--datastates-host-cache-size``: a number of GiB, or ``auto``."""
     if text.strip().lower() == AUTO:
         return AUTO
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a size in GB or 'auto', not {text!r}") from None
+        raise argparse.ArgumentTypeError(f"a size in GiB or 'auto', not {text!r}") from None
 
 
 @dataclass(frozen=True)
@@ -122,17 +114,8 @@ class MegatronAdapterOptions:
                    allow_pickle=bool(getattr(args, "datastates_allow_pickle", False)))
 
 
-# Flags whose value, when given, goes to the engine configuration key of the same meaning.
-_OPTIONAL_FLAGS = (("datastates_chunk_size_mb", "chunk_size_mb"), ("datastates_timeout", "persist_timeout_s"),
-                   ("datastates_restore_threads", "restore_threads"),
-                   ("datastates_on_failure", "on_failure"), ("datastates_keep_last", "keep_last"),
-                   ("datastates_keep_every", "keep_every"), ("datastates_overload_policy", "overload_policy"),
-                   ("datastates_max_durable_age", "max_durable_age"), ("datastates_peer_replica", "peer_replica"),
-                   ("datastates_ranks_per_node", "ranks_per_node"), ("datastates_replica_dir", "replica_dir"))
-
-
 def engine_config_from_args(args: Any) -> dict:
-    """The engine configuration the flags describe.
+    """The engine configuration the flags describe: each engine key whose flag was given (``engine_flags``).
 
     ``host_cache_size`` is ``"auto"`` unless a size was given: the adapter replaces it with a
     number when it creates the engine (``host_cache_size.auto_host_cache``). Megatron-LM's
@@ -144,11 +127,10 @@ def engine_config_from_args(args: Any) -> dict:
            "save_dir": args.save, "local_dir": getattr(args, "datastates_local_dir", None)}
     if getattr(args, "save_retain_interval", None):
         cfg.update(keep_last=1, keep_every=args.save_retain_interval)
-    for flag, key in _OPTIONAL_FLAGS:
-        if getattr(args, flag, None) is not None:
-            cfg[key] = getattr(args, flag)
-    if getattr(args, "datastates_flush_in_process", None):
-        cfg["flush_process"] = False
+    for flag in engine_flags():
+        value = getattr(args, flag.kwargs["dest"], None)
+        if value is not None and flag.key not in ("host_cache_size", "local_dir"):
+            cfg[flag.key] = value
     return cfg
 
 

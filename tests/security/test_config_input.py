@@ -34,11 +34,24 @@ from helpers.hostile import SMALL
     ({"on_failure": ["stop"]}, "on_failure must be one of ['stop', 'continue'], got ['stop']"),
     ({"parser_threads": "8"}, "parser_threads must be a whole number"),
     ({"telemetry_path": "/tmp/{user}.jsonl"}, "only {rank} may be substituted"),
-    ({"safe_classes": ["os.system"]}, "safe class 'os.system' is not a class defined under that exact name"),
 ], ids=lambda v: repr(v)[:40] if isinstance(v, dict) else None)
 def test_every_construction_path_rejects(values, message):
     for build in (lambda: EngineConfig(**values), lambda: EngineConfig.from_dict(values, probe=False),
                   lambda: dataclasses.replace(EngineConfig(), **values), lambda: CheckpointEngine(values)):
+        with pytest.raises(ConfigError) as info:
+            build()
+        assert message in str(info.value)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"safe_classes": ["os.system"]}, "safe class 'os.system' is not a class defined under that exact name"),
+    ({"host_cache_size": 1e6}, "host_cache_size 1000000.0 GB exceeds 90% of this node's"),
+], ids=lambda v: repr(v)[:40] if isinstance(v, dict) else None)
+def test_every_start_up_path_checks_the_node(values, message):
+    """Constructing reads nothing; every path to a running engine runs ``check_node`` (imports, memory)."""
+    config = EngineConfig(**values)  # the values alone are fine
+    for build in (config.check_node, lambda: EngineConfig.from_dict(values, probe=False),
+                  lambda: CheckpointEngine(values), lambda: CheckpointEngine(config)):
         with pytest.raises(ConfigError) as info:
             build()
         assert message in str(info.value)

@@ -47,7 +47,8 @@ class OfflineWriter:
 
     def __init__(self, config: EngineConfig | Mapping[str, Any] | None, root: str, checkpoint: str, *,
                  world_size: int, version: int | None = None, run_id: str | None = None):
-        self.config = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config, probe=False)
+        self.config = (config.check_node() if isinstance(config, EngineConfig)
+                       else EngineConfig.from_dict(config, probe=False))
         if type(world_size) is not int or world_size < 1:
             raise ConfigError(f"world_size must be a whole number >= 1, got {world_size!r}")
         if run_id is not None and (type(run_id) is not str or not RUN_ID.fullmatch(run_id)):
