@@ -1,8 +1,9 @@
 """Engine configuration.
 
 A superset of DeepSpeed's ``"datastates_ckpt"`` section: DeepSpeed users pass that dict as is,
-Megatron users get the same keys from command-line flags. Every problem is reported at start-up,
-never in the middle of a run.
+Megatron users get the same keys from command-line flags. Each field is the one declaration of its
+knob (``_knob``): the flags (``engine_flags``) and README's table (``config_table_markdown``) are
+made from it. Every problem is reported at start-up, never in the middle of a run.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Megatron-LM's own parser and the reference trainer both call ``add_datastates_args`` and
 ``validate_datastates_args``, so the flags, their help and their checks live in one place. The
-flags split in two: those the engine takes (``engine_config_from_args``) and the adapter's own
-(``MegatronAdapterOptions``).
+flags split in two: one per engine key, generated from ``EngineConfig``'s fields
+(``config.engine_flags``: name, type, unit, help and default come from the field), whose values
+``engine_config_from_args`` collects, and the adapter's own (``MegatronAdapterOptions``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ cache is full (backpressure); a real rank writes many GB, far more than a fixed 
   without it); the other half stays with the trainer, its data loaders and the page cache.
   Where ``MemAvailable`` cannot be read, the physical memory is taken instead.
 
-The engine takes a number of GB (``EngineConfig.host_cache_size``): ``auto`` is the adapter's
+The engine takes a number of GiB (``EngineConfig.host_cache_size``): ``auto`` is the adapter's
 concept, since only the adapter knows the rank's bytes before the engine exists. One log line
 says how the size was chosen.
 """
