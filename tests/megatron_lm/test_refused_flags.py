@@ -35,6 +35,11 @@ CASES = {
                                 "--reuse-grad-buf-for-mxfp8-param-ag with --overlap-param-gather"),
     "lion_plain": (["--optimizer", "lion"], None),
     "adam_distributed": (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], None),
+    # The flags generated from EngineConfig's fields, and the earlier spellings kept as aliases, parse in
+    # Megatron-LM's own parser (a parse error ends the interpreter: the test fails).
+    "engine_key_flags": (["--datastates-persist-timeout-s", "60", "--no-datastates-flush-process",
+                          "--datastates-o-direct", "auto", "--datastates-chunk-size-mb", "4"], None),
+    "earlier_spellings": (["--datastates-timeout", "60", "--datastates-flush-in-process"], None),
 }
 
 CODE = r"""
