@@ -3,8 +3,8 @@
 The public calls live here: ``save`` (bookkeeping only, on the caller's thread), ``commit``,
 ``wait_snapshot`` (called right before the training loop mutates the saved tensors, and nothing
 else), ``wait_persisted``, the loads and ``shutdown``. The save stages are built once by
-``save.pipeline.SavePipeline``; the overload decisions are in save/skips.py and the read side in
-read/committed.py.
+``save.pipeline.SavePipeline``; the overload decisions are in save/skips.py (the training
+thread's) and save/skip_settle.py (the snapshot thread's), the read side in read/committed.py.
 
 The engine knows nothing of Megatron or DeepSpeed: nested states of tensors in, files out.
 """
