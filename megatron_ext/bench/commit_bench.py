@@ -175,8 +175,8 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
             jobs = {}
             for r in real:
                 job = CheckpointJob(checkpoint=checkpoint, root=root, version=i, tag=run_id,
-                                    files=[SimulatedFile(checkpoint, r, run_id, tensors)],
-                                    commit_requested=True, commit_seq=i)
+                                    files=[SimulatedFile(checkpoint, r, run_id, tensors)])
+                job.request_commit(lambda: i)
                 jobs[r] = job
                 committers[r].track(job)
             idents = {r: committers[r]._thread.ident for r in real}
@@ -225,9 +225,8 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
 
 
 def _mark_durable(job: CheckpointJob, committer: Committer) -> None:
-    now = time.monotonic()
     for f in job.files:
-        f.durable_at[LEVEL_SHARED] = now
+        job.mark_durable(f, LEVEL_SHARED)
     committer.poke()
 
 

@@ -3,8 +3,8 @@
 The public calls live here: ``save`` (bookkeeping only, on the caller's thread), ``commit``,
 ``wait_snapshot`` (called right before the training loop mutates the saved tensors, and nothing
 else), ``wait_persisted``, the loads and ``shutdown``. The save stages are built once by
-``save.pipeline.SavePipeline``; the overload decisions are in save/skips.py and the read side in
-read/committed.py.
+``save.pipeline.SavePipeline``; the overload decisions are in save/skips.py (the training
+thread's) and save/skip_settle.py (the snapshot thread's), the read side in read/committed.py.
 
 The engine knows nothing of Megatron or DeepSpeed: nested states of tensors in, files out.
 """
@@ -147,13 +147,12 @@ class CheckpointEngine:
             job = self.skips.new_job(root, checkpoint, version, tag)  # its policy under a full cache
             self.committer.track(self.jobs.add(job))
         fjob = planned.file_job(job, self.scheduler.copier, gate, extra)
-        job.files.append(fjob)
+        job.add_file(fjob)
         self._files.append(fjob)
         faults.saved()
         self.scheduler.submit(fjob)
         took = time.monotonic() - started
-        job.blocked_s += took
-        job.blocked_spans.append((started, took))
+        job.add_blocked(started, took)
         self.blocked_total_s += took
         return fjob
 
@@ -173,11 +172,8 @@ class CheckpointEngine:
         if job is None:  # a rank with nothing to save still takes part in the commit
             job = CheckpointJob(checkpoint=checkpoint, root=root, version=None, tag=self.jobs.tag(root, checkpoint))
             self.committer.track(self.jobs.add(job))
-        if on_committed is not None:
-            job.on_committed.append(on_committed)
-        if keep_last is not None or self.config.keep_last is not None:
-            job.retain, job.keep_last = True, keep_last
-        self._request_commit(job)
+        retain = keep_last is not None or self.config.keep_last is not None
+        self._request_commit(job, on_committed, keep_last, retain)
         self.committer.poke()
         return job
 
@@ -191,8 +187,9 @@ class CheckpointEngine:
 
         return self.jobs.reusable(root, checkpoint, wait_earlier)
 
-    def _request_commit(self, job: CheckpointJob) -> None:
-        if self.jobs.request_commit(job) and self.replicas is not None:
+    def _request_commit(self, job: CheckpointJob, on_committed: Callable[[Any], None] | None = None,
+                        keep_last: int | None = None, retain: bool = False) -> None:
+        if self.jobs.request_commit(job, on_committed, keep_last, retain) and self.replicas is not None:
             self.replicas.submit(job)  # every rank commits the same checkpoints in the same order
 
     def save_and_commit(self, state: Any, checkpoint: str, name: str | None = None, **kwargs: Any) -> CheckpointJob:
@@ -221,8 +218,7 @@ class CheckpointEngine:
         self.blocked_total_s += blocked
         self.wait_total_s += blocked
         for job in {f.job for f in pending}:
-            job.blocked_s += blocked
-            job.blocked_spans.append((started, blocked))
+            job.add_blocked(started, blocked)
         self._files = [f for f in self._files if not f.snapshot_done.is_set()]
         return blocked
 
@@ -388,7 +384,7 @@ class CheckpointEngine:
     @property
     def newest_durable_version(self) -> int | None:
         """Version of the newest checkpoint committed in this run (what ``max_durable_age`` measures from)."""
-        return self.skips.newest_durable
+        return self.committer.newest_committed
 
     def raise_if_failed(self) -> None:
         """Raise, on the caller's thread, the first failure of a background thread (cheap)."""

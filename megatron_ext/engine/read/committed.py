@@ -18,7 +18,7 @@ from ..format.manifest import TensorIndex
 from ..format.names import LEVEL_LOCAL, LEVEL_PEER, LEVEL_SHARED
 from ..host_cache import HostCache
 from . import file_reader
-from .entries import FileEntry, TensorEntry
+from .entries import CommittedManifest, FileEntry, TensorEntry
 
 
 class PeerSource(Protocol):
@@ -100,6 +100,8 @@ class CommittedCheckpoint:
         """``manifest`` must come from ``read_manifest`` (validated); ``open_committed`` builds this."""
         options = options or ReadOptions()
         self.root, self.checkpoint, self.manifest, self.options = os.path.abspath(root), checkpoint, manifest, options
+        #: The same manifest in the form the save side hands to ``on_committed`` (entries.py): typed header and files.
+        self.committed = CommittedManifest.loaded(manifest, os.path.join(self.root, checkpoint))
         self.local_dir, self.verify, self.classes = options.local_dir, options.verify, options.classes
         self.recovered = recovered or {}  # file name -> directory of its verified peer copy
         self.index = TensorIndex(os.path.join(self.root, checkpoint), manifest)  # each rank report read once
@@ -137,20 +139,20 @@ class CommittedCheckpoint:
     # ------------------------------------------------------------------ typed entries
     @property
     def run_id(self) -> str:
-        return self.manifest["run_id"]
+        return self.committed.run_id
 
     @property
     def world_size(self) -> int:
-        return self.manifest["world_size"]
+        return self.committed.world_size
 
     @property
     def version(self) -> int | None:
         """The version the saver gave the checkpoint (e.g. its iteration), if any."""
-        return self.manifest.get("version")
+        return self.committed.version
 
     def _file_entries(self) -> dict[str, FileEntry]:
         if self._files is None:
-            self._files = {name: FileEntry.of(entry) for name, entry in sorted(self.manifest["files"].items())}
+            self._files = self.committed.files()
         return self._files
 
     def files(self) -> list[FileEntry]:

@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Callable
 
 from ..errors import CheckpointError, CheckpointSkipped
 from ..files import atomic_write
-from ..format.catalog import read_manifest
 from ..format.manifest import (
     MANIFEST_SHARES,
     assemble_manifest,
@@ -49,17 +48,20 @@ from ..format.manifest import (
 from ..format.names import FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, MANIFEST, REPORTS, report_name
 from ..format.version import FORMAT_VERSION
 from ..format.validation import check_report
+from ..read.entries import CommittedManifest
 from .context import SaveContext
-from .coordination import (COMMITTED, FAILED, SKIPPED, Collected, CommitChannel, DecisionTimeout, ShareDamaged,
-                           checkpoint_key)
-from .jobs import CheckpointJob, JobState
+from .coordination import COMMITTED, SKIPPED, Collected, CommitChannel, DecisionTimeout, ShareDamaged
+from .jobs import CheckpointJob, CommitOutcome, JobState
+from .records import CommitDecision, FailedStatus, SkipRecord, job_key
 from .retention import remove_unlisted
 from .signal import CommitSignal
 
 if TYPE_CHECKING:
     from .io_worker import IoChannel
     from .retention import RetentionStage
-    from .skips import Skips
+
+#: Where a peer's skip still abandons a checkpoint here: anything short of committed.
+UNCOMMITTED = frozenset({JobState.OPEN, JobState.FLUSHING, JobState.REPORTED})
 
 #: Ranks other than 0 wait this much longer than rank 0 for the decision, so that when a rank is
 #: missing, rank 0's timeout (which names it) comes first and reaches everyone. Rank 0's clock
@@ -68,22 +70,11 @@ if TYPE_CHECKING:
 DECISION_GRACE_S = 30.0
 
 
-def skip_report_name(rank: int, run_id: str) -> str:
-    return f"rank-{rank:05d}.{run_id}.skipped.json"
-
-
-def job_key(job: CheckpointJob) -> str:
-    """The commit store's name for this attempt at ``job``'s checkpoint."""
-    return checkpoint_key(job.root, job.checkpoint, job.tag)
-
-
 def abandoned_status(job: CheckpointJob) -> dict:
     """What a rank posts for a checkpoint it will not commit (skipped or failed here)."""
     if job.skipped is not None:
-        return {"state": SKIPPED, "reason": job.skipped.get("reason"), "skipped_by": job.skipped.get("by_rank"),
-                "superseded_by": job.skipped.get("superseded_by"),
-                "superseded_by_version": job.skipped.get("superseded_by_version")}
-    return {"state": FAILED, "error": f"{type(job.error).__name__}: {job.error}"}
+        return job.skipped.status()
+    return FailedStatus(f"{type(job.error).__name__}: {job.error}").wire()
 
 
 def rank_report(job: CheckpointJob, rank: int, world_size: int) -> dict:
@@ -125,44 +116,20 @@ def durable_status(report: dict, data: bytes, rel: str) -> tuple[list, dict[str,
     return head, shares
 
 
-class ManifestOnDisk(dict):
-    """A committed manifest's header; its ``files`` and ``reports`` are read from disk when asked for.
-
-    What every rank's callbacks get, rank 0's included: sending every rank the whole list would
-    cost the store O(ranks^2) bytes per checkpoint, and rank 0 writes the manifest from encoded
-    shares without decoding them. A callback that reads ``manifest["files"]`` pays one validated
-    read of the manifest.
-    """
-
-    ON_DISK = ("files", "reports")
-
-    def __init__(self, header: dict, checkpoint_dir: str):
-        super().__init__(header)
-        self.checkpoint_dir = checkpoint_dir
-
-    def __missing__(self, key: str):
-        if key not in self.ON_DISK:
-            raise KeyError(key)
-        manifest = read_manifest(self.checkpoint_dir)
-        if manifest is None or manifest["run_id"] != self["run_id"]:
-            raise CheckpointError(f"{os.path.join(self.checkpoint_dir, MANIFEST)}: not the manifest rank 0 "
-                                  f"committed (run {self['run_id']})")
-        self.update(manifest)
-        return manifest[key]
-
-    def get(self, key: str, default=None):
-        return self[key] if key in self or key in self.ON_DISK else default
-
-
 class Committer:
     """Background thread: rank reports and statuses, and on rank 0 the manifest and the decision.
 
     It sleeps on ``signal`` (signal.py), which the flush stages notify when a file is durable and
     the engine, the skips and the failure handler when anything else it waits for changed.
+
+    A peer's skip that rank 0 decided is recorded here, on this thread (``_abandon_for_peer``);
+    ``settle_skipped`` (the snapshot scheduler's) then removes this rank's files of it.
+    ``newest_committed`` is this thread's alone: the newest version committed in this run.
     """
 
     def __init__(self, ctx: SaveContext, *, channel: CommitChannel, signal: CommitSignal,
-                 skips: "Skips | None" = None, may_remove: Callable[[str], bool] = lambda root: False,
+                 settle_skipped: Callable[[CheckpointJob], None] | None = None,
+                 may_remove: Callable[[str], bool] = lambda root: False,
                  retention: "RetentionStage | None" = None, io: "IoChannel | None" = None):
         self.ctx = ctx
         self.rank = ctx.rank
@@ -175,12 +142,14 @@ class Committer:
         self.check = ctx.check
         self.channel = channel
         self.signal = signal
-        self.skips = skips  # a peer skipped a checkpoint: drop it here too (None: nothing skips here)
+        self.settle_skipped = settle_skipped  # a peer skipped a checkpoint: drop its files here too
+        self.newest_committed: int | None = None  # newest version committed in this run (durable-age bound)
         self.may_remove = may_remove  # whether this rank holds the lock of a root (lock.py)
         self.retention = retention  # the next stage (retention.RetentionStage), or None
         self.io = io  # writes the reports and the manifest (io_worker.py); None: on this thread
         self._lock = threading.Lock()  # guards the pending list (the training thread adds)
         self._pending: list[CheckpointJob] = []
+        self._manifest_bytes: dict[str, int] = {}  # rank 0, this thread: the bytes a manifest just written lists
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="datastates-committer", daemon=True)
         self._thread.start()
@@ -220,7 +189,7 @@ class Committer:
                     self.check()
                 except CheckpointError:  # the engine stopped: nothing pending will become durable
                     for job in self._pending:
-                        job.settled.set()
+                        job.settle()
                     self._pending.clear()
                     return None
             self.signal.wait(seen, self.timeout_s)
@@ -233,22 +202,30 @@ class Committer:
             try:
                 with self.telemetry.batch():  # the commit's records in one write, before waiters wake
                     self._commit(job)
-                job.settled.set()
+                job.settle()
             except CheckpointSkipped as exc:
-                if self.skips is not None:
-                    self.skips.abandon_for_peer(job, exc)
-                job.settled.set()
+                self._abandon_for_peer(job, exc)
+                job.settle()
             except BaseException as exc:
                 if self.rank == 0:  # the others wait for a decision: make sure there is one
                     try:
-                        self.channel.settle(job_key(job), {"state": FAILED, "error": f"checkpoint {job.checkpoint} "
-                                                           f"failed on rank 0: {type(exc).__name__}: {exc}"})
+                        self.channel.settle(job_key(job), CommitDecision.failed(
+                            f"checkpoint {job.checkpoint} failed on rank 0: {type(exc).__name__}: {exc}").wire())
                     except Exception:
                         pass  # the store itself failed: the others time out, naming rank 0
                 fatal = self.fail(exc, job)
-                job.settled.set()  # waiters wake up and see the error
+                job.settle()  # waiters wake up and see the error
                 if fatal:
                     return
+
+    def _abandon_for_peer(self, job: CheckpointJob, exc: CheckpointSkipped) -> None:
+        """Rank 0 decided that another rank skipped ``job``: drop it here as well, short of committed."""
+        record = SkipRecord.from_peer(exc.report)
+        if job.skip(record, allowed_from=UNCOMMITTED):
+            self.telemetry.emit("skipped", job.checkpoint, "all", job.nbytes, version=job.version, **record.fields())
+            if self.settle_skipped is not None:
+                self.settle_skipped(job)
+            self.signal.notify()
 
     def _commit(self, job: CheckpointJob) -> None:
         """Report, post, decide (rank 0) or learn the decision; the caller then settles the job."""
@@ -266,7 +243,7 @@ class Committer:
             status, shares = self._write_reports(job)
         except BaseException as exc:
             if post:  # the others learn it now, not when rank 0's wait runs out
-                self.channel.post(key, {"state": FAILED, "error": f"{type(exc).__name__}: {exc}"})
+                self.channel.post(key, FailedStatus(f"{type(exc).__name__}: {exc}").wire())
             raise
         self._emit_levels(job)
         if post:
@@ -275,24 +252,26 @@ class Committer:
             decision = self._decide(job, key)
         else:
             decision = self._await_decision(job, key)
-        if decision["state"] == SKIPPED:
-            raise CheckpointSkipped(decision["message"], decision["report"])
-        if decision["state"] != COMMITTED:
-            raise CheckpointError(decision.get("error") or f"checkpoint {job.checkpoint} was not committed")
-        manifest = ManifestOnDisk(decision["manifest"], os.path.join(job.root, job.checkpoint))
-        job.manifest = manifest
-        job.committed_at = time.monotonic()
+        committed_bytes = self._manifest_bytes.pop(key, 0)  # rank 0 wrote the manifest: what it lists
+        if decision.state == SKIPPED:
+            raise CheckpointSkipped(decision.message, decision.report)
+        if decision.state != COMMITTED:
+            raise CheckpointError(decision.error or f"checkpoint {job.checkpoint} was not committed")
+        manifest = CommittedManifest(decision.manifest, os.path.join(job.root, job.checkpoint))
+        outcome = CommitOutcome(manifest, time.monotonic(), committed_bytes)
+        job.publish_outcome(outcome)
         job.advance(JobState.COMMITTED)  # from here on a late skip notice is refused
-        if self.skips is not None:
-            self.skips.note_committed(manifest)
-        for callback in job.on_committed:
+        if manifest.version is not None and (self.newest_committed is None or manifest.version > self.newest_committed):
+            self.newest_committed = manifest.version
+        request = job.request
+        for callback in request.on_committed:
             callback(manifest)
-        if self.retention is not None and job.retain:
+        if self.retention is not None and request.retain:
             self.retention.committed(job, manifest)
-        first = min(f.submitted_at for f in job.files) if job.files else job.committed_at
+        first = min(f.submitted_at for f in job.files) if job.files else outcome.committed_at
         if self.rank == 0:
-            self.telemetry.emit("commit", job.checkpoint, "all", job.committed_bytes, job.committed_at - first,
-                                world_size=self.world_size, run=self.run_id)
+            self.telemetry.emit("commit", job.checkpoint, "all", outcome.committed_bytes,
+                                outcome.committed_at - first, world_size=self.world_size, run=self.run_id)
 
     def _write_reports(self, job: CheckpointJob) -> tuple[list, dict[str, bytes]]:
         """This rank's report, durable on the shared level (and the local one); returns its durable status."""
@@ -323,16 +302,17 @@ class Committer:
         first = min(f.submitted_at for f in job.files)
         snap = max(f.snapshot_at or first for f in job.files)
         # When training was blocked for it, as [seconds after the first save call, seconds blocked].
-        spans = [[round(start - first, 6), round(took, 6)] for start, took in job.blocked_spans]
+        blocked = job.blocked  # the training thread's, read once: one whole value
+        spans = [[round(start - first, 6), round(took, 6)] for start, took in blocked.spans]
         self.telemetry.emit("snapshot", job.checkpoint, LEVEL_HOST, job.nbytes, snap - first,
-                            blocked_s=job.blocked_s, blocked_spans=spans, run=self.run_id)
+                            blocked_s=blocked.total_s, blocked_spans=spans, run=self.run_id)
         for level in (LEVEL_LOCAL, LEVEL_SHARED):
             done = [f.durable_at[level] for f in job.files if level in f.durable_at]
             if len(done) == len(job.files):
                 self.telemetry.emit("flush", job.checkpoint, level, job.nbytes, max(done) - first,
-                                    blocked_s=job.blocked_s, run=self.run_id)
+                                    blocked_s=blocked.total_s, run=self.run_id)
 
-    def _await_decision(self, job: CheckpointJob, key: str) -> dict:
+    def _await_decision(self, job: CheckpointJob, key: str) -> CommitDecision:
         """Ranks other than 0: rank 0's decision on ``job``, the one verdict every rank reports.
 
         If the wait runs out while rank 0 has posted its own status, rank 0 is alive and collecting
@@ -343,7 +323,7 @@ class Committer:
         for attempt in (1, 2):
             job.commit_stage.hold(wait_s, lambda: "rank 0's decision (rank 0 waits for every rank's report)")
             try:
-                return self.channel.await_decision(key, wait_s)
+                return CommitDecision.from_wire(self.channel.await_decision(key, wait_s))
             except DecisionTimeout:
                 rank0_posted = 0 not in self.channel.missing(key)
                 if not rank0_posted:
@@ -354,7 +334,7 @@ class Committer:
                                           f"{wait_s * attempt:.0f}s (rank 0 is stuck)") from None
         raise AssertionError("unreachable")
 
-    def _decide(self, job: CheckpointJob, key: str) -> dict:
+    def _decide(self, job: CheckpointJob, key: str) -> CommitDecision:
         """Rank 0: every rank's status, then the manifest (if all are durable), then the decision.
 
         Returns the decision that stands (one published earlier, by a failure, wins). This wait is
@@ -365,7 +345,7 @@ class Committer:
         with gc_paused():
             return self._settle(job, key, collected)
 
-    def _settle(self, job: CheckpointJob, key: str, collected: Collected) -> dict:
+    def _settle(self, job: CheckpointJob, key: str, collected: Collected) -> CommitDecision:
         skipped = [s for s in collected.others if s["state"] == SKIPPED]
         failed = [s for s in collected.others if s["state"] != SKIPPED]
         missing = collected.missing
@@ -373,26 +353,26 @@ class Committer:
             first = skipped[0]
             detail = {"rank": first["rank"], "reason": first.get("reason"), "superseded_by": first.get("superseded_by"),
                       "superseded_by_version": first.get("superseded_by_version")}
-            decision = {"state": SKIPPED, "report": detail,
-                        "message": f"checkpoint {job.checkpoint} skipped by rank {first['rank']}: {first.get('reason')}"}
+            decision = CommitDecision.skipped(
+                detail, f"checkpoint {job.checkpoint} skipped by rank {first['rank']}: {first.get('reason')}")
         elif failed:
-            decision = {"state": FAILED, "error": f"checkpoint {job.checkpoint} failed on rank {failed[0]['rank']}: "
-                                                  f"{failed[0].get('error')}"}
+            decision = CommitDecision.failed(f"checkpoint {job.checkpoint} failed on rank {failed[0]['rank']}: "
+                                             f"{failed[0].get('error')}")
         elif missing:
-            decision = {"state": FAILED, "error": f"checkpoint {job.checkpoint}: not every rank reported its files "
-                                                  f"durable within {self.timeout_s:.0f}s (missing ranks: "
-                                                  + ", ".join(map(str, missing)) + ")"}
+            decision = CommitDecision.failed(f"checkpoint {job.checkpoint}: not every rank reported its files "
+                                             f"durable within {self.timeout_s:.0f}s (missing ranks: "
+                                             + ", ".join(map(str, missing)) + ")")
         elif job.abandoned:  # rank 0 alone dropped it (its own failure decided already, or a race with it)
-            decision = {"state": FAILED, "error": f"checkpoint {job.checkpoint} was abandoned on rank 0"}
+            decision = CommitDecision.failed(f"checkpoint {job.checkpoint} was abandoned on rank 0")
         else:
             job.commit_stage.hold(self.timeout_s, lambda: "rank 0 to write the manifest")
             try:
                 header = self._write_manifest(job, key, collected)
             except CheckpointError as exc:
-                decision = {"state": FAILED, "error": str(exc)}
+                decision = CommitDecision.failed(str(exc))
             else:
-                decision = {"state": COMMITTED, "manifest": header}
-        return self.channel.settle(key, decision)
+                decision = CommitDecision.committed(header)
+        return CommitDecision.from_wire(self.channel.settle(key, decision.wire()))
 
     def _missing(self, key: str) -> str:
         try:
@@ -418,7 +398,7 @@ class Committer:
         header, data = assemble_manifest(job.checkpoint, job.tag, job.version, self.world_size, heads, shares,
                                          attempt_of)
         self._atomic_write(path, data)
-        job.committed_bytes = sum(head[2] for head in heads)
+        self._manifest_bytes[key] = sum(head[2] for head in heads)  # for the outcome (``_commit``)
         if self.may_remove(job.root) and not job.created(ckpt_dir):  # a new directory holds no other run's files
             remove_unlisted(ckpt_dir, job.tag)
         return header

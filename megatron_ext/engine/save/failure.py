@@ -18,9 +18,10 @@ from ..errors import CheckpointError
 from ..files import atomic_write_json
 from ..format.names import REPORTS, report_name
 from ..telemetry import Telemetry
-from .coordination import FAILED, CommitChannel, checkpoint_key
+from .coordination import CommitChannel
 from .job_table import JobTable
 from .jobs import CheckpointJob
+from .records import CommitDecision, FailedStatus, job_key
 from .signal import CommitSignal
 from .space import shortfall_note
 
@@ -53,6 +54,8 @@ class FailureHandler:
                 self.error, self.note = exc, note
         if job is not None:
             job.fail(exc)
+        for target in self.jobs.jobs():  # every wait re-checks now (a wait on any job may raise this failure)
+            target.wake()
         for target in [job] if job is not None else self.jobs.jobs():
             self._write_error_report(target, message)
         if fatal:  # this rank settles nothing any more: every open checkpoint fails, on every rank, now
@@ -76,12 +79,11 @@ class FailureHandler:
         The other ranks learn it from rank 0's decision; rank 0 itself decides at once (its
         committer thread may be gone).
         """
-        key = checkpoint_key(job.root, job.checkpoint, job.tag)
+        key = job_key(job)
         if job.claim_status():
-            self.channel.post(key, {"state": FAILED, "error": message}, from_committer=False)
+            self.channel.post(key, FailedStatus(message).wire(), from_committer=False)
         if self.rank == 0:
-            self.channel.settle(key, {"state": FAILED,
-                                      "error": f"checkpoint {job.checkpoint} failed on rank 0: {message}"})
+            self.channel.settle(key, CommitDecision.failed(f"checkpoint {job.checkpoint} failed on rank 0: {message}").wire())
 
     def _write_error_report(self, job: CheckpointJob, message: str) -> None:
         """The record of the failure in the checkpoint's reports, for ``inspect``; the other

@@ -22,7 +22,6 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-import time
 from typing import TYPE_CHECKING, Callable
 
 from .. import faults
@@ -100,14 +99,7 @@ class RankWriter(QueueWorker):
 
     def take_back(self, job: CheckpointJob) -> None:
         """Pull a skipped checkpoint's queued chunks out of the pipeline and free their slots now."""
-        q = self._queue
-        with q.mutex:
-            mine = [c for c in q.queue if isinstance(c, Chunk) and c.file.job is job]
-            if mine:
-                keep = [c for c in q.queue if not (isinstance(c, Chunk) and c.file.job is job)]
-                q.queue.clear()
-                q.queue.extend(keep)
-        for c in mine:
+        for c in self.cancel(lambda item: isinstance(item, Chunk) and item.file.job is job):
             self.cache.release_run(c.slot, c.count)
 
     def handle(self, item: Chunk | Discard) -> None:
@@ -164,7 +156,7 @@ class RankWriter(QueueWorker):
         faults.before_write(self.level, sidecar_path, 0, len(fjob.sidecar))
         sums = self.io.finish(number, fjob.layout.size, sidecar_path, fjob.sidecar)
         fjob.take_checksums(sums)
-        fjob.durable_at[self.level] = time.monotonic()
+        fjob.job.mark_durable(fjob, self.level)
         self.next.durable(fjob)
 
     def _abort(self, fjob: FileJob) -> None:
@@ -228,7 +220,7 @@ class LevelStager(QueueWorker):
         try:
             self._copy(fjob.tensor_rel, fjob, fjob.file_xxh3, fjob.layout.size)
             self._copy(fjob.sidecar_rel, fjob, fjob.sidecar_xxh3, len(fjob.sidecar))
-            fjob.durable_at[LEVEL_SHARED] = time.monotonic()
+            fjob.job.mark_durable(fjob, LEVEL_SHARED)
             self.next.durable(fjob)
         except BaseException as exc:
             self._failed = self.fail(exc, fjob.job)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import Callable
+from typing import Any, Callable
 
 from .jobs import CheckpointJob
 
@@ -69,13 +69,11 @@ class JobTable:
         """The tag of the attempt at ``checkpoint`` a new job starts (the run id, unless saved again)."""
         return attempt_tag(self.run_id, checkpoint, self._attempts.get((root, checkpoint), 0))
 
-    def request_commit(self, job: CheckpointJob) -> bool:
-        """Mark ``job`` for commit; True the first time (then it got its place in the commit order)."""
-        first = not job.commit_requested
-        if first:
-            job.commit_seq = next(self._commit_seq)  # the committer settles checkpoints in this order
-        job.commit_requested = True
-        return first
+    def request_commit(self, job: CheckpointJob, on_committed: Callable[[Any], None] | None = None,
+                       keep_last: int | None = None, retain: bool = False) -> bool:
+        """Mark ``job`` for commit; True the first time (then it got its place in the commit order,
+        in which the committer settles checkpoints)."""
+        return job.request_commit(lambda: next(self._commit_seq), on_committed, keep_last, retain)
 
     def forget_finished(self) -> None:
         """Drop the records of finished checkpoints, keeping only their ids."""

@@ -4,6 +4,13 @@ A checkpoint's progress on this rank is one ``JobState``, moved only by ``Checkp
 (and ``skip`` / ``fail``, which record why) under the job's own lock: the moves that exclude each
 other (the writer starts flushing, this rank reports, a skip, a failure) are decided there, so
 no stage shares a lock with another.
+
+Every other field has one writer thread (docs/ARCHITECTURE.md, "Who writes what"): the training
+thread's files, ``CommitRequest`` and ``BlockedTime``; the writer's and stager's durability of
+each file (``mark_durable``); the committer's ``CommitOutcome``; the skip's ``SkipRecord``. Each
+is published under the job's lock as one frozen value, and the job's condition is notified, so
+waiters on other threads (``wait_settled``, the replicator, ``wait_snapshot``) are told instead
+of polling, and read one whole value.
 """
 
 from __future__ import annotations
@@ -13,14 +20,21 @@ import enum
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
+from ..config import OverloadPolicy
 from ..errors import CheckpointError
 from ..format.names import LEVEL_SHARED
 from ..format.tensor_file import FileLayout
 from .deadlines import StageDeadline
+from .records import SkipRecord
 
-_POLL_S = 0.05  # how often a wait re-checks for background failures
+if TYPE_CHECKING:
+    from ..read.entries import CommittedManifest
+
+#: The longest a notified wait sleeps before it re-checks on its own: every change and every
+#: background failure notifies, so this only bounds what a missed notification could cost.
+RECHECK_S = 1.0
 
 
 class JobState(enum.Enum):
@@ -62,7 +76,9 @@ class FileJob:
     extra: dict | None = None  # caller's JSON-able index, copied into the report and manifest
     gate: Any = None  # a CopyGate (copy_gate.py): copies start once it opens; None: at once
     submitted_at: float = dataclasses.field(default_factory=time.monotonic)
-    snapshot_at: float | None = None
+    snapshot_at: float | None = None  # the snapshot thread's, before ``snapshot_done``
+    #: Level -> when it became durable there: written only through ``CheckpointJob.mark_durable``
+    #: (the writer its first level, the stager the shared one), read under the job's lock.
     durable_at: dict[str, float] = dataclasses.field(default_factory=dict)
     file_xxh3: str | None = None
     sidecar_xxh3: str | None = None
@@ -77,6 +93,11 @@ class FileJob:
     def root(self) -> str:
         """Its checkpoint's shared root directory."""
         return self.job.root
+
+    def snapshot_finished(self) -> None:
+        """The snapshot thread is done with this file (copied, or given up): ``wait_snapshot`` is told."""
+        self.snapshot_done.set()
+        self.job.wake()
 
     def take_checksums(self, sums: dict) -> None:
         """The checksums ``io_ops.FileIo.finish`` returned for this file (hex): file, tensors in file order, sidecar."""
@@ -108,6 +129,38 @@ class FileJob:
         return entry
 
 
+@dataclasses.dataclass(frozen=True)
+class CommitRequest:
+    """The training thread's ``commit`` of a checkpoint: its place in the commit order (the same
+    on every rank), the callbacks to run once committed, and its retention."""
+
+    seq: int
+    on_committed: tuple[Callable[[Any], None], ...] = ()
+    retain: bool = False  # whether retention runs after this commit
+    keep_last: int | None = None  # its own ``keep_last`` (None: the config's)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockedTime:
+    """The training thread's time inside save/wait_snapshot for one checkpoint: the total, and
+    each call as (monotonic start, seconds)."""
+
+    total_s: float = 0.0
+    spans: tuple[tuple[float, float], ...] = ()
+
+    def plus(self, started: float, took: float) -> "BlockedTime":
+        return BlockedTime(self.total_s + took, self.spans + ((started, took),))
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitOutcome:
+    """The committer's record of a committed checkpoint."""
+
+    manifest: "CommittedManifest"
+    committed_at: float  # monotonic
+    committed_bytes: int  # rank 0: bytes of every rank's files in the manifest (for telemetry); else 0
+
+
 @dataclasses.dataclass(eq=False)
 class CheckpointJob:
     """Everything one rank saves under one checkpoint id, and its progress through the levels."""
@@ -118,28 +171,12 @@ class CheckpointJob:
     #: Names this attempt's files, reports and manifest (12 hex digits): the run id, or for a
     #: checkpoint id saved again in the same run, one derived from it (``attempt_tag``).
     tag: str = ""
+    #: What this checkpoint's snapshot does when the host cache is full (fixed when it is made).
+    policy: OverloadPolicy = OverloadPolicy.WAIT
+    #: The training thread's files (``add_file``); read by the others once its commit is requested.
     files: list[FileJob] = dataclasses.field(default_factory=list)
-    #: The caller asked to commit it (set once, by the training thread; ``commit_seq`` is its place in
-    #: the commit order, the same on every rank). Not a state: a skipped checkpoint is still settled in order.
-    commit_requested: bool = False
-    commit_seq: int = -1
-    on_committed: list[Callable[[dict], None]] = dataclasses.field(default_factory=list)
-    #: Set once the committer is done with it (committed, skipped or failed): waiters wake up.
+    #: Set once the committer is done with it (committed, skipped or failed): waiters wake up (``settle``).
     settled: threading.Event = dataclasses.field(default_factory=threading.Event)
-    manifest: dict | None = None
-    blocked_s: float = 0.0  # time the training thread spent inside save/wait_snapshot for it
-    #: When it was blocked: (monotonic start, seconds) of each save/wait_snapshot call counted in ``blocked_s``.
-    blocked_spans: list[tuple[float, float]] = dataclasses.field(default_factory=list)
-    error: BaseException | None = None  # why it failed (``fail``)
-    committed_at: float | None = None
-    #: Whether retention runs after this commit, and its own ``keep_last`` (None: the config's).
-    retain: bool = False
-    keep_last: int | None = None
-    committed_bytes: int = 0  # rank 0: bytes of every rank's files in the manifest (for telemetry)
-    #: "wait" or "supersede": what this checkpoint's snapshot does when the host cache is full.
-    policy: str = "wait"
-    #: Why it was skipped under overload: {"reason", "superseded_by", "by_rank", ...} (``skip``).
-    skipped: dict | None = None
     #: The committer's bounded wait for this checkpoint (its report, the other ranks, rank 0's decision):
     #: a training-thread wait that runs out defers to it, so the committer's error names what is missing.
     commit_stage: StageDeadline = dataclasses.field(default_factory=StageDeadline, repr=False)
@@ -147,11 +184,130 @@ class CheckpointJob:
     #: reply timeout: on a near tie with a flush wait, the request's error is the one raised.
     flush_stage: StageDeadline = dataclasses.field(default_factory=StageDeadline, repr=False)
     state: JobState = dataclasses.field(default=JobState.OPEN, init=False)
+    #: One frozen record per writer thread (see the module docstring), replaced whole under the lock.
+    request: CommitRequest | None = dataclasses.field(default=None, init=False)  # the training thread's
+    blocked: BlockedTime = dataclasses.field(default_factory=BlockedTime, init=False)  # the training thread's
+    outcome: CommitOutcome | None = dataclasses.field(default=None, init=False)  # the committer's
+    skipped: SkipRecord | None = dataclasses.field(default=None, init=False)  # the skipping thread's (``skip``)
+    error: BaseException | None = dataclasses.field(default=None, init=False)  # the first failure (``fail``)
     #: Directories of this checkpoint known to exist (``make_directory``), and those this run created.
     _directories: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
     _created: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
     _status_claimed: bool = dataclasses.field(default=False, init=False, repr=False)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
+    #: Notified on every change a waiter may wait for; ``_changes`` counts them (``changes``/``wait_change``).
+    _changed: threading.Condition = dataclasses.field(init=False, repr=False)
+    _changes: int = dataclasses.field(default=0, init=False, repr=False)
+    _directory_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.policy = OverloadPolicy(self.policy)
+        self._changed = threading.Condition(self._lock)
+
+    # ------------------------------------------------------------------ being told of changes
+    def _notify(self) -> None:
+        """Under the lock: something a waiter may wait for changed."""
+        self._changes += 1
+        self._changed.notify_all()
+
+    def wake(self) -> None:
+        """Wake this job's waiters to look again (a file's snapshot finished, a failure, a starved copy)."""
+        with self._lock:
+            self._notify()
+
+    def changes(self) -> int:
+        """The change count now: take it before looking, so a change made meanwhile is not missed."""
+        with self._lock:
+            return self._changes
+
+    def wait_change(self, seen: int, timeout: float) -> bool:
+        """Block until a change after ``seen``, at most ``timeout`` (capped at ``RECHECK_S``) seconds."""
+        with self._lock:
+            return self._changed.wait_for(lambda: self._changes != seen, max(0.0, min(timeout, RECHECK_S)))
+
+    # ------------------------------------------------------------------ the training thread's records
+    def add_file(self, fjob: FileJob) -> None:
+        with self._lock:
+            self.files.append(fjob)
+
+    def add_blocked(self, started: float, took: float) -> None:
+        with self._lock:
+            self.blocked = self.blocked.plus(started, took)
+
+    def request_commit(self, next_seq: Callable[[], int], on_committed: Callable[[Any], None] | None = None,
+                       keep_last: int | None = None, retain: bool = False) -> bool:
+        """The caller asked to commit it (again: more callbacks, a new retention); True the first time,
+        when it takes its place in the commit order (``next_seq()``)."""
+        with self._lock:
+            old = self.request
+            callbacks = (old.on_committed if old else ()) + ((on_committed,) if on_committed is not None else ())
+            if retain:
+                kept = (True, keep_last)
+            else:
+                kept = (old.retain, old.keep_last) if old else (False, None)
+            self.request = CommitRequest(old.seq if old else next_seq(), callbacks, *kept)
+            self._notify()
+            return old is None
+
+    def on_commit(self, callback: Callable[[Any], None]) -> None:
+        """One more callback for a checkpoint whose commit was requested (the training thread's)."""
+        with self._lock:
+            old = self.request
+            self.request = dataclasses.replace(old, on_committed=old.on_committed + (callback,))
+
+    @property
+    def commit_requested(self) -> bool:
+        return self.request is not None
+
+    @property
+    def commit_seq(self) -> int:
+        request = self.request
+        return -1 if request is None else request.seq
+
+    @property
+    def blocked_s(self) -> float:
+        return self.blocked.total_s
+
+    @property
+    def blocked_spans(self) -> tuple[tuple[float, float], ...]:
+        return self.blocked.spans
+
+    # ------------------------------------------------------------------ the writer's and stager's record
+    def mark_durable(self, fjob: FileJob, level: str) -> None:
+        """``fjob`` (of this job) is durable on ``level`` now (its checksums taken before)."""
+        with self._lock:
+            fjob.durable_at[level] = time.monotonic()
+            self._notify()
+
+    def durable_on(self, level: str) -> bool:
+        with self._lock:
+            return all(level in f.durable_at for f in self.files)
+
+    # ------------------------------------------------------------------ the committer's record
+    def publish_outcome(self, outcome: CommitOutcome) -> None:
+        with self._lock:
+            self.outcome = outcome
+            self._notify()
+
+    def settle(self) -> None:
+        """The committer is done with it (or the engine stopped): waiters wake up."""
+        self.settled.set()
+        self.wake()
+
+    @property
+    def manifest(self) -> "CommittedManifest | None":
+        outcome = self.outcome
+        return None if outcome is None else outcome.manifest
+
+    @property
+    def committed_at(self) -> float | None:
+        outcome = self.outcome
+        return None if outcome is None else outcome.committed_at
+
+    @property
+    def committed_bytes(self) -> int:
+        outcome = self.outcome
+        return 0 if outcome is None else outcome.committed_bytes
 
     # ------------------------------------------------------------------ moves (each under the job's lock)
     def advance(self, to: JobState, *, allowed_from: frozenset[JobState] | None = None) -> bool:
@@ -167,6 +323,7 @@ class CheckpointJob:
         if to not in TRANSITIONS[self.state] or (allowed_from is not None and self.state not in allowed_from):
             return False
         self.state = to
+        self._notify()
         return True
 
     def begin_flush(self) -> bool:
@@ -176,12 +333,12 @@ class CheckpointJob:
                 self._move(JobState.FLUSHING)
             return self.state not in ABANDONED
 
-    def skip(self, info: dict, *, allowed_from: frozenset[JobState]) -> bool:
-        """Record a skip (``info``: why, by whom) unless the job moved past ``allowed_from`` or is settled."""
+    def skip(self, record: SkipRecord, *, allowed_from: frozenset[JobState]) -> bool:
+        """Record a skip (why, by whom) unless the job moved past ``allowed_from`` or is settled."""
         with self._lock:
             if self.settled.is_set() or not self._move(JobState.SKIPPED, allowed_from):
                 return False
-            self.skipped = info
+            self.skipped = record
             return True
 
     def fail(self, exc: BaseException) -> None:
@@ -190,6 +347,7 @@ class CheckpointJob:
             if self.error is None:
                 self.error = exc
             self._move(JobState.FAILED)
+            self._notify()
 
     def claim_status(self) -> bool:
         """True once: the caller posts this rank's one status of the checkpoint to the commit store."""
@@ -199,22 +357,26 @@ class CheckpointJob:
 
     def make_directory(self, path: str) -> None:
         """``path`` exists once this returns: one ``mkdir`` per directory of the checkpoint, not one
-        per file (each system call on a background thread is a GIL switch for the training thread)."""
-        if path in self._directories:
-            return
-        try:
-            os.mkdir(path)
-        except FileExistsError:
-            pass
-        except FileNotFoundError:  # the root itself is missing (removed meanwhile): make the chain
-            os.makedirs(path, exist_ok=True)
-        else:
-            self._created.add(path)
-        self._directories.add(path)
+        per file (each system call on a background thread is a GIL switch for the training thread).
+        The writer, the stager and the committer all call it: the sets are under a lock of their own,
+        held across the ``mkdir`` so that ``created`` names the one thread that made it."""
+        with self._directory_lock:
+            if path in self._directories:
+                return
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:  # the root itself is missing (removed meanwhile): make the chain
+                os.makedirs(path, exist_ok=True)
+            else:
+                self._created.add(path)
+            self._directories.add(path)
 
     def created(self, path: str) -> bool:
         """Whether this run created ``path`` (``make_directory``): then no earlier run left files there."""
-        return path in self._created
+        with self._directory_lock:
+            return path in self._created
 
     # ------------------------------------------------------------------ reading
     @property
@@ -226,31 +388,33 @@ class CheckpointJob:
     def nbytes(self) -> int:
         return sum(f.nbytes + len(f.sidecar) for f in self.files)
 
-    def durable_on(self, level: str) -> bool:
-        return all(level in f.durable_at for f in self.files)
-
     def wait_settled(self, deadline: float, check: Callable[[], None]) -> None:
         """Block until committed (once its commit was requested), else until durable on the shared
-        level or abandoned. ``check`` raises a background failure; every poll runs it, so a failure
-        ends the wait at once instead of at the deadline.
+        level or abandoned. ``check`` raises a background failure; the failure handler wakes every
+        open job, so a failure ends the wait at once instead of at the deadline.
 
         Past ``deadline`` the wait goes on while the committer holds a deadline of its own for this
         checkpoint (deadlines.py): its verdict, which names the missing ranks, is the error raised.
         """
-        if self.commit_requested:
-            while not self.settled.wait(_POLL_S):
-                check()
-                if time.monotonic() > self.commit_stage.ends(deadline):
+        while True:
+            seen = self.changes()
+            check()
+            if self.commit_requested:
+                if self.settled.is_set():
+                    break
+                ends = self.commit_stage.ends(deadline)
+                if time.monotonic() > ends:
                     raise CheckpointError(f"commit of {self.checkpoint} did not finish in time (timeout): "
                                           f"{self._waiting_for()}")
-        else:
-            while not self.durable_on(LEVEL_SHARED) and not self.abandoned:
-                check()
-                if time.monotonic() > self.flush_stage.ends_on_tie(deadline):
+            else:
+                if self.durable_on(LEVEL_SHARED) or self.abandoned:
+                    break
+                ends = self.flush_stage.ends_on_tie(deadline)
+                if time.monotonic() > ends:
                     stage = self.flush_stage.describe()
                     raise CheckpointError(f"flush of {self.checkpoint} did not finish in time"
                                           + (f": still waiting for {stage}" if stage else ""))
-                time.sleep(_POLL_S)
+            self.wait_change(seen, ends - time.monotonic() + 0.001)
         check()
 
     def _waiting_for(self) -> str:

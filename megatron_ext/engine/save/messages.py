@@ -1,6 +1,7 @@
 """What travels down the save pipeline between its threads (one module, so every stage reads the same).
 
-``Chunk`` goes snapshot -> writer; ``Discard`` follows a skipped checkpoint's last chunk through the
+``Chunk`` goes snapshot -> writer; ``SettleSkip`` from the training thread or the committer to the
+snapshot thread; ``Discard`` follows a skipped checkpoint's last chunk through the
 writer and the stager, so each level removes its files only after its own in-flight chunks.
 """
 
@@ -34,4 +35,11 @@ class Discard:
     job: CheckpointJob
 
 
-__all__ = ["Chunk", "Discard"]
+@dataclasses.dataclass(eq=False)
+class SettleSkip:
+    """Sent to the snapshot thread when another thread skipped ``job``: settle it there (skip_settle.py)."""
+
+    job: CheckpointJob
+
+
+__all__ = ["Chunk", "Discard", "SettleSkip"]

@@ -31,8 +31,9 @@ from ..files import atomic_write
 from ..format.manifest import MANIFEST_SHARES, assemble_manifest, encode_json
 from ..format.names import MANIFEST, REPORTS, RUN_ID, report_name, valid_name
 from ..format.validation import check_report
+from ..read.entries import CommittedManifest
 from . import lock as dir_lock
-from .commit import ManifestOnDisk, durable_status, rank_report
+from .commit import durable_status, rank_report
 from .copier import CpuCopier
 from .file_plan import PlannedFile, check_names
 from .flush import DirectChoice
@@ -100,7 +101,7 @@ class OfflineWriter:
         finally:
             for span in fjob.layout.spans:  # the caller's tensors are not held beyond this call
                 span.tensor = None
-        job.files.append(fjob)
+        job.add_file(fjob)
         self._names[name] = rank
         return fjob
 
@@ -177,7 +178,7 @@ class OfflineWriter:
         # Each share was held to the loader's rules as it was made (``durable_status``), the rules
         # that span ranks by ``assemble_manifest``: what the engine's ranks and rank 0 check.
         atomic_write(os.path.join(self.checkpoint_dir, MANIFEST), data)
-        self._committed = ManifestOnDisk(header, self.checkpoint_dir)
+        self._committed = CommittedManifest(header, self.checkpoint_dir)
         if on_committed is not None:
             on_committed(self._committed)
         return self._committed

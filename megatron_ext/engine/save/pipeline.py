@@ -10,11 +10,12 @@ Control flows one way and nothing is wired after construction:
 3. The I/O worker (io_worker.py, started as the first copy begins), then ``LevelStager`` (with a
    node-local level) and ``RankWriter``, whose durable files go on to the stager or straight to
    the signal; each stage talks to the worker on a channel of its own.
-4. ``Skips``, which removes skipped checkpoints' files through the writer, then the
-   ``SnapshotScheduler`` that consults it.
+4. ``SkipSettler``, which removes skipped checkpoints' files through the writer, then the
+   ``SnapshotScheduler`` that runs it (on its thread alone).
 5. ``PeerReplicas`` (with ``peer_replica``; a collective), ``RetentionStage`` (which spares what is
-   still saved or replicated) and last the ``Committer``, which settles skips and hands each
-   commit to retention.
+   still saved or replicated), the ``Committer``, which hands each commit to retention and a
+   peer's skip to the scheduler, and last the training thread's ``Skips``, which reads the
+   committer's newest committed version and hands its own skips to the scheduler.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .ownership import DirectoryOwnership
 from .replica import PeerReplicas, default_replica_dir
 from .retention import RetentionStage
 from .signal import CommitSignal
+from .skip_settle import SkipSettler
 from .skips import Skips
 from .snapshot import SnapshotScheduler
 
@@ -52,11 +54,11 @@ class SavePipeline:
     io: "IoWorker | LocalIo"
     stager: LevelStager | None
     writer: RankWriter
-    skips: Skips
     scheduler: SnapshotScheduler
     replicas: PeerReplicas | None
     retention: RetentionStage
     committer: Committer
+    skips: Skips
 
     @classmethod
     def build(cls, config: EngineConfig, *, rank: int, world_size: int, run_id: str, jobs: JobTable,
@@ -76,17 +78,18 @@ class SavePipeline:
         io = open_io(config.flush_process, cache, timeout_s)
         stager = LevelStager(ctx, signal, io.channel("stager")) if ctx.local_dir else None
         writer = RankWriter(ctx, cache, stager if stager is not None else signal, io.channel("writer"))
-        skips = Skips(ctx, config, jobs, cache, writer, channel, signal)
-        scheduler = SnapshotScheduler(ctx, cache, make_copier(use_cuda, device), writer, skips)
+        settler = SkipSettler(ctx, jobs, writer, channel, signal)
+        scheduler = SnapshotScheduler(ctx, cache, make_copier(use_cuda, device), writer, settler)
         replicas = None
         if config.peer_replica:  # creates a process group: collective, like the run id
             replica_dir = config.replica_dir or default_replica_dir(config.save_dir)
             replicas = PeerReplicas(ctx, config.ranks_per_node, replica_dir)
         retention = RetentionStage(config, ownership, jobs, replicas)
-        committer = Committer(ctx, channel=channel, signal=signal, skips=skips, may_remove=ownership.holds,
-                              retention=retention, io=io.channel("committer"))
-        return cls(ctx, channel, signal, failures, io, stager, writer, skips, scheduler, replicas, retention,
-                   committer)
+        committer = Committer(ctx, channel=channel, signal=signal, settle_skipped=scheduler.settle_later,
+                              may_remove=ownership.holds, retention=retention, io=io.channel("committer"))
+        skips = Skips(ctx, config, jobs, cache, scheduler, channel, signal, lambda: committer.newest_committed)
+        return cls(ctx, channel, signal, failures, io, stager, writer, scheduler, replicas, retention,
+                   committer, skips)
 
     def stop(self, clean_end: bool) -> None:
         """Stop every thread, from the first stage to the last (``clean_end``: free the peer replicas held)."""

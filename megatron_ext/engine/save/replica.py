@@ -35,14 +35,12 @@ from ..errors import CheckpointError, ConfigError
 from ..files import private_dir
 from .context import SaveContext
 from .deadlines import StageDeadline
-from .jobs import CheckpointJob
+from .jobs import RECHECK_S, CheckpointJob
 from .peer_link import Bundle, PeerLink, mismatch
 from .replica_store import ReplicaStore, expected_files
 from .worker import QueueWorker
 
 log = logging.getLogger("megatron_ext.engine")
-
-_POLL_S = 0.02
 
 
 # ---------------------------------------------------------------------------- peer mapping
@@ -122,7 +120,7 @@ class PeerReplicator(QueueWorker):
                     raise CheckpointError(f"replication to the peer did not finish in time "
                                           f"({len(self._pending)} item(s) pending"
                                           + (f"; still waiting for {stage})" if stage else ")"))
-                self._cond.wait(_POLL_S * 5)
+                self._cond.wait(max(0.0, min(RECHECK_S, self.stage.ends(deadline) - time.monotonic())) + 0.001)
         self.check()
 
     def handle(self, item: CheckpointJob | _Prune) -> None:
@@ -146,11 +144,14 @@ class PeerReplicator(QueueWorker):
     def _replicate(self, job: CheckpointJob) -> None:
         deadline = time.monotonic() + self.timeout_s
         self.stage.hold(self.timeout_s, lambda: f"{job.checkpoint} to become durable on the {self.first_level} level")
-        while not job.durable_on(self.first_level) and job.error is None:
+        while True:  # the writer's ``mark_durable`` and any failure wake this wait (jobs.py)
+            seen = job.changes()
+            if job.durable_on(self.first_level) or job.error is not None:
+                break
             self.check()
             if time.monotonic() > deadline:
                 raise CheckpointError(f"{job.checkpoint} did not become durable in time")
-            time.sleep(_POLL_S)
+            job.wait_change(seen, deadline - time.monotonic() + 0.001)
         started = time.monotonic()
         outgoing = None
         if job.error is None:  # an abandoned checkpoint still takes part, sending nothing
@@ -205,7 +206,7 @@ class PeerReplicas:
     def submit(self, job: CheckpointJob) -> None:
         """Replicate ``job`` once durable on the first level; prune older replicas once it commits."""
         self.replicator.submit(job)
-        job.on_committed.append(lambda manifest: self.replicator.submit(_Prune(job.root)))
+        job.on_commit(lambda manifest: self.replicator.submit(_Prune(job.root)))
 
     def pending(self) -> set[str]:
         return self.replicator.pending()

@@ -228,8 +228,9 @@ class RetentionStage:
         ours = [(name, m) for name, m in list_committed(root, cache) if run_of(m) in runs]
         owner = {name: m["run_id"] for name, m in ours}
         local = self.config.local_dir if ownership.holds_local else None
-        keep_every = self.config.keep_every if job.keep_last is None else None
-        keep_last = self.config.keep_last if job.keep_last is None else job.keep_last
+        own = job.request.keep_last  # this commit's own bound (the training thread's request), or None
+        keep_every = self.config.keep_every if own is None else None
+        keep_last = self.config.keep_last if own is None else own
         for name in to_delete([(n, m["version"]) for n, m in ours], keep_last, keep_every, self.in_flight(root)):
             if self.deleter is None:
                 self.deleter = Deleter()

@@ -6,13 +6,14 @@ and hands the filled slots to the flusher at once, so writing starts with the fi
 than after the whole snapshot. It takes neighbouring free slots in runs (``run_slots``: half
 the cache, at most 128 MiB) and copies all of a run's tensor parts in one call, so the GIL is
 taken back once per run rather than once per tensor and chunk. When a file's last chunk is
-copied its tensors are released and ``snapshot_done`` is set; ``wait_snapshot`` waits on those
-events.
+copied its tensors are released and ``snapshot_done`` is set, and the job's waiters are told
+(``FileJob.snapshot_finished``); ``wait_snapshot`` waits on those.
 
-Under ``overload_policy="supersede"`` a copy that finds the cache full first lets the skips
-(skips.py) drop older checkpoints whose flush has not started, and a copy whose checkpoint was
-skipped meanwhile stops at its next slot, releases the tensors, and the skips send a ``Discard``
-behind its chunks.
+Under ``overload_policy="supersede"`` a copy that finds the cache full first lets the
+``SkipSettler`` (skip_settle.py) drop older checkpoints whose flush has not started, and a copy
+whose checkpoint was skipped meanwhile stops at its next slot, releases the tensors, and the
+settler sends a ``Discard`` behind its chunks. Skips decided on other threads reach this one as
+a ``SettleSkip`` (``settle_later``): this thread alone settles skips.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from ..device import bind_thread
 from ..host_cache import HostCache
 from .context import SaveContext
 from .copier import CpuCopier
-from .jobs import FileJob
-from .messages import Chunk
+from .deadlines import StageDeadline
+from .jobs import CheckpointJob, FileJob
+from .messages import Chunk, SettleSkip
 from .worker import QueueWorker
 
 if TYPE_CHECKING:
     from .flush import RankWriter
-    from .skips import Skips
+    from .skip_settle import SkipSettler
 
 
 class _Abandoned(Exception):
@@ -42,27 +44,45 @@ class _Abandoned(Exception):
 class SnapshotScheduler(QueueWorker):
     """Copies files into the cache in order; under "supersede" it never waits for the flush unasked.
 
-    It tells ``skips`` which copy waits for a free slot (backpressure) and when a snapshot
-    finishes, for ``wait_snapshot``.
+    It publishes which copy waits for a free slot (``starved``, backpressure) and when a snapshot
+    finishes, for ``wait_snapshot``; both are written by this thread only.
     """
 
-    def __init__(self, ctx: SaveContext, cache: HostCache, copier: CpuCopier, writer: "RankWriter", skips: "Skips"):
+    def __init__(self, ctx: SaveContext, cache: HostCache, copier: CpuCopier, writer: "RankWriter",
+                 settler: "SkipSettler"):
         self.ctx = ctx
         self.cache = cache
         self.copier = copier
         self.writer = writer  # the next stage: every filled slot goes there at once
-        self.skips = skips  # makes room under "supersede"; discards a skipped checkpoint once its copies are done
+        self.settler = settler  # makes room under "supersede"; discards a skipped checkpoint once its copies are done
         self._dead = False
+        #: The file whose copy waits for a free cache slot right now (backpressure), or None.
+        self.starved: FileJob | None = None
+        #: The starved copy's own bounded wait for cache space: on a near tie with ``wait_snapshot``'s
+        #: deadline, the copy's error ("the flush is stuck") is the one raised.
+        self.slot_wait = StageDeadline()
         self.start("datastates-snapshot", lambda: bind_thread(ctx.device))  # device.py
 
-    @property
-    def starved(self) -> FileJob | None:
-        """The file whose copy is waiting for a free slot right now, or None."""
-        return self.skips.starved
+    def settle_later(self, job: CheckpointJob) -> None:
+        """``job`` was skipped on another thread: this one settles it, behind its queued copies."""
+        self.submit(SettleSkip(job))
 
-    def handle(self, fjob: FileJob) -> None:
+    def _starving(self, fjob: FileJob | None) -> None:
+        """``fjob``'s copy starts waiting for cache space (None: it got its slots)."""
+        self.starved = fjob
+        if fjob is not None:
+            fjob.job.wake()
+
+    def handle(self, item: FileJob | SettleSkip) -> None:
+        if isinstance(item, SettleSkip):
+            try:
+                self.settler.settle(item.job)
+            except BaseException as exc:
+                self.ctx.fail(exc, item.job)
+            return
+        fjob = item
         if self._dead:  # after a failure nothing more is copied; waiters wake up and see the error
-            fjob.snapshot_done.set()
+            fjob.snapshot_finished()
             return
         try:
             if fjob.job.abandoned:
@@ -75,14 +95,16 @@ class SnapshotScheduler(QueueWorker):
         except _Abandoned:
             self.copier.finish()  # no copy may still read the caller's tensors after snapshot_done
             self._release(fjob)
-            fjob.snapshot_done.set()
+            fjob.snapshot_finished()
         except BaseException as exc:
             self._dead = True
             self.ctx.fail(exc, None)  # the copy path is shared by all checkpoints: always fatal
-            fjob.snapshot_done.set()
-        self.skips.progress.set()
+            fjob.snapshot_finished()
         if fjob.job.abandoned:
-            self.skips.settle(fjob.job)
+            try:
+                self.settler.settle(fjob.job)
+            except BaseException as exc:
+                self.ctx.fail(exc, fjob.job)
 
     def _slots(self, fjob: FileJob, most: int) -> tuple[int, int]:
         """Free neighbouring cache slots for ``fjob``'s next chunks, ``(first, count)`` with 1 <= count <= most;
@@ -91,19 +113,19 @@ class SnapshotScheduler(QueueWorker):
         if ckpt.abandoned:
             raise _Abandoned()
         if ckpt.policy == OverloadPolicy.SUPERSEDE and self.cache.free_slots == 0:
-            self.skips.supersede_older(ckpt)
+            self.settler.supersede_older(ckpt)
 
         def check() -> None:
             self.ctx.check()
             if ckpt.abandoned:
                 raise _Abandoned()
 
-        self.skips.slot_wait.hold(self.ctx.timeout_s, lambda: "a free host-cache slot")
+        self.slot_wait.hold(self.ctx.timeout_s, lambda: "a free host-cache slot")
         try:
-            return self.cache.acquire_run(most, self.ctx.timeout_s, check, lambda: self.skips.starving(fjob))
+            return self.cache.acquire_run(most, self.ctx.timeout_s, check, lambda: self._starving(fjob))
         finally:
-            self.skips.slot_wait.release()
-            self.skips.starving(None)
+            self.slot_wait.release()
+            self._starving(None)
 
     @staticmethod
     def _release(fjob: FileJob) -> None:
@@ -148,7 +170,7 @@ class SnapshotScheduler(QueueWorker):
         self.copier.finish()
         self._release(fjob)
         fjob.snapshot_at = time.monotonic()
-        fjob.snapshot_done.set()
+        fjob.snapshot_finished()
 
 
 #: A run of slots is at most this many bytes: the flush starts once the first run is copied and ends

@@ -2,11 +2,46 @@
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 from typing import Any, Callable
 
 _STOP = object()
+
+
+class WorkQueue:
+    """A stage's inbox: first in, first out, with ``cancel`` to take queued items back (a skipped
+    checkpoint's chunks) under the queue's own lock, never another class's internals."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Any] = collections.deque()
+        self._ready = threading.Condition(threading.Lock())
+
+    def put(self, item: Any) -> None:
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify()
+
+    def get(self) -> Any:
+        """The oldest item, waiting for one (a stage's thread has nothing else to do meanwhile)."""
+        with self._ready:
+            while not self._items:
+                self._ready.wait()
+            return self._items.popleft()
+
+    def cancel(self, predicate: Callable[[Any], bool]) -> list[Any]:
+        """Take every queued item ``predicate`` accepts out of the queue; returns them, in order."""
+        with self._ready:
+            taken = [item for item in self._items if predicate(item)]
+            if taken:
+                kept = [item for item in self._items if not predicate(item)]
+                self._items.clear()
+                self._items.extend(kept)
+            return taken
+
+    def __len__(self) -> int:
+        with self._ready:
+            return len(self._items)
 
 
 class QueueWorker:
@@ -14,13 +49,17 @@ class QueueWorker:
 
     def start(self, name: str, on_start: Callable[[], None] | None = None) -> None:
         """``on_start`` runs first on the new thread (e.g. binding it to the rank's CUDA device)."""
-        self._queue: "queue.Queue[Any]" = queue.Queue()
+        self._queue = WorkQueue()
         self._on_start = on_start
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, item: Any) -> None:
         self._queue.put(item)
+
+    def cancel(self, predicate: Callable[[Any], bool]) -> list[Any]:
+        """Take queued items ``predicate`` accepts back before this thread handles them (``WorkQueue.cancel``)."""
+        return self._queue.cancel(predicate)
 
     def stop(self, timeout: float) -> None:
         """Finish what is queued, then end the thread (waiting at most ``timeout`` seconds)."""
