@@ -60,9 +60,9 @@ def test_runs_give_the_file_and_its_checksums_with_or_without_overlap(tmp_path, 
     assert hashed_aside == (overlap or direct)
     assert (tmp_path / "f.safetensors").read_bytes() == data
     assert (tmp_path / "f.state.json").read_bytes() == sidecar
-    assert sums["file"] == xxhash.xxh3_64_hexdigest(data)
-    assert sums["tensors"] == [xxhash.xxh3_64_hexdigest(data[a:b]) for a, b in zip(spans[::2], spans[1::2])]
-    assert sums["sidecar"] == xxhash.xxh3_64_hexdigest(sidecar)
+    assert sums.file == xxhash.xxh3_64_hexdigest(data)
+    assert sums.tensors == tuple(xxhash.xxh3_64_hexdigest(data[a:b]) for a, b in zip(spans[::2], spans[1::2]))
+    assert sums.sidecar == xxhash.xxh3_64_hexdigest(sidecar)
 
 
 def test_the_worker_starts_at_the_first_save_and_ends_at_shutdown(tmp_path):
@@ -91,13 +91,13 @@ def test_requests_per_checkpoint_do_not_grow_with_the_number_of_tensors(tmp_path
         with CheckpointEngine({"save_dir": str(tmp_path / f"n{count}"), "host_cache_size": 0.05, **FAST}) as engine:
             for name in ("writer", "committer"):
                 channel = engine.pipeline.io.channel(name)
-                call = channel._call
+                call = channel.call
 
-                def counted(op, args, payload=b"", call=call):
-                    calls[op] = calls.get(op, 0) + 1
-                    return call(op, args, payload)
+                def counted(request, call=call):
+                    calls[request.op] = calls.get(request.op, 0) + 1
+                    return call(request)
 
-                channel._call = counted
+                channel.call = counted
             state = {f"t{i}": torch.full((2000,), float(i)) for i in range(count)}
             engine.save(state, "A", version=1)
             engine.commit("A")
@@ -133,7 +133,7 @@ def test_a_killed_worker_fails_the_checkpoint_on_the_training_thread(tmp_path):
         engine.commit("A")
         engine.wait_persisted()
         os.kill(engine.pipeline.io.pid, signal.SIGKILL)
-        wait_until(lambda: engine.pipeline.io._proc.poll() is not None, "the worker is gone", timeout=20)
+        wait_until(lambda: engine.pipeline.io._proc.exitcode is not None, "the worker is gone", timeout=20)
         engine.save(seeded_state(2, 5000, (10, 10)), "B", version=2)
         # The writer may meet the dead worker before commit() is called (then commit raises) or after.
         with pytest.raises(CheckpointError, match="I/O worker process .* ended with signal 9"):

@@ -13,12 +13,15 @@ import enum
 import os
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import CheckpointError
 from ..format.names import LEVEL_SHARED
 from ..format.tensor_file import FileLayout
 from .deadlines import StageDeadline
+
+if TYPE_CHECKING:
+    from .io_ops import FileChecksums
 
 _POLL_S = 0.05  # how often a wait re-checks for background failures
 
@@ -78,11 +81,11 @@ class FileJob:
         """Its checkpoint's shared root directory."""
         return self.job.root
 
-    def take_checksums(self, sums: dict) -> None:
+    def take_checksums(self, sums: "FileChecksums") -> None:
         """The checksums ``io_ops.FileIo.finish`` returned for this file (hex): file, tensors in file order, sidecar."""
-        self.file_xxh3 = sums["file"]
-        self.tensor_xxh3 = {s.name: digest for s, digest in zip(self.layout.spans, sums["tensors"])}
-        self.sidecar_xxh3 = sums["sidecar"]
+        self.file_xxh3 = sums.file
+        self.tensor_xxh3 = {s.name: digest for s, digest in zip(self.layout.spans, sums.tensors)}
+        self.sidecar_xxh3 = sums.sidecar
 
     def num_chunks(self, chunk_bytes: int) -> int:
         return -(-self.layout.size // chunk_bytes)
