@@ -259,6 +259,9 @@ def test_a_dead_worker_is_an_error_at_once_and_a_silent_one_after_the_timeout(sh
         with pytest.raises(CheckpointError, match="did not answer a abort request within 2s"):
             worker.channel("committer").abort(1)
         assert 1.5 < time.monotonic() - started < 10
+        os.kill(worker.pid, signal.SIGCONT)  # its late reply must not answer the channel's next request
+        with pytest.raises(CheckpointError, match="did not answer a abort request"):
+            worker.channel("committer").stage("/nonexistent", "/nonexistent.copy", False, None, 4096)
         os.kill(worker.pid, signal.SIGKILL)
         started = time.monotonic()
         with pytest.raises(CheckpointError, match=r"I/O worker process \(pid \d+\) ended with signal 9"):
@@ -292,3 +295,22 @@ def test_the_worker_does_not_run_the_training_script_again(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     trainer, worker = proc.stdout.split()
     assert worker != trainer and marks.read_text().split() == [trainer]
+
+
+_LEFT_RUNNING = """
+import os
+from megatron_ext.engine.save.io_worker import IoWorker
+fd = os.memfd_create("cache"); os.ftruncate(fd, 4096)
+worker = IoWorker(fd, 4096, timeout_s=30)
+worker.channel("writer").abort(1)
+print(worker.pid, flush=True)
+"""
+
+
+def test_a_worker_never_closed_does_not_hold_the_interpreter_at_exit(tmp_path):
+    """multiprocessing joins its children at exit, and the worker waits for its channels to close:
+    its finalizer closes them first."""
+    proc = subprocess.run([sys.executable, "-c", _LEFT_RUNNING], env=child_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not alive(int(proc.stdout.split()[-1]))

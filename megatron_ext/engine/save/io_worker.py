@@ -203,6 +203,9 @@ class IoWorker:
             for name, (ours, _) in pipes.items():
                 _bound_waits(ours, self.timeout_s)
                 self._channels[name].conn = ours
+            # At interpreter exit multiprocessing joins its children after running its finalizers: an
+            # engine never shut down still ends its worker (open channels would keep it waiting).
+            multiprocessing.util.Finalize(self, _close_channels, args=(list(self._channels.values()),), exitpriority=10)
 
     def ended(self) -> str:
         """Why the worker stopped answering, for an error message."""
@@ -233,6 +236,11 @@ class IoWorker:
                 _reap(proc, timeout)
 
 
+def _close_channels(channels: list["_Channel"]) -> None:
+    for ch in channels:
+        ch.close()
+
+
 def _reap(proc: "_WorkerProcess", timeout: float) -> None:
     proc.join(timeout)
     if proc.exitcode is None:
@@ -261,6 +269,7 @@ class _Channel(IoChannel):
         self.name = name
         self.conn: multiprocessing.connection.Connection | None = None
         self._lock = threading.Lock()
+        self._gone = "the I/O worker was closed (the engine shut down)"  # why ``conn`` is None once started
 
     def start_early(self) -> None:
         self.worker.start_early()
@@ -276,13 +285,16 @@ class _Channel(IoChannel):
         with self._lock:
             conn = self.conn
             if conn is None:
-                raise CheckpointError("the I/O worker was closed (the engine shut down)")
+                raise CheckpointError(self._gone)
             try:
                 conn.send(request)
                 reply = conn.recv()
             except BlockingIOError:  # SO_SNDTIMEO / SO_RCVTIMEO expired
-                raise CheckpointError(f"the I/O worker did not answer a {request.op} request within "
-                                      f"{self.worker.timeout_s:.0f}s") from None
+                # Its late reply must not answer the next request: the channel is given up.
+                self._gone = (f"the I/O worker did not answer a {request.op} request within "
+                              f"{self.worker.timeout_s:.0f}s")
+                self.close()
+                raise CheckpointError(self._gone) from None
             except EOFError:
                 raise CheckpointError(self.worker.ended()) from None
             except OSError as exc:
