@@ -153,6 +153,7 @@ class IoWorker:
         self._channels = {name: _Channel(self, name) for name in CHANNELS}
         self._closed = False
         self._early: threading.Thread | None = None
+        self._at_exit: multiprocessing.util.Finalize | None = None
 
     def channel(self, name: str) -> "_Channel":
         return self._channels[name]
@@ -205,7 +206,8 @@ class IoWorker:
                 self._channels[name].conn = ours
             # At interpreter exit multiprocessing joins its children after running its finalizers: an
             # engine never shut down still ends its worker (open channels would keep it waiting).
-            multiprocessing.util.Finalize(self, _close_channels, args=(list(self._channels.values()),), exitpriority=10)
+            self._at_exit = multiprocessing.util.Finalize(self, _close_channels, args=(list(self._channels.values()),),
+                                                          exitpriority=10)
 
     def ended(self) -> str:
         """Why the worker stopped answering, for an error message."""
@@ -224,6 +226,9 @@ class IoWorker:
         with self._lock:
             self._closed = True
             proc, self._proc = self._proc, None
+            at_exit, self._at_exit = self._at_exit, None
+        if at_exit is not None:
+            at_exit()  # closes the channels, and is off multiprocessing's list of finalizers
         for ch in self._channels.values():
             ch.close()
         if proc is not None and proc.exitcode is None:
@@ -361,6 +366,8 @@ class _WorkerPopen(popen_spawn_posix.Popen):
 
 
 class _WorkerProcess(mp_context.SpawnProcess):
+    """A spawn process started by ``_WorkerPopen``."""
+
     @staticmethod
     def _Popen(process_obj):
         return _WorkerPopen(process_obj)
