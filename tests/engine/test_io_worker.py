@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ import xxhash
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, open_committed, read_manifest
 from megatron_ext.engine.files import supports_o_direct
-from megatron_ext.engine.save.io_ops import FileIo
+from megatron_ext.engine.save.io_ops import OPERATIONS, FileIo
 from megatron_ext.engine.save.io_worker import IoWorker, LocalIo
 
 from helpers.procs import alive, child_env, wait_until
@@ -60,9 +61,9 @@ def test_runs_give_the_file_and_its_checksums_with_or_without_overlap(tmp_path, 
     assert hashed_aside == (overlap or direct)
     assert (tmp_path / "f.safetensors").read_bytes() == data
     assert (tmp_path / "f.state.json").read_bytes() == sidecar
-    assert sums["file"] == xxhash.xxh3_64_hexdigest(data)
-    assert sums["tensors"] == [xxhash.xxh3_64_hexdigest(data[a:b]) for a, b in zip(spans[::2], spans[1::2])]
-    assert sums["sidecar"] == xxhash.xxh3_64_hexdigest(sidecar)
+    assert sums.file == xxhash.xxh3_64_hexdigest(data)
+    assert sums.tensors == tuple(xxhash.xxh3_64_hexdigest(data[a:b]) for a, b in zip(spans[::2], spans[1::2]))
+    assert sums.sidecar == xxhash.xxh3_64_hexdigest(sidecar)
 
 
 def test_the_worker_starts_at_the_first_save_and_ends_at_shutdown(tmp_path):
@@ -91,13 +92,13 @@ def test_requests_per_checkpoint_do_not_grow_with_the_number_of_tensors(tmp_path
         with CheckpointEngine({"save_dir": str(tmp_path / f"n{count}"), "host_cache_size": 0.05, **FAST}) as engine:
             for name in ("writer", "committer"):
                 channel = engine.pipeline.io.channel(name)
-                call = channel._call
+                call = channel.call
 
-                def counted(op, args, payload=b"", call=call):
-                    calls[op] = calls.get(op, 0) + 1
-                    return call(op, args, payload)
+                def counted(request, call=call):
+                    calls[request.op] = calls.get(request.op, 0) + 1
+                    return call(request)
 
-                channel._call = counted
+                channel.call = counted
             state = {f"t{i}": torch.full((2000,), float(i)) for i in range(count)}
             engine.save(state, "A", version=1)
             engine.commit("A")
@@ -133,7 +134,7 @@ def test_a_killed_worker_fails_the_checkpoint_on_the_training_thread(tmp_path):
         engine.commit("A")
         engine.wait_persisted()
         os.kill(engine.pipeline.io.pid, signal.SIGKILL)
-        wait_until(lambda: engine.pipeline.io._proc.poll() is not None, "the worker is gone", timeout=20)
+        wait_until(lambda: engine.pipeline.io._proc.exitcode is not None, "the worker is gone", timeout=20)
         engine.save(seeded_state(2, 5000, (10, 10)), "B", version=2)
         # The writer may meet the dead worker before commit() is called (then commit raises) or after.
         with pytest.raises(CheckpointError, match="I/O worker process .* ended with signal 9"):
@@ -197,3 +198,119 @@ def test_without_the_worker_process_the_same_files_are_written(tmp_path):
             tensors = open_committed(str(root), "A").tensors("rank00000")
             names[mode] = {name: (t.begin, t.end, t.checksum) for name, t in tensors.items()}
     assert names[True] == names[False]  # the files differ only in their run ids
+
+
+@pytest.fixture
+def shared_cache():
+    """A memfd the size of a small host cache, as ``host_cache.HostCache`` makes it (its first byte 7)."""
+    fd = os.memfd_create("test-io-cache", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 1 << 20)
+    os.pwrite(fd, b"\x07", 0)
+    yield fd
+    os.close(fd)
+
+
+def test_an_operation_added_to_the_table_is_reachable_in_process_and_in_the_worker(shared_cache):
+    """A request class and a row in ``io_ops.OPERATIONS`` are all an operation needs: ``LocalIo``
+    runs it on the calling thread, the worker process in its own (which reads the same cache memory
+    and, though this process imported torch, imports none)."""
+    from helpers import extra_io_op
+
+    try:
+        memory = mmap.mmap(shared_cache, 1 << 20)
+        local = LocalIo(memoryview(memory))
+        here = local.call(extra_io_op.WhereRequest(0))
+        assert here == extra_io_op.WhereReply(os.getpid(), 7, True)
+        worker = IoWorker(shared_cache, 1 << 20, timeout_s=30)
+        try:
+            for name in ("writer", "stager", "committer"):
+                there = worker.channel(name).call(extra_io_op.WhereRequest(0))
+                assert there == extra_io_op.WhereReply(worker.pid, 7, False)
+        finally:
+            worker.close()
+            local.close()
+    finally:
+        del OPERATIONS[extra_io_op.WhereRequest.op]
+        sys.modules.pop("helpers.extra_io_op", None)
+
+
+def test_a_request_outside_the_table_is_refused_by_both_paths(shared_cache):
+    from helpers.extra_io_op import UnknownRequest
+
+    memory = mmap.mmap(shared_cache, 1 << 20)
+    worker = IoWorker(shared_cache, 1 << 20, timeout_s=30)
+    try:
+        for io in (LocalIo(memoryview(memory)), worker.channel("writer")):
+            with pytest.raises(CheckpointError, match="unknown request 'not_an_operation'"):
+                io.call(UnknownRequest())
+        worker.channel("writer").abort(1)  # the channel still answers
+    finally:
+        worker.close()
+
+
+def test_a_dead_worker_is_an_error_at_once_and_a_silent_one_after_the_timeout(shared_cache):
+    """Never a hang: a killed worker fails the next request with how it ended; a stopped one (a hung
+    file system) fails it once ``timeout_s`` has passed."""
+    worker = IoWorker(shared_cache, 1 << 20, timeout_s=2)
+    try:
+        worker.channel("writer").abort(1)
+        os.kill(worker.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(CheckpointError, match="did not answer a abort request within 2s"):
+            worker.channel("committer").abort(1)
+        assert 1.5 < time.monotonic() - started < 10
+        os.kill(worker.pid, signal.SIGCONT)  # its late reply must not answer the channel's next request
+        with pytest.raises(CheckpointError, match="did not answer a abort request"):
+            worker.channel("committer").stage("/nonexistent", "/nonexistent.copy", False, None, 4096)
+        os.kill(worker.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(CheckpointError, match=r"I/O worker process \(pid \d+\) ended with signal 9"):
+            worker.channel("stager").abort(1)
+        assert time.monotonic() - started < 5
+    finally:
+        worker.close(timeout=1)
+
+
+_MAIN = """
+import os, sys
+open(os.environ["TRAIN_MARKS"], "a").write(f"{os.getpid()}\\n")  # a training script's top level: the trainer only
+from megatron_ext.engine.save.io_worker import IoWorker
+if __name__ == "__main__":
+    fd = os.memfd_create("cache"); os.ftruncate(fd, 4096)
+    worker = IoWorker(fd, 4096, timeout_s=30)
+    worker.channel("writer").abort(1)
+    print(os.getpid(), worker.pid, flush=True)
+    worker.close()
+"""
+
+
+def test_the_worker_does_not_run_the_training_script_again(tmp_path):
+    """multiprocessing's spawn would run the script's top level again as ``__mp_main__`` (for a
+    Megatron-LM script: torch and megatron imported, seconds and hundreds of MB); the worker's does not."""
+    script = tmp_path / "train.py"
+    script.write_text(_MAIN)
+    marks = tmp_path / "ran"
+    proc = subprocess.run([sys.executable, str(script)], env=child_env(TRAIN_MARKS=str(marks)), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trainer, worker = proc.stdout.split()
+    assert worker != trainer and marks.read_text().split() == [trainer]
+
+
+_LEFT_RUNNING = """
+import os
+from megatron_ext.engine.save.io_worker import IoWorker
+fd = os.memfd_create("cache"); os.ftruncate(fd, 4096)
+worker = IoWorker(fd, 4096, timeout_s=30)
+worker.channel("writer").abort(1)
+print(worker.pid, flush=True)
+"""
+
+
+def test_a_worker_never_closed_does_not_hold_the_interpreter_at_exit(tmp_path):
+    """multiprocessing joins its children at exit, and the worker waits for its channels to close:
+    its finalizer closes them first."""
+    proc = subprocess.run([sys.executable, "-c", _LEFT_RUNNING], env=child_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not alive(int(proc.stdout.split()[-1]))

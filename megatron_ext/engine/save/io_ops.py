@@ -3,8 +3,11 @@ a file durable, write a small file atomically, copy a file to the next level.
 
 They run in the I/O worker process (io_worker.py), so that none of their system calls and
 checksum updates takes the training process's GIL, or, with ``flush_process: false``, on the
-calling thread. Either way through ``FileIo``; this module imports neither torch nor the save
-pipeline, so the worker process starts in a few tens of milliseconds.
+calling thread. Either way through ``FileIo`` and one table, ``OPERATIONS``: a request (a frozen
+dataclass naming its operation) goes to its handler there, and the reply is a frozen dataclass
+too (``FileChecksums``) or ``None``; a failure in the worker comes back as a ``Failure``. Adding an
+operation is a request class and a row in the table. This module imports neither torch nor the
+save pipeline, so the worker process starts in a few tens of milliseconds.
 
 Checksums are xxh3-64 (docs/FORMAT.md): one over the whole tensor file, one per tensor, one over
 the sidecar. A run's checksums are computed on a second thread while the calling thread writes the
@@ -15,9 +18,11 @@ and takes no core), and for page-cache writes only where the node has cores to s
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import mmap
 import os
+from typing import Any, Callable, ClassVar
 
 import xxhash
 
@@ -30,6 +35,97 @@ class IoError(Exception):
 
 
 _EMPTY_DIGEST = xxhash.xxh3_64().hexdigest()
+
+
+# ------------------------------------------------------------------ what crosses the process boundary
+# Pickled over the worker's connection: both ends are this package; no checkpoint file's bytes are
+# ever unpickled (a sidecar or a report travels as ``bytes`` inside a request).
+
+@dataclasses.dataclass(frozen=True)
+class RunRequest:
+    """Write file bytes [offset, offset + nbytes) from cache bytes [cache, cache + nbytes),
+    checksummed; a file's first run names its ``path`` (``direct``: O_DIRECT) and tensor ``spans``."""
+
+    op: ClassVar[str] = "run"
+    file: int
+    offset: int
+    cache: int
+    nbytes: int
+    path: str | None = None
+    direct: bool = False
+    spans: tuple[int, ...] | None = None  # start0, end0, start1, end1, ...: in file order
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishRequest:
+    """The file's last run is written: make it (``size`` bytes) and its ``sidecar`` durable."""
+
+    op: ClassVar[str] = "finish"
+    file: int
+    size: int
+    sidecar_path: str
+    sidecar: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class AbortRequest:
+    """Give up a file being written."""
+
+    op: ClassVar[str] = "abort"
+    file: int
+
+
+@dataclasses.dataclass(frozen=True)
+class AtomicWriteRequest:
+    """Write a small file (a report, a manifest) atomically and durably."""
+
+    op: ClassVar[str] = "atomic_write"
+    path: str
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRequest:
+    """Copy ``src`` to ``dst`` durably, checking its checksum against ``expected`` on the way."""
+
+    op: ClassVar[str] = "stage"
+    src: str
+    dst: str
+    direct: bool
+    expected: str | None
+    chunk_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FileChecksums:
+    """``finish``'s reply (xxh3-64, hex): the whole tensor file, each tensor in file order, the sidecar."""
+
+    file: str
+    tensors: tuple[str, ...]
+    sidecar: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """The reply of a request that raised in the worker: an ``OSError``'s errno, text and file
+    name (raised again as an ``OSError`` in the caller), or any other error's ``message``."""
+
+    message: str
+    os_error: bool = False
+    errno: int | None = None
+    filename: str | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "Failure":
+        if isinstance(exc, OSError):
+            return cls(exc.strerror or str(exc), True, exc.errno, exc.filename)
+        return cls(str(exc) if isinstance(exc, IoError) else f"{type(exc).__name__}: {exc}")
+
+    def raise_again(self) -> None:
+        """In the caller: the same ``OSError``, else an ``IoError`` with the message."""
+        if self.os_error:
+            raise OSError(self.errno or errno.EIO, self.message or "I/O error", self.filename)
+        raise IoError(self.message)
 
 
 class _OpenFile:
@@ -93,18 +189,18 @@ class FileIo:
         finally:
             summed.result()
 
-    def finish(self, file: int, size: int, sidecar_path: str, sidecar: bytes) -> dict:
+    def finish(self, file: int, size: int, sidecar_path: str, sidecar: bytes) -> FileChecksums:
         """The file's last run is written: cut the O_DIRECT padding, fsync it, write the sidecar
-        durably, fsync their directory once. Returns the checksums (hex): ``file``, ``tensors``
-        (in file order) and ``sidecar``."""
+        durably, fsync their directory once. Returns its checksums."""
         f = self._files.pop(file)
         f.out.close(size, sync_dir=False)
         write_durable(sidecar_path, sidecar)
         fsync_dir(os.path.dirname(sidecar_path))
         count = len(f.spans) // 2
-        return {"file": f.whole.hexdigest(),
-                "tensors": [f.tensors[k].hexdigest() if k in f.tensors else _EMPTY_DIGEST for k in range(count)],
-                "sidecar": xxhash.xxh3_64_hexdigest(sidecar)}
+        return FileChecksums(
+            file=f.whole.hexdigest(),
+            tensors=tuple(f.tensors[k].hexdigest() if k in f.tensors else _EMPTY_DIGEST for k in range(count)),
+            sidecar=xxhash.xxh3_64_hexdigest(sidecar))
 
     def abort(self, file: int) -> None:
         """Give up a file being written (its descriptor closed; whatever was written stays)."""
@@ -168,13 +264,25 @@ def _checksum(f: _OpenFile, data: memoryview, offset: int) -> None:
     f.next_span = k
 
 
-def os_error_fields(exc: OSError) -> dict:
-    """What the parent needs to raise the same ``OSError``."""
-    return {"errno": exc.errno, "strerror": exc.strerror or str(exc), "filename": exc.filename}
+#: Every operation, by request name: the one dispatch of ``io_worker.LocalIo`` (in this process)
+#: and of the worker process. A handler takes the ``FileIo`` and the request; it returns the reply.
+OPERATIONS: dict[str, Callable[[FileIo, Any], Any]] = {
+    RunRequest.op: lambda io, r: io.run(r.file, r.offset, r.cache, r.nbytes, path=r.path, direct=r.direct,
+                                        spans=None if r.spans is None else list(r.spans)),
+    FinishRequest.op: lambda io, r: io.finish(r.file, r.size, r.sidecar_path, r.sidecar),
+    AbortRequest.op: lambda io, r: io.abort(r.file),
+    AtomicWriteRequest.op: lambda io, r: io.atomic_write(r.path, r.data),
+    StageRequest.op: lambda io, r: io.stage(r.src, r.dst, r.direct, r.expected, r.chunk_bytes),
+}
 
 
-def raise_os_error(fields: dict) -> None:
-    raise OSError(fields.get("errno") or errno.EIO, fields.get("strerror") or "I/O error", fields.get("filename"))
+def perform(io: FileIo, request: Any) -> Any:
+    """``request``'s operation on ``io``, through ``OPERATIONS``: its reply (raises what it raises)."""
+    handler = OPERATIONS.get(request.op)
+    if handler is None:
+        raise IoError(f"unknown request {request.op!r}")
+    return handler(io, request)
 
 
-__all__ = ["FileIo", "IoError", "os_error_fields", "raise_os_error"]
+__all__ = ["FileIo", "IoError", "OPERATIONS", "perform", "RunRequest", "FinishRequest", "AbortRequest",
+           "AtomicWriteRequest", "StageRequest", "FileChecksums", "Failure"]

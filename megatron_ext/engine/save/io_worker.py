@@ -11,38 +11,42 @@ reply, whatever the number of tensors in it, as DCP's process executor and Megat
 persistent worker keep their writes out of the trainer.
 
 ``IoWorker`` (training process) starts the worker as the first copy begins (``start_early``, from the
-snapshot thread; else at the first request) and gives each stage a
-``channel``: the writer's, the stager's and the committer's run side by side, a socket and a
-thread in the worker each. The worker executes ``io_ops.FileIo`` operations; an ``OSError``
-there is raised again in the caller with the same errno and file name. The worker ends when the
-engine closes the channels, or at end of file when the training process dies; it ignores
+snapshot thread; else at the first request) and gives each stage a ``channel``: the writer's, the
+stager's and the committer's run side by side, a ``multiprocessing`` pipe and a thread in the
+worker each. Requests and replies are the frozen dataclasses of ``io_ops``, pickled by the pipe;
+both ends look a request's operation up in the one table ``io_ops.OPERATIONS``. An ``OSError`` in
+the worker is raised again in the caller with the same errno and file name. The worker ends when
+the engine closes the channels, or at end of file when the training process dies; it ignores
 SIGINT and SIGTERM so that a final checkpoint (an exit signal handler, an interrupted run) still
 reaches storage. ``LocalIo`` runs the same operations on the calling thread
 (``flush_process: false``).
 
-Messages: a 4-byte length and a JSON header ``{"op", "args", "payload"}`` followed by
-``payload`` raw bytes (a sidecar, a report); the reply a 4-byte length and JSON ``{"ok",
-"result"}`` or ``{"ok": false, "os_error" | "error"}``.
+Start-up is multiprocessing's spawn (a fresh interpreter: no CUDA context, none of the trainer's
+memory) with two things left out (``_WorkerPopen``): the training script is not run again as
+``__mp_main__`` (a Megatron-LM script imports torch and megatron at its top) and no resource
+tracker process is started (the worker makes no semaphores); the interpreter runs without ``site``
+(``-S``, a third of its start), the trainer's import path given to it instead.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import mmap
+import multiprocessing.connection
+import multiprocessing.util  # its exit hook (joining children) is registered before the engine's, so runs after it
 import os
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import threading
+from io import BytesIO
+from multiprocessing import context as mp_context, popen_spawn_posix, process, reduction, spawn
 from typing import Any
 
 from ..errors import CheckpointError
-from .io_ops import FileIo, IoError, os_error_fields, raise_os_error
+from .io_ops import (AbortRequest, AtomicWriteRequest, Failure, FileChecksums, FileIo, FinishRequest, IoError,
+                     RunRequest, StageRequest, perform)
 
-_LEN = struct.Struct("<I")
 #: The stages that talk to the worker, each on its own channel (a request in flight each).
 CHANNELS = ("writer", "stager", "committer")
 
@@ -74,26 +78,46 @@ def overlap_checksums() -> bool:
 
 
 class IoChannel:
-    """What a stage calls; ``LocalIo`` and ``_Channel`` implement it."""
+    """What a stage calls to have file operations done (``LocalIo`` here, ``_Channel`` in the worker).
+
+    The calls, in the order a checkpoint makes them:
+
+    1. ``start_early()`` as a copy begins (optional): the worker process starts meanwhile.
+    2. Per tensor file, on the writer's channel: ``run`` once per run of cache slots, in file
+       order, the first one naming the file's path and tensor spans (a first run again starts the
+       file over); then ``finish``, which makes the file and its sidecar durable and returns their
+       ``FileChecksums``. ``abort`` gives a file up at any point before ``finish``.
+    3. Per durable file, with a node-local level, on the stager's channel: ``stage`` to the shared level.
+    4. On the committer's channel: ``atomic_write`` of the rank report and the manifest.
+    5. ``close`` of the owner (``IoWorker``, ``LocalIo``) once, at engine shutdown.
+
+    A channel carries one request at a time; each call returns when its operation is done. Every
+    call builds a request of ``io_ops`` and goes through ``call``, the one method an
+    implementation provides.
+    """
 
     def start_early(self) -> None:
         """Get ready for requests soon to come (the worker process started in the background)."""
 
+    def call(self, request: Any) -> Any:
+        """``request`` done (``io_ops.OPERATIONS``): its reply; an ``OSError`` as raised, any other failure a ``CheckpointError``."""
+        raise NotImplementedError
+
     def run(self, file: int, offset: int, cache: int, nbytes: int, *, path: str | None = None,
             direct: bool = False, spans: list[int] | None = None) -> None:
-        raise NotImplementedError
+        self.call(RunRequest(file, offset, cache, nbytes, path, direct, None if spans is None else tuple(spans)))
 
-    def finish(self, file: int, size: int, sidecar_path: str, sidecar: bytes) -> dict:
-        raise NotImplementedError
+    def finish(self, file: int, size: int, sidecar_path: str, sidecar: bytes) -> FileChecksums:
+        return self.call(FinishRequest(file, size, sidecar_path, bytes(sidecar)))
 
     def abort(self, file: int) -> None:
-        raise NotImplementedError
+        self.call(AbortRequest(file))
 
     def atomic_write(self, path: str, data: bytes) -> None:
-        raise NotImplementedError
+        self.call(AtomicWriteRequest(path, bytes(data)))
 
     def stage(self, src: str, dst: str, direct: bool, expected: str | None, chunk_bytes: int) -> None:
-        raise NotImplementedError
+        self.call(StageRequest(src, dst, direct, expected, chunk_bytes))
 
 
 class LocalIo(IoChannel):
@@ -105,21 +129,9 @@ class LocalIo(IoChannel):
     def channel(self, name: str) -> "LocalIo":
         return self
 
-    def run(self, file, offset, cache, nbytes, *, path=None, direct=False, spans=None) -> None:
-        self._io.run(file, offset, cache, nbytes, path=path, direct=direct, spans=spans)
-
-    def finish(self, file, size, sidecar_path, sidecar) -> dict:
-        return self._io.finish(file, size, sidecar_path, sidecar)
-
-    def abort(self, file) -> None:
-        self._io.abort(file)
-
-    def atomic_write(self, path, data) -> None:
-        self._io.atomic_write(path, data)
-
-    def stage(self, src, dst, direct, expected, chunk_bytes) -> None:
+    def call(self, request: Any) -> Any:
         try:
-            self._io.stage(src, dst, direct, expected, chunk_bytes)
+            return perform(self._io, request)
         except IoError as exc:
             raise CheckpointError(str(exc)) from None
 
@@ -137,10 +149,11 @@ class IoWorker:
         self.timeout_s = timeout_s
         self.overlap = overlap_checksums() if overlap is None else overlap
         self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
+        self._proc: _WorkerProcess | None = None
         self._channels = {name: _Channel(self, name) for name in CHANNELS}
         self._closed = False
         self._early: threading.Thread | None = None
+        self._at_exit: multiprocessing.util.Finalize | None = None
 
     def channel(self, name: str) -> "_Channel":
         return self._channels[name]
@@ -173,37 +186,36 @@ class IoWorker:
                 raise CheckpointError("the I/O worker was closed (the engine shut down)")
             if self._proc is not None:
                 return
-            pairs = {name: socket.socketpair() for name in CHANNELS}
-            theirs = [pair[1] for pair in pairs.values()]
-            # This process's import path, with this very copy of the package first; no ``site``
-            # processing (``-S``, a third of the start-up): the path already holds what it adds.
-            package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-            paths = [package_root, *(p for p in sys.path if isinstance(p, str) and p and p != package_root)]
-            boot = (f"import sys; sys.path[:0] = {paths!r}; "
-                    "from megatron_ext.engine.save.io_worker import main; sys.exit(main())")
-            cmd = [sys.executable, "-S", "-c", boot, "--cache-fd", str(self.cache_fd),
-                   "--cache-bytes", str(self.cache_bytes),
-                   *[f"--channel-fd={s.fileno()}" for s in theirs], *(["--overlap"] if self.overlap else [])]
+            pipes = {name: multiprocessing.connection.Pipe(duplex=True) for name in CHANNELS}
+            proc = _WorkerProcess(target=serve, name="datastates-io", daemon=True,
+                                  args=(_InheritedFd(self.cache_fd), self.cache_bytes,
+                                        [theirs for _, theirs in pipes.values()], self.overlap))
             try:
-                self._proc = subprocess.Popen(cmd, pass_fds=[self.cache_fd, *(s.fileno() for s in theirs)],
-                                              stdin=subprocess.DEVNULL, start_new_session=True)
-            except OSError as exc:
-                for pair in pairs.values():
-                    pair[0].close()
-                    pair[1].close()
+                proc.start()
+            except Exception as exc:  # OSError, or a daemonic training process (it may have no children)
+                for ours, _ in pipes.values():
+                    ours.close()
                 raise CheckpointError(f"the I/O worker process could not start ({exc}); set flush_process: false "
                                       "to flush from the training process instead") from exc
             finally:
-                for s in theirs:
-                    s.close()
-            for name, pair in pairs.items():
-                pair[0].settimeout(self.timeout_s)
-                self._channels[name].sock = pair[0]
+                for _, theirs in pipes.values():
+                    theirs.close()  # the worker's ends live in the worker only: its death is our end of file
+            self._proc = proc
+            for name, (ours, _) in pipes.items():
+                _bound_waits(ours, self.timeout_s)
+                self._channels[name].conn = ours
+            # At interpreter exit multiprocessing joins its children after running its finalizers: an
+            # engine never shut down still ends its worker (open channels would keep it waiting).
+            self._at_exit = multiprocessing.util.Finalize(self, _close_channels, args=(list(self._channels.values()),),
+                                                          exitpriority=10)
 
     def ended(self) -> str:
         """Why the worker stopped answering, for an error message."""
         proc = self._proc
-        code = proc.poll() if proc is not None else None
+        if proc is None:
+            return "the I/O worker process closed its channel"
+        proc.join(1.0)  # its pipes close as it exits, a moment before it can be reaped
+        code = proc.exitcode
         if code is None:
             return "the I/O worker process closed its channel"
         how = f"signal {-code}" if code < 0 else f"status {code}"
@@ -214,23 +226,44 @@ class IoWorker:
         with self._lock:
             self._closed = True
             proc, self._proc = self._proc, None
+            at_exit, self._at_exit = self._at_exit, None
+        if at_exit is not None:
+            at_exit()  # closes the channels, and is off multiprocessing's list of finalizers
         for ch in self._channels.values():
             ch.close()
-        if proc is not None and proc.poll() is None:
-            # It exits on its own now (every request was answered): reaped in the background, not
-            # waited for here (its interpreter's teardown would add tens of milliseconds to shutdown).
+        if proc is not None and proc.exitcode is None:
+            # It exits on its own now (every request was answered): waited for in the background, not
+            # here (its interpreter's teardown would add tens of milliseconds to shutdown), and killed
+            # if stuck (a hung file system), which multiprocessing's join at exit would wait on forever.
             try:
                 threading.Thread(target=_reap, args=(proc, timeout), name="datastates-io-reaper", daemon=True).start()
             except RuntimeError:  # at interpreter exit (the exit hook's shutdown) no thread starts: reap here
                 _reap(proc, timeout)
 
 
-def _reap(proc: subprocess.Popen, timeout: float) -> None:
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
+def _close_channels(channels: list["_Channel"]) -> None:
+    for ch in channels:
+        ch.close()
+
+
+def _reap(proc: "_WorkerProcess", timeout: float) -> None:
+    proc.join(timeout)
+    if proc.exitcode is None:
         proc.kill()
-        proc.wait()
+        proc.join()
+
+
+def _bound_waits(conn: multiprocessing.connection.Connection, timeout_s: float) -> None:
+    """A send or receive on ``conn`` that waits ``timeout_s`` fails with ``BlockingIOError``
+    (SO_SNDTIMEO, SO_RCVTIMEO): a hung worker is an error, not a hang, at no extra system call per message."""
+    seconds = max(timeout_s, 0.001)
+    value = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock = socket.socket(fileno=os.dup(conn.fileno()))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    finally:
+        sock.close()
 
 
 class _Channel(IoChannel):
@@ -239,131 +272,129 @@ class _Channel(IoChannel):
     def __init__(self, worker: IoWorker, name: str):
         self.worker = worker
         self.name = name
-        self.sock: socket.socket | None = None
+        self.conn: multiprocessing.connection.Connection | None = None
         self._lock = threading.Lock()
-        self._buffer = bytearray()
+        self._gone = "the I/O worker was closed (the engine shut down)"  # why ``conn`` is None once started
 
     def start_early(self) -> None:
         self.worker.start_early()
 
-    def run(self, file, offset, cache, nbytes, *, path=None, direct=False, spans=None) -> None:
-        self._call("run", {"file": file, "offset": offset, "cache": cache, "nbytes": nbytes, "path": path,
-                           "direct": direct, "spans": spans})
-
-    def finish(self, file, size, sidecar_path, sidecar) -> dict:
-        return self._call("finish", {"file": file, "size": size, "sidecar_path": sidecar_path}, sidecar)
-
-    def abort(self, file) -> None:
-        self._call("abort", {"file": file})
-
-    def atomic_write(self, path, data) -> None:
-        self._call("atomic_write", {"path": path}, data)
-
-    def stage(self, src, dst, direct, expected, chunk_bytes) -> None:
-        self._call("stage", {"src": src, "dst": dst, "direct": direct, "expected": expected,
-                             "chunk_bytes": chunk_bytes})
-
     def close(self) -> None:
-        sock, self.sock = self.sock, None
-        if sock is not None:
-            sock.close()
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
 
-    def _call(self, op: str, args: dict, payload: bytes = b"") -> Any:
-        """One request and its reply: two system calls that release the GIL, whatever the work."""
+    def call(self, request: Any) -> Any:
+        """One request and its reply: a write and two reads, whatever the work."""
         self.worker._started()
         with self._lock:
-            sock = self.sock
-            if sock is None:
-                raise CheckpointError("the I/O worker was closed (the engine shut down)")
-            header = json.dumps({"op": op, "args": args, "payload": len(payload)}, separators=(",", ":")).encode()
+            conn = self.conn
+            if conn is None:
+                raise CheckpointError(self._gone)
             try:
-                sock.sendall(_LEN.pack(len(header)) + header + payload)
-                reply = _receive(sock, self._buffer)
-            except socket.timeout:
-                raise CheckpointError(f"the I/O worker did not answer a {op} request within "
-                                      f"{self.worker.timeout_s:.0f}s") from None
+                conn.send(request)
+                reply = conn.recv()
+            except BlockingIOError:  # SO_SNDTIMEO / SO_RCVTIMEO expired
+                # Its late reply must not answer the next request: the channel is given up.
+                self._gone = (f"the I/O worker did not answer a {request.op} request within "
+                              f"{self.worker.timeout_s:.0f}s")
+                self.close()
+                raise CheckpointError(self._gone) from None
+            except EOFError:
+                raise CheckpointError(self.worker.ended()) from None
             except OSError as exc:
                 raise CheckpointError(f"{self.worker.ended()} ({exc.strerror or exc})") from None
-            if reply is None:
-                raise CheckpointError(self.worker.ended())
-        message = json.loads(reply)
-        if message["ok"]:
-            return message.get("result")
-        if "os_error" in message:
-            raise_os_error(message["os_error"])
-        raise CheckpointError(message["error"])
+        if isinstance(reply, Failure):
+            try:
+                reply.raise_again()
+            except IoError as exc:
+                raise CheckpointError(str(exc)) from None
+        return reply
 
 
-def _receive(sock: socket.socket, buffer: bytearray) -> bytes | None:
-    """One framed message from ``sock`` (usually in one ``recv``), None at end of file."""
-    while True:
-        if len(buffer) >= _LEN.size:
-            (n,) = _LEN.unpack_from(buffer)
-            if len(buffer) >= _LEN.size + n:
-                message = bytes(buffer[_LEN.size:_LEN.size + n])
-                del buffer[:_LEN.size + n]
-                return message
-        chunk = sock.recv(1 << 16)
-        if not chunk:
-            return None
-        buffer += chunk
+# ------------------------------------------------------------------------------------- start-up
+class _InheritedFd:
+    """A file descriptor the worker inherits at spawn (multiprocessing's ``DupFd``): the cache's memfd."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _InheritedFd._arrived, (reduction.DupFd(self.fd),)
+
+    @staticmethod
+    def _arrived(dup) -> "_InheritedFd":
+        return _InheritedFd(dup.detach())
 
 
-def _receive_exact(sock: socket.socket, buffer: bytearray, n: int) -> bytes | None:
-    while len(buffer) < n:
-        chunk = sock.recv(max(1 << 16, n - len(buffer)))
-        if not chunk:
-            return None
-        buffer += chunk
-    data = bytes(buffer[:n])
-    del buffer[:n]
-    return data
+class _WorkerPopen(popen_spawn_posix.Popen):
+    """multiprocessing's spawn launch, with what the worker does not need left out: the training
+    script's ``__main__`` (run again, it would import torch and megatron), the resource tracker
+    process and ``site`` (the trainer's import path is handed over, this package's root first)."""
+
+    def _launch(self, process_obj) -> None:
+        # What ``spawn.prepare`` sets in the child before it unpickles the process: no main module
+        # and no start method (asking for it would fix the trainer's default one for good).
+        paths = [_PACKAGE_ROOT, *(process.ORIGINAL_DIR if p == "" else p for p in sys.path if isinstance(p, str))]
+        prep = {"name": process_obj.name, "authkey": process.current_process().authkey,
+                "sys_path": list(dict.fromkeys(paths)), "dir": os.getcwd(), "orig_dir": process.ORIGINAL_DIR}
+        message = BytesIO()
+        mp_context.set_spawning_popen(self)  # the DupFd of the arguments pass their fds through self._fds
+        try:
+            reduction.dump(prep, message)
+            reduction.dump(process_obj, message)
+        finally:
+            mp_context.set_spawning_popen(None)
+        child_r, parent_w = os.pipe()
+        parent_r, child_w = os.pipe()  # the sentinel: readable once the worker is gone
+        try:
+            cmd = [spawn.get_executable(), *multiprocessing.util._args_from_interpreter_flags(), "-S", "-c",
+                   f"from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle={child_r})",
+                   "--multiprocessing-fork"]
+            self.pid = multiprocessing.util.spawnv_passfds(spawn.get_executable(), cmd, [*self._fds, child_r, child_w])
+            with open(parent_w, "wb", closefd=False) as out:
+                out.write(message.getbuffer())
+        except BaseException:
+            os.close(parent_r)
+            raise
+        finally:
+            os.close(parent_w)
+            os.close(child_r)
+            os.close(child_w)
+        self.sentinel = parent_r
+        self.finalizer = multiprocessing.util.Finalize(self, multiprocessing.util.close_fds, (parent_r,))
+
+
+class _WorkerProcess(mp_context.SpawnProcess):
+    """A spawn process started by ``_WorkerPopen``."""
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _WorkerPopen(process_obj)
+
+
+#: The directory holding this copy of the package: first on the worker's import path.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 # ------------------------------------------------------------------------------------------ the worker
-def _serve(io: FileIo, sock: socket.socket) -> None:
+def _answer(file_io: FileIo, conn: multiprocessing.connection.Connection) -> None:
     """Answer one channel's requests until the training process closes it (or goes away)."""
     try:
-        _answer(io, sock)
+        while True:
+            try:
+                request = conn.recv()
+            except EOFError:
+                return
+            try:
+                reply = perform(file_io, request)
+            except Exception as exc:  # reaches the training process as the same OSError, or a CheckpointError
+                reply = Failure.of(exc)
+            conn.send(reply)
     except OSError:  # the training process is gone: nothing to answer
         pass
     finally:
-        sock.close()
-
-
-def _answer(io: FileIo, sock: socket.socket) -> None:
-    buffer = bytearray()
-    while True:
-        header = _receive(sock, buffer)
-        if header is None:
-            return
-        request = json.loads(header)
-        payload = _receive_exact(sock, buffer, request["payload"]) if request["payload"] else b""
-        if payload is None:
-            return
-        args = request["args"]
-        try:
-            op = request["op"]
-            if op == "run":
-                result = io.run(args["file"], args["offset"], args["cache"], args["nbytes"], path=args["path"],
-                                direct=args["direct"], spans=args["spans"])
-            elif op == "finish":
-                result = io.finish(args["file"], args["size"], args["sidecar_path"], payload)
-            elif op == "abort":
-                result = io.abort(args["file"])
-            elif op == "atomic_write":
-                result = io.atomic_write(args["path"], payload)
-            elif op == "stage":
-                result = io.stage(args["src"], args["dst"], args["direct"], args["expected"], args["chunk_bytes"])
-            else:
-                raise IoError(f"unknown request {op!r}")
-            reply = {"ok": True, "result": result}
-        except OSError as exc:
-            reply = {"ok": False, "os_error": os_error_fields(exc)}
-        except Exception as exc:  # reaches the training process as a CheckpointError naming it
-            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}" if not isinstance(exc, IoError) else str(exc)}
-        data = json.dumps(reply, separators=(",", ":")).encode()
-        sock.sendall(_LEN.pack(len(data)) + data)
+        conn.close()
 
 
 #: madvise(2)'s MADV_POPULATE_READ (Linux 5.14; Python's mmap module does not name it).
@@ -380,31 +411,25 @@ def _map_pages(memory: mmap.mmap) -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cache-fd", type=int, required=True)
-    p.add_argument("--cache-bytes", type=int, required=True)
-    p.add_argument("--channel-fd", type=int, action="append", required=True)
-    p.add_argument("--overlap", action="store_true",
-                   help="checksum page-cache writes on a second thread too (O_DIRECT ones always are)")
-    args = p.parse_args(argv)
+def serve(cache: _InheritedFd, cache_bytes: int, conns: list, overlap: bool) -> None:
+    """The worker process: map the cache, answer each channel on a thread of its own until all are closed.
+    ``overlap``: checksum page-cache writes on a second thread too (O_DIRECT ones always are)."""
     # The training process decides when the flush ends: an interrupt or a scheduler's SIGTERM to the
     # job must not stop the writes of the checkpoint it is finishing.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    memory = mmap.mmap(args.cache_fd, args.cache_bytes)
+    try:
+        os.setsid()  # out of the job's process group: a terminal's interrupt is not meant for it
+    except OSError:
+        pass
+    memory = mmap.mmap(cache.fd, cache_bytes)
+    os.close(cache.fd)  # the mapping keeps the memory
     threading.Thread(target=_map_pages, args=(memory,), name="datastates-io-map", daemon=True).start()
-    io = FileIo(memoryview(memory), overlap=args.overlap)
-    socks = [socket.socket(fileno=fd) for fd in args.channel_fd]
-    threads = [threading.Thread(target=_serve, args=(io, s), name=f"datastates-io-{i}", daemon=True)
-               for i, s in enumerate(socks)]
+    file_io = FileIo(memoryview(memory), overlap=overlap)
+    threads = [threading.Thread(target=_answer, args=(file_io, conn), name=f"datastates-io-{i}", daemon=True)
+               for i, conn in enumerate(conns)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    io.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    file_io.close()

@@ -31,6 +31,7 @@ from .records import SkipRecord
 
 if TYPE_CHECKING:
     from ..read.entries import CommittedManifest
+    from .io_ops import FileChecksums
 
 #: The longest a notified wait sleeps before it re-checks on its own: every change and every
 #: background failure notifies, so this only bounds what a missed notification could cost.
@@ -99,11 +100,11 @@ class FileJob:
         self.snapshot_done.set()
         self.job.wake()
 
-    def take_checksums(self, sums: dict) -> None:
+    def take_checksums(self, sums: "FileChecksums") -> None:
         """The checksums ``io_ops.FileIo.finish`` returned for this file (hex): file, tensors in file order, sidecar."""
-        self.file_xxh3 = sums["file"]
-        self.tensor_xxh3 = {s.name: digest for s, digest in zip(self.layout.spans, sums["tensors"])}
-        self.sidecar_xxh3 = sums["sidecar"]
+        self.file_xxh3 = sums.file
+        self.tensor_xxh3 = {s.name: digest for s, digest in zip(self.layout.spans, sums.tensors)}
+        self.sidecar_xxh3 = sums.sidecar
 
     def num_chunks(self, chunk_bytes: int) -> int:
         return -(-self.layout.size // chunk_bytes)
