@@ -214,7 +214,7 @@ COMMON_ARGS=(
     --train-iters "$TRAIN_ITERS"
     --save "$CKPT_DIR" --load "$CKPT_DIR" --save-interval 1
     --use-datastates --datastates-host-cache-size "$HOST_CACHE_GB" --datastates-local-dir "$LOCAL_DIR"
-    --datastates-timeout "$DATASTATES_TIMEOUT"
+    --datastates-persist-timeout-s "$DATASTATES_TIMEOUT"
 )
 case "$TRAINER" in
     megatron)

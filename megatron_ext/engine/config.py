@@ -44,7 +44,7 @@ class OnFailure(enum.StrEnum):
 
 
 #: Bounds checked before any conversion (a size in bytes, a deadline): beyond them nothing works anyway.
-_MAX_CACHE_GB = float(1 << 20)
+_MAX_CACHE_GIB = float(1 << 20)
 _MAX_TIMEOUT_S = 1e7  # about 116 days
 
 
@@ -199,7 +199,7 @@ class EngineConfig:
         ram = _physical_memory_bytes()
         if ram and self.host_cache_bytes > ram * 0.9:
             raise ConfigError(
-                f"host_cache_size {self.host_cache_size} GB exceeds 90% of this node's "
+                f"host_cache_size {self.host_cache_size} GiB exceeds 90% of this node's "
                 f"{ram / GIB:.1f} GB of memory"
             )
         self.allowed_classes()
@@ -210,11 +210,11 @@ class EngineConfig:
         values; reading the node and importing modules is ``check_node``'s, so constructing has no side effects."""
         _number(self.host_cache_size, "host_cache_size")
         if not self.host_cache_size > 0:
-            raise ConfigError(f"host_cache_size must be > 0 GB, got {self.host_cache_size}")
-        if self.host_cache_size > _MAX_CACHE_GB:  # bounded before any conversion to bytes
-            raise ConfigError(f"host_cache_size {self.host_cache_size} GB is absurd (the bound is {_MAX_CACHE_GB:g})")
+            raise ConfigError(f"host_cache_size must be > 0 GiB, got {self.host_cache_size}")
+        if self.host_cache_size > _MAX_CACHE_GIB:  # bounded before any conversion to bytes
+            raise ConfigError(f"host_cache_size {self.host_cache_size} GiB is absurd (the bound is {_MAX_CACHE_GIB:g})")
         if self.host_cache_bytes < 4 * 4096:
-            raise ConfigError(f"host_cache_size {self.host_cache_size} GB is below the 16 KiB minimum")
+            raise ConfigError(f"host_cache_size {self.host_cache_size} GiB is below the 16 KiB minimum")
         _number(self.chunk_size_mb, "chunk_size_mb")
         if not (0 < self.chunk_size_mb <= 4096):
             raise ConfigError(f"chunk_size_mb must be in (0, 4096], got {self.chunk_size_mb}")

@@ -113,7 +113,7 @@ class MegatronCheckpointer:
             if cfg["host_cache_size"] == AUTO:
                 if rank_bytes is None:
                     raise CheckpointError("--datastates-host-cache-size auto sizes the host cache from this rank's "
-                                          "checkpoint bytes, which are not known yet; pass a size in GB")
+                                          "checkpoint bytes, which are not known yet; pass a size in GiB")
                 sizing = auto_host_cache(rank_bytes, cfg, bytes_source)
                 cfg["host_cache_size"] = sizing.gb
                 log.info("%s", sizing.log_line())

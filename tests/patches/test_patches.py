@@ -180,7 +180,7 @@ def _args(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize("extra, message", [
     (["--async-save"], "--use-datastates replaces --async-save"),
     (["--ckpt-format", "torch"], "needs the default --ckpt-format torch_dist, not torch"),
-    (["--datastates-host-cache-size", "-1"], "host_cache_size must be > 0 GB"),
+    (["--datastates-host-cache-size", "-1"], "host_cache_size must be > 0 GiB"),
     (["--datastates-timeout", "0"], "persist_timeout_s must be > 0 seconds"),
     (["--datastates-overload-policy", "supersede", "--datastates-max-durable-age", "-2"],
      "max_durable_age must be a whole number >= 0"),

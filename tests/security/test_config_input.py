@@ -25,7 +25,7 @@ from helpers.hostile import SMALL
     ({"local_dir": ""}, "local_dir must be a path"),
     ({"telemetry_path": ["x"]}, "telemetry_path must be a path"),
     ({"save_dir": "a\0b"}, "save_dir must be a path"),
-    ({"host_cache_size": 1e308}, "host_cache_size 1e+308 GB is absurd"),
+    ({"host_cache_size": 1e308}, "host_cache_size 1e+308 GiB is absurd"),
     ({"host_cache_size": 2 ** 70}, "is absurd"),
     ({"persist_timeout_s": 1e308}, "persist_timeout_s must be at most"),
     ({"snapshot_timeout_s": float("inf")}, "snapshot_timeout_s must be a finite number"),
@@ -45,7 +45,7 @@ def test_every_construction_path_rejects(values, message):
 
 @pytest.mark.parametrize("values, message", [
     ({"safe_classes": ["os.system"]}, "safe class 'os.system' is not a class defined under that exact name"),
-    ({"host_cache_size": 1e6}, "host_cache_size 1000000.0 GB exceeds 90% of this node's"),
+    ({"host_cache_size": 1e6}, "host_cache_size 1000000.0 GiB exceeds 90% of this node's"),
 ], ids=lambda v: repr(v)[:40] if isinstance(v, dict) else None)
 def test_every_start_up_path_checks_the_node(values, message):
     """Constructing reads nothing; every path to a running engine runs ``check_node`` (imports, memory)."""
