@@ -347,6 +347,21 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_cpu_vs_floor(r: dict, path: str) -> str:
+    """The engine's CPU seconds per GB, first and later save, beside the floor of the same run: what
+    checksumming and writing the bytes cost at least (issue 41's ``CPU / floor`` as bars)."""
+    from .plots import grouped_bars
+
+    floor = r["floor_cpu_s_per_gb"]
+    return grouped_bars(
+        path, f"bench engine: CPU per GB against the floor ({r['state_bytes'] / 1e9:.1f} GB, {r['device']})",
+        ["first save", "later saves"],
+        {"xxh3 pass + O_DIRECT write (limit)": [floor, floor],
+         "engine, all threads": [r["datastates_cpu_s_per_gb"], r["datastates_warm_cpu_s_per_gb"]],
+         "engine besides the copy": [None, r["datastates_warm_cpu_s_per_gb"] - r["datastates_warm_copy_cpu_s_per_gb"]]},
+        "CPU seconds per GB")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``megatron-ext bench engine``."""
     p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
@@ -357,6 +372,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the state lives (cuda: on the current GPU, copied by the CUDA copy stream)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="draw the engine's CPU per GB against the floor (xxh3 pass + O_DIRECT write) there")
     p.add_argument("--check", action="store_true",
                    help="exit 1 when a figure is outside its limit (LIMITS; the broken ones go to stderr)")
 
@@ -368,6 +385,8 @@ def main(args) -> int:
         return 2
     result = run(args.size_gb, args.dir, args.cache_gb, args.compute_s, device)
     print(json.dumps(result, indent=1, sort_keys=True) if args.json else format_table(result))
+    if getattr(args, "plot", None):
+        print(f"bench engine: wrote {plot_cpu_vs_floor(result, args.plot)}", file=sys.stderr)
     broken = check_limits(result) if getattr(args, "check", False) else []
     for line in broken:
         print(f"bench engine: outside its limit: {line}", file=sys.stderr)

@@ -30,13 +30,15 @@ def _bench(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_bench_engine_json_keys_on_cpu(tmp_path):
-    proc = _bench("--size-gb", "0.01", "--compute-s", "0.05", "--json", "--dir", str(tmp_path))
+    plot = tmp_path / "cpu_vs_floor.png"
+    proc = _bench("--size-gb", "0.01", "--compute-s", "0.05", "--json", "--dir", str(tmp_path), "--plot", str(plot))
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     assert set(result) == KEYS
     assert result["device"] == "cpu" and result["d2h_gbps"] is None and result["datastates_blocking_s"] > 0
     # The engine's CPU counts its threads and its I/O worker: at least the floor's checksum pass.
     assert result["datastates_cpu_s_per_gb"] > result["floor_checksum_cpu_s_per_gb"] > 0
+    assert plot.read_bytes().startswith(b"\x89PNG") and f"wrote {plot}" in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu runs --device cuda on a GPU")
