@@ -71,14 +71,16 @@ def d2h_gbps(device: str, nbytes: int = 256 << 20) -> float | None:
 
 
 def measure_datastates(state: dict[str, torch.Tensor], directory: str, cache_gb: float | None = None,
-                       compute_s: float = 1.0, device: str = "cpu") -> dict:
+                       compute_s: float = 1.0, device: str = "cpu", flush_process: bool = True) -> dict:
     """One lazy save of ``state`` while the caller computes for ``compute_s``: blocked, snapshot,
-    flush, CPU; then a second one (``warm``): its flush and CPU."""
+    flush, CPU; then a second one (``warm``): its flush and CPU. ``flush_process``: flush from the
+    I/O worker process (the default) or from threads of this one."""
     nbytes = state_bytes(state)
     cache_gb = cache_gb if cache_gb is not None else max(nbytes / 2**30 * 1.02, 0.01)
     ds_dir = fresh_dir(directory)
     with PeakRss() as rss:
-        engine = CheckpointEngine({"host_cache_size": cache_gb, "save_dir": ds_dir}, rank=0, world_size=1)
+        engine = CheckpointEngine({"host_cache_size": cache_gb, "save_dir": ds_dir,
+                                   "flush_process": flush_process}, rank=0, world_size=1)
         engine.cache.wait_allocated(600)  # a long-running trainer allocates once, long before
         cpu0 = process_cpu_s()
         t0 = time.perf_counter()
@@ -237,7 +239,7 @@ def measure_dcp_stager(state: dict[str, torch.Tensor], directory: str, compute_s
 
 
 def run(size_gb: float, directory: str | None = None, cache_gb: float | None = None,
-        compute_s: float = 1.0, device: str = "cpu") -> dict:
+        compute_s: float = 1.0, device: str = "cpu", flush_process: bool = True) -> dict:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -249,7 +251,8 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
         gc.collect()
         nbytes = state_bytes(state)
         rss_state = PeakRss().peak
-        result: dict = {"state_bytes": nbytes, "rss_with_state_bytes": rss_state, "device": device}
+        result: dict = {"state_bytes": nbytes, "rss_with_state_bytes": rss_state, "device": device,
+                        "flush_process": flush_process}
 
         _progress("physical limits: memcpy, device-to-host copy (GPU) and O_DIRECT write of the same bytes")
         result["memcpy_gbps"] = memcpy_gbps()
@@ -257,7 +260,8 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
         direct_before = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
 
         _progress("datastates engine")
-        result.update(measure_datastates(state, os.path.join(base, "datastates"), cache_gb, compute_s, device))
+        result.update(measure_datastates(state, os.path.join(base, "datastates"), cache_gb, compute_s, device,
+                                         flush_process))
         # The disk's speed drifts: the limit is the mean of direct writes just before and just after.
         direct_after = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
         result["direct_write_gbps_before"] = direct_before
@@ -372,6 +376,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the state lives (cuda: on the current GPU, copied by the CUDA copy stream)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--flush-in-process", action="store_true",
+                   help="flush from threads of the training process (flush_process: false), not the I/O worker")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="draw the engine's CPU per GB against the floor (xxh3 pass + O_DIRECT write) there")
     p.add_argument("--check", action="store_true",
@@ -383,7 +389,8 @@ def main(args) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("bench engine --device cuda: no CUDA device is visible to torch here", file=sys.stderr)
         return 2
-    result = run(args.size_gb, args.dir, args.cache_gb, args.compute_s, device)
+    result = run(args.size_gb, args.dir, args.cache_gb, args.compute_s, device,
+                 not getattr(args, "flush_in_process", False))
     print(json.dumps(result, indent=1, sort_keys=True) if args.json else format_table(result))
     if getattr(args, "plot", None):
         print(f"bench engine: wrote {plot_cpu_vs_floor(result, args.plot)}", file=sys.stderr)

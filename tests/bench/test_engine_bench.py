@@ -11,7 +11,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-KEYS = {"state_bytes", "rss_with_state_bytes", "device", "memcpy_gbps", "d2h_gbps", "host_cache_bytes",
+KEYS = {"state_bytes", "rss_with_state_bytes", "device", "flush_process", "memcpy_gbps", "d2h_gbps", "host_cache_bytes",
         "datastates_save_call_s", "datastates_blocking_s", "datastates_snapshot_s", "datastates_compute_s",
         "datastates_compute_steps", "datastates_persisted_s", "datastates_flush_s", "datastates_flush_gbps",
         "peak_rss_bytes", "direct_write_gbps_before", "direct_write_gbps_after", "direct_write_gbps", "torch_save_s",
@@ -39,6 +39,14 @@ def test_bench_engine_json_keys_on_cpu(tmp_path):
     # The engine's CPU counts its threads and its I/O worker: at least the floor's checksum pass.
     assert result["datastates_cpu_s_per_gb"] > result["floor_checksum_cpu_s_per_gb"] > 0
     assert plot.read_bytes().startswith(b"\x89PNG") and f"wrote {plot}" in proc.stderr
+    assert result["flush_process"] is True
+
+
+def test_bench_engine_flushes_in_process_when_asked(tmp_path):
+    proc = _bench("--size-gb", "0.01", "--compute-s", "0.05", "--json", "--dir", str(tmp_path), "--flush-in-process")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert result["flush_process"] is False and result["datastates_flush_gbps"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu runs --device cuda on a GPU")
