@@ -240,7 +240,7 @@ class InterleavedAdam:
         return StepTimes(time.perf_counter() - start, cpu_seconds, cpu_elements, gpu_elements)
 
 
-def _probe(group: dict):
+def update_probe(group: dict):
     """``measure``'s update probe: one subgroup of ``n`` elements updated with ``group``'s flags on ``device``."""
     def make(n: int, device: torch.device):
         master = torch.zeros(n, device=device)
@@ -278,11 +278,9 @@ class InterleavedOffload:
 
     def _model_for(self, slots: list[AdamSlot], total: int):
         shape = Shape(subgroups=total, subgroup_numel=max(1, capacity(self.engine.subgroups)),
-                      state_bytes=4 * (1 + len(state_keys(slots[0].group))),
-                      grad_bytes=slots[0].grad.element_size(),
-                      weight_bytes=slots[0].weight.element_size() if slots[0].weight is not None else 0)
+                      state_bytes=4 * (1 + len(state_keys(slots[0].group))))
         if self.model is None or self.model.shape.subgroups != total:
-            rates = self.rates or measure(self.engine.device, shape.subgroup_numel, _probe(slots[0].group))
+            rates = self.rates or measure(self.engine.device, shape.subgroup_numel, update_probe(slots[0].group))
             self.rates = rates
             self.model = PerfModel(rates, shape)
         return self.model

@@ -6,8 +6,9 @@ step's own timings (``PerfModel.observe``): ``h2d`` and ``d2h`` PCIe bandwidth (
 for staging).
 
 For ``N`` subgroups of ``n`` elements, ``s`` bytes of host state per element (fp32 master and
-moments: 12, 16 with AMSGrad), ``g`` bytes of device gradient and ``w`` bytes of device weight
-per element, with ``k`` subgroups on the GPU:
+moments: 12, 16 with AMSGrad), ``g`` and ``w`` bytes per element of gradient and weight crossing
+PCIe for a CPU subgroup (4: a bf16 tensor copied to or from an fp32 host buffer is cast on the
+device and crosses as fp32), with ``k`` subgroups on the GPU:
 
 * one GPU subgroup's stages: ``t_in = n*s/h2d``, ``t_upd = n/gpu_rate``, ``t_out = n*s/d2h``;
 * the GPU pipeline over a double buffer (a buffer is refilled only once its write-back is
@@ -53,8 +54,8 @@ class Shape:
     subgroups: int
     subgroup_numel: int
     state_bytes: int = 12
-    grad_bytes: int = 2
-    weight_bytes: int = 2
+    grad_bytes: int = 4
+    weight_bytes: int = 4
 
 
 @dataclass(frozen=True)
