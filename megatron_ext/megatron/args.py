@@ -80,6 +80,11 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--datastates-replica-dir", type=str, default=None, metavar="DIR",
                        help="Host-memory directory for the replicas a node holds, created private (0700) "
                             "(default /dev/shm/megatron_ext-<uid>/replicas-<hash of --save>).")
+    group.add_argument("--datastates-interleaved-offload", action="store_true",
+                       help="With --optimizer-cpu-offload: all fp32 optimizer state on the host, each step's "
+                            "update split between GPU and CPU by a measured performance model (docs/MEGATRON.md).")
+    group.add_argument("--datastates-offload-subgroup-numel", type=int, default=None, metavar="N",
+                       help="Elements per subgroup of --datastates-interleaved-offload (default 16M).")
     return parser
 
 
@@ -199,6 +204,9 @@ def _unsupported_megatron_features(args: Any) -> list[str]:
 
 def validate_datastates_args(args: Any) -> None:
     """Reject flag combinations the engine cannot honour, with one clear message, before training."""
+    if getattr(args, "datastates_interleaved_offload", False):  # an optimizer option: with or without --use-datastates
+        from megatron_ext.megatron.interleaved_offload import install
+        install(args)
     if not MegatronAdapterOptions.from_args(args).enabled:
         return
     problems = []
