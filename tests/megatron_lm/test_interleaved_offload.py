@@ -1,0 +1,32 @@
+"""``--datastates-interleaved-offload`` in Megatron-LM's own loop, on 2 CPU ranks (bf16, distributed optimizer).
+
+The interleaved optimizer must give the hybrid device optimizer's (HDO, ``--optimizer-cpu-offload``
+at fraction 1.0) trajectory bit for bit, and the checkpoints of either must resume the other:
+with ``--use-datastates`` and a save every iteration, a run that stops at iteration 3 is resumed
+to 6 with the flag flipped, both ways, and each joined trajectory is HDO's uninterrupted one.
+"""
+
+from __future__ import annotations
+
+from helpers.megatron_lm_runs import DATASTATES, assert_same_trajectory, run, trajectory
+
+CPU_OFFLOAD = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
+INTERLEAVED = ["--datastates-interleaved-offload", "--datastates-offload-subgroup-numel", "4096",
+               "--logging-level", "20"]
+COMMON = ["--bf16", "--use-distributed-optimizer", *CPU_OFFLOAD, "--train-iters", "6", "--save-interval", "1",
+          *DATASTATES]
+
+
+def test_interleaved_offload_matches_hdo_and_resumes_across_the_flag(checkout, tmp_path):
+    hdo = run(checkout, 2, [*COMMON, "--save", str(tmp_path / "hdo" / "ckpt")], tmp_path / "hdo", "hdo")
+    reference = trajectory(hdo)
+    assert list(reference) == [1, 2, 3, 4, 5, 6]
+    for first, then, name in ((INTERLEAVED, [], "interleaved_then_hdo"), ([], INTERLEAVED, "hdo_then_interleaved")):
+        save = tmp_path / name / "ckpt"
+        args = [*COMMON, "--save", str(save), "--load", str(save)]
+        stopped = run(checkout, 2, [*args, *first, "--exit-interval", "3"], tmp_path / name, "first")
+        resumed = run(checkout, 2, [*args, *then], tmp_path / name, "resumed")
+        assert [r["iteration"] for r in resumed.records] == [4, 5, 6]
+        interleaved_log = (stopped if first else resumed).log
+        assert "subgroups on the GPU, step predicted" in interleaved_log, name
+        assert_same_trajectory(trajectory(stopped, resumed), reference, f"{name} vs HDO uninterrupted")
