@@ -35,7 +35,7 @@ import torch
 from megatron_ext.arg_types import NONNEG_INT, POSITIVE_INT
 from megatron_ext.offload.interleaved import AdamSlot, InterleavedOffload, adam_update, init_state, update_probe
 from megatron_ext.offload.perf_model import Shape, measure, predict
-from megatron_ext.offload.streams import streams_for
+from megatron_ext.offload.lanes import lanes_for
 
 NAME = "offload"
 HELP = "optimizer step with host-resident fp32 state: all-GPU, HDO at 1.0, static splits, interleaved"
@@ -126,7 +126,7 @@ def run_variant(name: str, policy, shard: Shard, resident_fraction: float, steps
             count += size
     on_host = [i for i in range(n) if i not in resident]
     dev_part = DeviceResident(shard, resident) if resident else None
-    offload = InterleavedOffload(streams_for(device), subgroup_numel, policy=policy, rates=rates) if on_host else None
+    offload = InterleavedOffload(lanes_for(device), subgroup_numel, policy=policy, rates=rates) if on_host else None
     slots = shard.slots(on_host)
     side = 4096 if device.type == "cuda" else 64
     if device.type == "cuda":

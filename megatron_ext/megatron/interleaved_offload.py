@@ -24,7 +24,7 @@ import torch
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
 from megatron_ext.offload.interleaved import AdamSlot, InterleavedOffload
-from megatron_ext.offload.streams import streams_for
+from megatron_ext.offload.lanes import lanes_for
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class InterleavedOffloadOptimizer(HybridDeviceOptimizer):
         if self._offload is None:
             device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
                       else torch.device("cpu"))
-            self._offload = InterleavedOffload(streams_for(device), self.subgroup_numel, policy="model", log=log.info)
+            self._offload = InterleavedOffload(lanes_for(device), self.subgroup_numel, policy="model", log=log.info)
         return self._offload
 
     def _slots(self) -> list[AdamSlot]:

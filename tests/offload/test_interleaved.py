@@ -10,7 +10,7 @@ import torch
 
 from megatron_ext.offload.interleaved import AdamSlot, InterleavedAdam, InterleavedOffload
 from megatron_ext.offload.perf_model import NodeRates, Shape, choose, predict
-from megatron_ext.offload.streams import DeferredCpuStreams
+from megatron_ext.offload.lanes import DeferredCpuLanes
 from megatron_ext.offload.subgroups import ALIGN, partition, spread, strided
 
 SIZES = [1000, 7, 4099, 64, 333]  # not multiples of the vector widths: cuts must not change rounding
@@ -39,7 +39,7 @@ def _reference_and_slots(fused):
 
 def _run(on_gpu_per_step, fused=True, streams=None, steps=4):
     reference, opt, slots, gen = _reference_and_slots(fused)
-    engine = InterleavedAdam(streams or DeferredCpuStreams(), subgroup_numel=1024)
+    engine = InterleavedAdam(streams or DeferredCpuLanes(), subgroup_numel=1024)
     for step in range(steps):
         for p, slot in zip(reference, slots):
             grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
@@ -85,7 +85,7 @@ def test_bit_identical_to_torch_adamw(fused, split):
 
 @pytest.mark.parametrize("label", ["grads_to_host", "prefetch", "buffer_free", "write_back", "weights_to_device"])
 def test_a_missing_wait_is_caught(label):
-    ok, _ = _run(lambda step, total: strided(2, total), streams=DeferredCpuStreams(drop_waits=(label,)))
+    ok, _ = _run(lambda step, total: strided(2, total), streams=DeferredCpuLanes(drop_waits=(label,)))
     assert not ok, f"dropping the {label!r} wait went unnoticed"
 
 
@@ -104,7 +104,7 @@ def test_model_driven_steps_log_the_split_and_stay_exact():
     lines = []
     rates = NodeRates(h2d=1e10, d2h=1e10, gpu_rate=1e9, cpu_rate=1e9, free_bytes=1e12)
     reference, opt, slots, gen = _reference_and_slots(True)
-    offload = InterleavedOffload(DeferredCpuStreams(), 1024, policy="model", rates=rates, log=lines.append)
+    offload = InterleavedOffload(DeferredCpuLanes(), 1024, policy="model", rates=rates, log=lines.append)
     for _ in range(3):
         for p, slot in zip(reference, slots):
             grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)

@@ -5,7 +5,7 @@ Three lanes: ``compute`` (the current stream: updates and device-to-device copie
 host). A copy on ``h2d`` or ``d2h`` is asynchronous; it is ordered against other lanes only
 through ``record``ed events that a lane ``wait``s for or the host ``host_wait``s for.
 
-``DeferredCpuStreams`` is the stand-in on CPU-only machines: each side-lane copy fills its
+``DeferredCpuLanes`` is the stand-in on CPU-only machines: each side-lane copy fills its
 destination with NaN at once (unless it is queued behind a wait of its lane, which it may not
 overtake) and runs only when an event recorded after it is waited for, so a
 missing wait leaves NaN where the real GPU would have raced. ``drop_waits`` (labels) lets a test
@@ -21,7 +21,7 @@ import torch
 SIDE_LANES = ("h2d", "d2h")
 
 
-class CudaStreams:
+class CudaLanes:
     """Side streams on ``device``; the compute lane is the current stream."""
 
     def __init__(self, device: torch.device):
@@ -54,7 +54,7 @@ class DeferredEvent:
     label: str
 
 
-class DeferredCpuStreams:
+class DeferredCpuLanes:
     """The CPU stand-in: compute is immediate; side-lane copies run in order, when waited for.
 
     A side lane waiting for an event runs nothing yet (as on a GPU, where the host does not
@@ -110,5 +110,5 @@ class DeferredCpuStreams:
             self.done[lane] = 0
 
 
-def streams_for(device: torch.device, drop_waits: tuple[str, ...] = ()):
-    return CudaStreams(device) if device.type == "cuda" else DeferredCpuStreams(drop_waits)
+def lanes_for(device: torch.device, drop_waits: tuple[str, ...] = ()):
+    return CudaLanes(device) if device.type == "cuda" else DeferredCpuLanes(drop_waits)
