@@ -5,8 +5,10 @@ shard (``--params``, default 3B on a GPU, 1M on a CPU) of tensors of mixed sizes
 gradients on the device, fp32 masters and Adam moments on the host (pinned on a GPU). Variants:
 
 * ``all-gpu``: every state tensor on the device, no transfer (skipped where it does not fit);
-* ``hdo-1.0``: megatron-core's hybrid device optimizer's algorithm at fraction 1.0: gradients to
-  the host on a side stream, every update on the CPU, weights back on another;
+* ``hdo-1.0``: the data movement of megatron-core's hybrid device optimizer at fraction 1.0 (this
+  project's interleaved step with no GPU subgroup, not megatron-core's class: the bench imports no
+  megatron-core): gradients to the host on a side stream, every update on the CPU, weights back on
+  another;
 * ``static-F``: HDO's static split, the first ``1 - F`` of the parameters with their state resident on
   the device, the fraction ``F`` on the host (``--fractions``, default 0.1 to 0.5);
 * ``interleaved-model``: the interleaved optimizer, split by its performance model;
@@ -239,7 +241,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fractions", default="0.1,0.25,0.5", help="static splits: offloaded fractions (default 0.1,0.25,0.5)")
     p.add_argument("--strides", default="2,4", help="fixed strides of the interleaved variant (default 2,4)")
     p.add_argument("--tokens", type=NONNEG_INT, default=None,
-                   help="synthetic forward/backward of 6*params*tokens FLOPs per step (default 4096 on a GPU, 0 on a CPU)")
+                   help="synthetic forward/backward of 6*params*tokens FLOPs per step (default 16 on a GPU, 0 on a CPU)")
     p.add_argument("--checkpoint", action="store_true", help="a checkpoint (host snapshot) after every step")
     p.add_argument("--out", default=None, help="write the JSON here too")
 
@@ -254,7 +256,7 @@ def main(args) -> int:
     result = run(params, device, args.steps or (20 if on_gpu else 3), args.warmup,
                  args.subgroup_numel or max(4096, params // 64),
                  [float(f) for f in args.fractions.split(",") if f], [int(s) for s in args.strides.split(",") if s],
-                 args.tokens if args.tokens is not None else (4096 if on_gpu else 0), args.checkpoint)
+                 args.tokens if args.tokens is not None else (16 if on_gpu else 0), args.checkpoint)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -63,8 +63,14 @@ class InterleavedOffloadOptimizer(HybridDeviceOptimizer):
                 for param in group["params"]:
                     device_param = self.cpu_copys_map_gpu_param[param]
                     grad = getattr(device_param, "decoupled_grad", device_param.grad)
-                    if grad is not None:
-                        slots.append(AdamSlot(param.data, grad, optimizer.state[param], group, device_param.data))
+                    if grad is None:
+                        continue
+                    state = optimizer.state[param]
+                    if torch.cuda.is_available():  # a loaded state comes pageable (HDO moves it with .to("cpu"))
+                        for key, value in state.items():
+                            if key != "step" and isinstance(value, torch.Tensor) and not value.is_pinned():
+                                state[key] = value.pin_memory()
+                    slots.append(AdamSlot(param.data, grad, state, group, device_param.data))
         return slots
 
     def step(self, closure=None):

@@ -285,6 +285,13 @@ class InterleavedOffload:
             self.model = PerfModel(rates, shape)
         return self.model
 
+    def _free_bytes(self) -> float | None:
+        """Device memory the staging buffers could use now: what is free plus what they already hold."""
+        if self.engine.device.type != "cuda":
+            return None
+        held = sum(t.numel() * t.element_size() for buffer in self.engine._staging.buffers for t in buffer.values())
+        return float(torch.cuda.mem_get_info(self.engine.device)[0] + held)
+
     def choose(self, slots: list[AdamSlot]):
         """(GPU subgroup indices, the model's prediction or None) for this step."""
         total = len(self.engine.plan([slot.master.numel() for slot in slots]))
@@ -304,7 +311,7 @@ class InterleavedOffload:
         on_gpu, prediction = self.choose(slots)
         times = self.engine.step(slots, on_gpu)
         if prediction is not None:
-            self.model.observe(prediction, times.seconds, times.cpu_elements, times.cpu_seconds)
+            self.model.observe(prediction, times.seconds, times.cpu_elements, times.cpu_seconds, self._free_bytes())
         record = StepRecord(len(on_gpu), len(self.engine.subgroups),
                             prediction.seconds if prediction is not None else None, times.seconds, times.cpu_seconds)
         self.records.append(record)

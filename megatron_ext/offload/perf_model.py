@@ -99,7 +99,10 @@ class PerfModel:
     def choose(self) -> Prediction:
         return choose(self.rates, self.shape, self.correction)
 
-    def observe(self, prediction: Prediction, measured_seconds: float, cpu_elements: int, cpu_seconds: float) -> None:
+    def observe(self, prediction: Prediction, measured_seconds: float, cpu_elements: int, cpu_seconds: float,
+                free_bytes: float | None = None) -> None:
+        if free_bytes is not None:
+            self.rates = replace(self.rates, free_bytes=free_bytes)
         if cpu_elements and cpu_seconds > 0:
             rate = cpu_elements / cpu_seconds
             self.rates = replace(self.rates, cpu_rate=(1 - EMA) * self.rates.cpu_rate + EMA * rate)
