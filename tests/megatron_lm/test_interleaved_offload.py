@@ -8,7 +8,7 @@ to 6 with the flag flipped, both ways, and each joined trajectory is HDO's unint
 
 from __future__ import annotations
 
-from helpers.megatron_lm_runs import DATASTATES, assert_same_trajectory, run, trajectory
+from helpers.megatron_lm_runs import DATASTATES, assert_same_trajectory, run, trajectory, without_flags
 
 CPU_OFFLOAD = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
 INTERLEAVED = ["--datastates-interleaved-offload", "--datastates-offload-subgroup-numel", "4096",
@@ -30,3 +30,19 @@ def test_interleaved_offload_matches_hdo_and_resumes_across_the_flag(checkout, t
         interleaved_log = (stopped if first else resumed).log
         assert "subgroups on the GPU, step predicted" in interleaved_log, name
         assert_same_trajectory(trajectory(stopped, resumed), reference, f"{name} vs HDO uninterrupted")
+
+
+def test_interleaved_offload_reshards_dp2_to_dp1_into_another_split_as_hdo(checkout, tmp_path):
+    """DP 2 -> DP 1 with the flag on both sides and another subgroup size after the resume: HDO's own
+    resharded resume, bit for bit."""
+    resplit = without_flags(INTERLEAVED, "--datastates-offload-subgroup-numel") + [
+        "--datastates-offload-subgroup-numel", "1000"]
+    results = {}
+    for side, (before, after) in {"hdo": ([], []), "interleaved": (INTERLEAVED, resplit)}.items():
+        save = tmp_path / side / "ckpt"
+        args = [*COMMON, "--save", str(save), "--load", str(save)]
+        saved = run(checkout, 2, [*args, *before, "--exit-interval", "3"], tmp_path / side, "save_dp2")
+        resumed = run(checkout, 1, [*args, *after], tmp_path / side, "resume_dp1")
+        assert [r["iteration"] for r in resumed.records] == [4, 5, 6]
+        results[side] = trajectory(saved, resumed)
+    assert_same_trajectory(results["interleaved"], results["hdo"], "DP 2 -> 1: interleaved (resplit) vs HDO")
