@@ -3,7 +3,8 @@
 The interleaved optimizer must give the hybrid device optimizer's (HDO, ``--optimizer-cpu-offload``
 at fraction 1.0) trajectory bit for bit, and the checkpoints of either must resume the other:
 with ``--use-datastates`` and a save every iteration, a run that stops at iteration 3 is resumed
-to 6 with the flag flipped, both ways, and each joined trajectory is HDO's uninterrupted one.
+to 6 with the flag flipped, both ways, a SIGKILLed run resumes with the flag, and each joined
+trajectory is HDO's uninterrupted one; a DP 2 -> DP 1 resume into another subgroup size is HDO's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ def test_interleaved_offload_matches_hdo_and_resumes_across_the_flag(checkout, t
         interleaved_log = (stopped if first else resumed).log
         assert "subgroups on the GPU, step predicted" in interleaved_log, name
         assert_same_trajectory(trajectory(stopped, resumed), reference, f"{name} vs HDO uninterrupted")
+    # SIGKILL after iteration 3 (at least iteration 1 committed), resumed from whatever was committed
+    save = tmp_path / "sigkill" / "ckpt"
+    args = [*COMMON, *INTERLEAVED, "--save", str(save), "--load", str(save)]
+    killed = run(checkout, 2, args, tmp_path / "sigkill", "killed", kill_at=3, committed_before_kill=1)
+    resumed = run(checkout, 2, args, tmp_path / "sigkill", "resumed")
+    assert 2 <= resumed.first_iteration <= 4
+    assert_same_trajectory(trajectory(killed, resumed), reference, "interleaved SIGKILL resume vs HDO uninterrupted")
 
 
 def test_interleaved_offload_reshards_dp2_to_dp1_into_another_split_as_hdo(checkout, tmp_path):
