@@ -144,6 +144,10 @@ class InterleavedAdam:
         steps = [slot.state["step"].clone() for slot in slots]  # before this step's increment
         gpu = [sg for sg in subgroups if sg.index in on_gpu]
         cpu = [sg for sg in subgroups if sg.index not in on_gpu]
+        # fused and capturable Adam keep the step count with the tensors: copied to the device once,
+        # now, since a blocking copy later would wait for the GPU updates already queued
+        device_steps = {p.tensor: steps[p.tensor].to(self.device) for sg in gpu for p in sg.pieces
+                        if slots[p.tensor].group.get("fused") or slots[p.tensor].group.get("capturable")}
 
         # 1. CPU subgroups' gradients to the host.
         s.wait_compute("d2h")
@@ -206,9 +210,7 @@ class InterleavedAdam:
                 view = {key: staging[b][key][offset:offset + n] for key in keys}
                 master = staging[b]["master"][offset:offset + n]
                 grad = _flat(slot.grad)[p.start:p.stop].to(device=self.device, dtype=torch.float32)
-                step = steps[p.tensor].clone()
-                if slot.group.get("fused") or slot.group.get("capturable"):
-                    step = step.to(self.device)
+                step = device_steps.get(p.tensor, steps[p.tensor]).clone()
                 adam_update([master], [grad], [view], [step], slot.group)
                 if slot.weight is not None:
                     s.copy("compute", _flat(slot.weight)[p.start:p.stop], master)
