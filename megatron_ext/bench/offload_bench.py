@@ -232,16 +232,19 @@ def run(params: int, device: torch.device, steps: int, warmup: int, subgroup_num
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--params", type=POSITIVE_INT, default=None, help="parameters in the shard (default 3e9 on a GPU, 1e6 on a CPU)")
+    p.add_argument("--params", type=POSITIVE_INT, default=None,
+                   help="parameters in the shard (default 3e9 on a GPU, 1e6 on a CPU)")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     p.add_argument("--steps", type=POSITIVE_INT, default=None, help="measured steps (default 20 on a GPU, 3 on a CPU)")
     p.add_argument("--warmup", type=NONNEG_INT, default=2, help="steps before measuring (default 2)")
     p.add_argument("--subgroup-numel", type=POSITIVE_INT, default=None,
                    help="elements per subgroup (default 1/64 of the shard, at least 4096)")
-    p.add_argument("--fractions", default="0.1,0.25,0.5", help="static splits: offloaded fractions (default 0.1,0.25,0.5)")
+    p.add_argument("--fractions", default="0.1,0.25,0.5",
+                   help="static splits: offloaded fractions (default 0.1,0.25,0.5)")
     p.add_argument("--strides", default="2,4", help="fixed strides of the interleaved variant (default 2,4)")
     p.add_argument("--tokens", type=NONNEG_INT, default=None,
-                   help="synthetic forward/backward of 6*params*tokens FLOPs per step (default 16 on a GPU, 0 on a CPU)")
+                   help="synthetic forward/backward of 6*params*tokens FLOPs per step "
+                        "(default 16 on a GPU, 0 on a CPU)")
     p.add_argument("--checkpoint", action="store_true", help="a checkpoint (host snapshot) after every step")
     p.add_argument("--out", default=None, help="write the JSON here too")
 

@@ -86,7 +86,8 @@ def predict(k: int, rates: NodeRates, shape: Shape, correction: float = 1.0) -> 
 def choose(rates: NodeRates, shape: Shape, correction: float = 1.0) -> Prediction:
     """The split with the smallest predicted step time (no GPU subgroup when staging does not fit)."""
     top = shape.subgroups if staging_fits(rates, shape) else 0
-    return min((predict(k, rates, shape, correction) for k in range(top + 1)), key=lambda p: (p.seconds, p.gpu_subgroups))
+    candidates = (predict(k, rates, shape, correction) for k in range(top + 1))
+    return min(candidates, key=lambda p: (p.seconds, p.gpu_subgroups))
 
 
 class PerfModel:

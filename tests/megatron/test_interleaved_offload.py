@@ -91,7 +91,8 @@ def test_the_flag_is_refused_without_cpu_offload_and_with_a_fraction():
 
     base = dict(datastates_interleaved_offload=True, optimizer="adam", use_datastates=False)
     with pytest.raises(ValueError, match="needs --optimizer-cpu-offload"):
-        validate_datastates_args(argparse.Namespace(**base, optimizer_cpu_offload=False, optimizer_offload_fraction=1.0))
+        validate_datastates_args(argparse.Namespace(**base, optimizer_cpu_offload=False,
+                                                    optimizer_offload_fraction=1.0))
     with pytest.raises(ValueError, match="drop --optimizer-offload-fraction 0.5"):
         validate_datastates_args(argparse.Namespace(**base, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5))
     with pytest.raises(ValueError, match="Adam/AdamW only"):
