@@ -4,12 +4,16 @@ The interleaved optimizer must give the hybrid device optimizer's (HDO, ``--opti
 at fraction 1.0) trajectory bit for bit, and the checkpoints of either must resume the other:
 with ``--use-datastates`` and a save every iteration, a run that stops at iteration 3 is resumed
 to 6 with the flag flipped, both ways, a SIGKILLed run resumes with the flag, and each joined
-trajectory is HDO's uninterrupted one; a DP 2 -> DP 1 resume into another subgroup size is HDO's.
+trajectory is HDO's uninterrupted one; a DP 2 -> DP 1 resume into another subgroup size is HDO's;
+a Llama-style TP2 x PP2 x DP2 run (slow) is HDO's.
 """
 
 from __future__ import annotations
 
+import pytest
+
 from helpers.megatron_lm_runs import DATASTATES, assert_same_trajectory, run, trajectory, without_flags
+from megatron_ext.testing.megatron_lm import LLAMA_STYLE, TINY_GPT
 
 CPU_OFFLOAD = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
 INTERLEAVED = ["--datastates-interleaved-offload", "--datastates-offload-subgroup-numel", "4096",
@@ -54,3 +58,17 @@ def test_interleaved_offload_reshards_dp2_to_dp1_into_another_split_as_hdo(check
         assert [r["iteration"] for r in resumed.records] == [4, 5, 6]
         results[side] = trajectory(saved, resumed)
     assert_same_trajectory(results["interleaved"], results["hdo"], "DP 2 -> 1: interleaved (resplit) vs HDO")
+
+
+@pytest.mark.slow
+def test_llama_style_tp2_pp2_dp2_interleaved_offload_matches_hdo(checkout, tmp_path):
+    """Llama-style (SwiGLU, RMSNorm, rope, GQA) at TP2 x PP2 x DP2 on 8 ranks: HDO's trajectory bit for bit."""
+    layout = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+              "--train-iters", "4"]
+    model = [*TINY_GPT, *LLAMA_STYLE]
+    base = [a for a in COMMON if a not in ("--train-iters", "6")] + layout
+    hdo = run(checkout, 8, [*base, "--save", str(tmp_path / "hdo")], tmp_path, "hdo", model=model)
+    ours = run(checkout, 8, [*base, *INTERLEAVED, "--save", str(tmp_path / "ours")], tmp_path, "ours", model=model)
+    assert list(trajectory(hdo)) == [1, 2, 3, 4]
+    assert "subgroups on the GPU, step predicted" in ours.log
+    assert_same_trajectory(trajectory(ours), trajectory(hdo), "TP2 x PP2 x DP2: interleaved vs HDO")
