@@ -113,7 +113,8 @@ class PerfModel:
 
 
 def _seconds(fn, device: torch.device, repeats: int = 3) -> float:
-    """Median wall time of ``fn`` (device-synchronised on CUDA)."""
+    """Median wall time of ``fn`` (device-synchronised on CUDA), after one untimed call (first-call costs)."""
+    fn()
     times = []
     for _ in range(repeats):
         if device.type == "cuda":
