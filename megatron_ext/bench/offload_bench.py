@@ -35,7 +35,7 @@ import time
 import torch
 
 from megatron_ext.arg_types import NONNEG_INT, POSITIVE_INT
-from megatron_ext.offload.interleaved import AdamSlot, InterleavedOffload, adam_update, init_state, update_probe
+from megatron_ext.offload.interleaved import StateSlot, InterleavedOffload, adam_update, init_state, update_probe
 from megatron_ext.offload.perf_model import Shape, measure, predict
 from megatron_ext.offload.lanes import lanes_for
 
@@ -75,8 +75,8 @@ class Shard:
         for g in self.grads:
             g.copy_(torch.randn(g.shape, generator=gen, device=self.device) * 1e-2)
 
-    def slots(self, indices) -> list[AdamSlot]:
-        return [AdamSlot(self.masters[i], self.grads[i], self.states[i], GROUP, self.weights[i]) for i in indices]
+    def slots(self, indices) -> list[StateSlot]:
+        return [StateSlot(self.masters[i], self.grads[i], self.states[i], GROUP, self.weights[i]) for i in indices]
 
 
 def _sync(device: torch.device) -> None:

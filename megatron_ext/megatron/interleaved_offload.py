@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
 
-from megatron_ext.offload.interleaved import AdamSlot, InterleavedOffload
+from megatron_ext.offload.interleaved import StateSlot, InterleavedOffload
 from megatron_ext.offload.lanes import lanes_for
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class InterleavedOffloadOptimizer(HybridDeviceOptimizer):
             self._offload = InterleavedOffload(lanes_for(device), self.subgroup_numel, policy="model", log=log.info)
         return self._offload
 
-    def _slots(self) -> list[AdamSlot]:
+    def _slots(self) -> list[StateSlot]:
         slots = []
         for optimizer in self.cpu_optimizers:
             for group in optimizer.param_groups:
@@ -70,7 +70,7 @@ class InterleavedOffloadOptimizer(HybridDeviceOptimizer):
                         for key, value in state.items():
                             if key != "step" and isinstance(value, torch.Tensor) and not value.is_pinned():
                                 state[key] = value.pin_memory()
-                    slots.append(AdamSlot(param.data, grad, state, group, device_param.data))
+                    slots.append(StateSlot(param.data, grad, state, group, device_param.data))
         return slots
 
     def step(self, closure=None):
@@ -92,9 +92,9 @@ def _refusals(args: Any) -> list[str]:
     if fraction != 1.0:
         problems.append(f"--datastates-interleaved-offload keeps all optimizer state on the host and splits the "
                         f"update each step itself: drop --optimizer-offload-fraction {fraction} (or give 1.0)")
-    if getattr(args, "optimizer", "adam") != "adam":
-        problems.append(f"--datastates-interleaved-offload updates with Adam/AdamW only, not --optimizer "
-                        f"{args.optimizer}")
+    if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
+        problems.append(f"--datastates-interleaved-offload steps what --optimizer-cpu-offload offers, Adam/AdamW "
+                        f"and SGD, not --optimizer {args.optimizer}")
     return problems
 
 

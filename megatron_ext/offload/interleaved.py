@@ -1,9 +1,9 @@
-"""The interleaved step: Adam/AdamW over host-resident state, some subgroups on the GPU, the rest on the CPU.
+"""The interleaved step: Adam/AdamW or SGD over host-resident state, some subgroups on the GPU, the rest on the CPU.
 
-Both sides run torch's own functional Adam (``torch.optim.adam.adam``) with the flags of the
-parameter group (fused, foreach, decoupled weight decay, AMSGrad...), on the same fp32 values, so on
-a CPU-only machine the result is bit-identical to ``torch.optim.Adam``/``AdamW`` stepping the
-whole tensors, whatever the split. One step (``InterleavedAdam.step``):
+Both sides run torch's own functional update (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``)
+with the flags of the parameter group (fused, foreach, decoupled weight decay, AMSGrad, momentum,
+Nesterov...), on the same fp32 values, so on a CPU-only machine the result is bit-identical to
+``torch.optim.Adam``/``AdamW``/``SGD`` stepping the whole tensors, whatever the split. One step (``InterleavedUpdate.step``):
 
 1. The d2h lane waits for the gradients, then copies those of CPU subgroups to host fp32 buffers.
 2. The h2d lane prefetches the first two GPU subgroups' master and moments into the two staging
@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.optim.adam import adam as functional_adam
+from torch.optim.sgd import sgd as functional_sgd
 
 from megatron_ext.offload.perf_model import PerfModel, Shape, measure
 from megatron_ext.offload.subgroups import Subgroup, capacity, partition, spread, strided
@@ -37,7 +38,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass
-class AdamSlot:
+class StateSlot:
     """One tensor the optimizer updates: fp32 master and state on the host, gradient (and the
     model's weight the master is copied to, if any) on the device; ``group`` is its param group."""
 
@@ -56,12 +57,22 @@ class StepTimes:
     gpu_elements: int
 
 
+def is_sgd(group: dict) -> bool:
+    return "momentum" in group and "betas" not in group
+
+
 def state_keys(group: dict) -> tuple[str, ...]:
+    """The state tensors the update reads and writes (staged to the GPU and written back)."""
+    if is_sgd(group):
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
     return (*MOMENTS, "max_exp_avg_sq") if group.get("amsgrad") else MOMENTS
 
 
 def init_state(master: torch.Tensor, group: dict, pin: bool) -> dict:
-    """Adam's fresh state, as torch's Adam creates it (the step on the master's device when fused)."""
+    """A fresh state, as torch's optimizer creates it (Adam's step on the master's device when fused;
+    SGD's momentum buffer is allocated here and filled from the first gradient by ``update``)."""
+    if is_sgd(group):
+        return {key: torch.zeros(master.shape, dtype=master.dtype, pin_memory=pin) for key in state_keys(group)}
     fused_or_capturable = bool(group.get("fused")) or bool(group.get("capturable"))
     step = (torch.zeros((), dtype=torch.float32, device=master.device) if fused_or_capturable
             else torch.tensor(0.0, dtype=torch.float32))
@@ -85,6 +96,28 @@ def adam_update(params, grads, states: list[dict], steps: list[torch.Tensor], gr
         eps=group["eps"], maximize=bool(group.get("maximize", False)))
 
 
+def sgd_update(params, grads, states: list[dict], group: dict, fresh: bool) -> None:
+    """torch's functional SGD with the group's flags; on a ``fresh`` state the buffer torch creates from
+    the first gradient is copied into the (pre-allocated, possibly staged) ``momentum_buffer``."""
+    with_momentum = group["momentum"] != 0
+    buffers = [None if fresh or not with_momentum else s["momentum_buffer"] for s in states]
+    functional_sgd(params, grads, buffers, has_sparse_grad=False, foreach=group.get("foreach"),
+                   fused=group.get("fused"), grad_scale=None, found_inf=None, weight_decay=group["weight_decay"],
+                   momentum=group["momentum"], lr=group["lr"], dampening=group.get("dampening", 0),
+                   nesterov=bool(group.get("nesterov", False)), maximize=bool(group.get("maximize", False)))
+    if with_momentum and fresh:
+        for s, buffer in zip(states, buffers):
+            s["momentum_buffer"].copy_(buffer)
+
+
+def update(params, grads, states: list[dict], steps: list, group: dict, fresh: bool) -> None:
+    """One piece's update by the group's optimizer (``steps``: Adam's throw-away step copies)."""
+    if is_sgd(group):
+        sgd_update(params, grads, states, group, fresh)
+    else:
+        adam_update(params, grads, states, steps, group)
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("the interleaved optimizer updates contiguous tensors only")
@@ -99,8 +132,8 @@ class _Staging:
     numel: int = 0
 
 
-class InterleavedAdam:
-    """Runs the interleaved step over ``AdamSlot``s cut into subgroups of ``subgroup_numel``."""
+class InterleavedUpdate:
+    """Runs the interleaved step over ``StateSlot``s cut into subgroups of ``subgroup_numel``."""
 
     def __init__(self, streams, subgroup_numel: int):
         self.streams = streams
@@ -131,23 +164,31 @@ class InterleavedAdam:
             staging.numel = numel
         return staging.buffers
 
-    def step(self, slots: list[AdamSlot], on_gpu: frozenset[int]) -> StepTimes:
+    def step(self, slots: list[StateSlot], on_gpu: frozenset[int]) -> StepTimes:
         start = time.perf_counter()
         s = self.streams
         subgroups = self.plan([slot.master.numel() for slot in slots])
-        for slot in slots:
-            if not slot.state:
-                slot.state.update(init_state(slot.master, slot.group, self.pin))
         keys = state_keys(slots[0].group) if slots else MOMENTS
         if any(state_keys(slot.group) != keys for slot in slots):
-            raise ValueError("the interleaved optimizer needs AMSGrad on for every group or for none")
-        steps = [slot.state["step"].clone() for slot in slots]  # before this step's increment
+            raise ValueError("the interleaved optimizer needs one optimizer, AMSGrad and momentum on or off, "
+                             "for every group")
+        fresh = [any(key not in slot.state for key in keys) for slot in slots]  # SGD: buffer from the gradient
+        for slot in slots:
+            if any(key not in slot.state for key in keys) or not slot.state:
+                slot.state.update(init_state(slot.master, slot.group, self.pin))
+        # Adam's step counts before this step's increment
+        steps = [slot.state["step"].clone() if "step" in slot.state else None for slot in slots]
         gpu = [sg for sg in subgroups if sg.index in on_gpu]
         cpu = [sg for sg in subgroups if sg.index not in on_gpu]
         # fused and capturable Adam keep the step count with the tensors: copied to the device once,
         # now, since a blocking copy later would wait for the GPU updates already queued
         device_steps = {p.tensor: steps[p.tensor].to(self.device) for sg in gpu for p in sg.pieces
-                        if slots[p.tensor].group.get("fused") or slots[p.tensor].group.get("capturable")}
+                        if steps[p.tensor] is not None
+                        and (slots[p.tensor].group.get("fused") or slots[p.tensor].group.get("capturable"))}
+
+        def step_copy(i: int, on_device: bool) -> list[torch.Tensor]:
+            source = device_steps.get(i, steps[i]) if on_device else steps[i]
+            return [source.clone()] if source is not None else []
 
         # 1. CPU subgroups' gradients to the host.
         s.wait_compute("d2h")
@@ -192,8 +233,8 @@ class InterleavedAdam:
                     slot = slots[p.tensor]
                     view = {key: _flat(slot.state[key])[p.start:p.stop] for key in keys}
                     master = _flat(slot.master)[p.start:p.stop]
-                    adam_update([master], [self._host_grads[p.tensor][p.start:p.stop]], [view],
-                                [steps[p.tensor].clone()], slot.group)
+                    update([master], [self._host_grads[p.tensor][p.start:p.stop]], [view],
+                           step_copy(p.tensor, False), slot.group, fresh[p.tensor])
                     if slot.weight is not None:
                         s.copy("h2d", _flat(slot.weight)[p.start:p.stop], master)
                 cpu_seconds += time.perf_counter() - began
@@ -210,8 +251,7 @@ class InterleavedAdam:
                 view = {key: staging[b][key][offset:offset + n] for key in keys}
                 master = staging[b]["master"][offset:offset + n]
                 grad = _flat(slot.grad)[p.start:p.stop].to(device=self.device, dtype=torch.float32)
-                step = device_steps.get(p.tensor, steps[p.tensor]).clone()
-                adam_update([master], [grad], [view], [step], slot.group)
+                update([master], [grad], [view], step_copy(p.tensor, True), slot.group, fresh[p.tensor])
                 if slot.weight is not None:
                     s.copy("compute", _flat(slot.weight)[p.start:p.stop], master)
                 offset += n
@@ -237,7 +277,8 @@ class InterleavedAdam:
         if hasattr(s, "reset"):
             s.reset()
         for slot in slots:
-            slot.state["step"] += 1
+            if "step" in slot.state:
+                slot.state["step"] += 1
         gpu_elements = sum(sg.numel for sg in gpu)
         return StepTimes(time.perf_counter() - start, cpu_seconds, cpu_elements, gpu_elements)
 
@@ -250,7 +291,7 @@ def update_probe(group: dict):
         state = {key: torch.zeros(n, device=device) for key in state_keys(group)}
         on_device = bool(group.get("fused")) or bool(group.get("capturable"))
         step = torch.zeros((), device=device if on_device else "cpu")
-        return lambda: adam_update([master], [grad], [state], [step.clone()], group)
+        return lambda: update([master], [grad], [state], [step.clone()], group, fresh=False)
     return make
 
 
@@ -271,14 +312,14 @@ class InterleavedOffload:
     (``policy=("fraction", f)``, a static split). The model's rates are measured on the first step."""
 
     def __init__(self, streams, subgroup_numel: int, policy="model", rates=None, log=None):
-        self.engine = InterleavedAdam(streams, subgroup_numel)
+        self.engine = InterleavedUpdate(streams, subgroup_numel)
         self.policy = policy
         self.rates = rates
         self.model = None
         self.log = log
         self.records: list[StepRecord] = []
 
-    def _model_for(self, slots: list[AdamSlot], total: int):
+    def _model_for(self, slots: list[StateSlot], total: int):
         shape = Shape(subgroups=total, subgroup_numel=max(1, capacity(self.engine.subgroups)),
                       state_bytes=4 * (1 + len(state_keys(slots[0].group))))
         if self.model is None or self.model.shape.subgroups != total:
@@ -294,7 +335,7 @@ class InterleavedOffload:
         held = sum(t.numel() * t.element_size() for buffer in self.engine._staging.buffers for t in buffer.values())
         return float(torch.cuda.mem_get_info(self.engine.device)[0] + held)
 
-    def choose(self, slots: list[AdamSlot]):
+    def choose(self, slots: list[StateSlot]):
         """(GPU subgroup indices, the model's prediction or None) for this step."""
         total = len(self.engine.plan([slot.master.numel() for slot in slots]))
         if self.policy == "model":
@@ -307,7 +348,7 @@ class InterleavedOffload:
             return frozenset(range(round(value * total))), None
         raise ValueError(f"unknown split policy {self.policy!r}")
 
-    def step(self, slots: list[AdamSlot]) -> StepRecord:
+    def step(self, slots: list[StateSlot]) -> StepRecord:
         if not slots:
             return StepRecord(0, 0, None, 0.0, 0.0)
         on_gpu, prediction = self.choose(slots)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ext.offload.interleaved import AdamSlot, InterleavedAdam, InterleavedOffload, init_state
+from megatron_ext.offload.interleaved import StateSlot, InterleavedUpdate, InterleavedOffload, init_state
 from megatron_ext.offload.lanes import CudaLanes
 
 SIZES = [1 << 20, 4099, 3 << 18, 7]
@@ -20,7 +20,7 @@ def _setup(reference_device):
     masters = [torch.randn(n, generator=gen) for n in SIZES]
     reference = [torch.nn.Parameter(m.to(reference_device)) for m in masters]
     opt = torch.optim.AdamW(reference, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
-    slots = [AdamSlot(m.pin_memory(), torch.empty(n, dtype=torch.bfloat16, device="cuda"), init_state(m, GROUP, True),
+    slots = [StateSlot(m.pin_memory(), torch.empty(n, dtype=torch.bfloat16, device="cuda"), init_state(m, GROUP, True),
                       GROUP, torch.empty(n, dtype=torch.bfloat16, device="cuda")) for m, n in zip(masters, SIZES)]
     return reference, opt, slots
 
@@ -36,7 +36,7 @@ def _grads(slots, reference, step):
 @pytest.mark.parametrize("where", ["cuda", "cpu"])
 def test_all_on_one_side_matches_torch_fused_adamw_there(where):
     reference, opt, slots = _setup(where)
-    engine = InterleavedAdam(CudaLanes(torch.device("cuda", torch.cuda.current_device())), subgroup_numel=1 << 18)
+    engine = InterleavedUpdate(CudaLanes(torch.device("cuda", torch.cuda.current_device())), subgroup_numel=1 << 18)
     for step in range(3):
         _grads(slots, reference, step)
         opt.step()

@@ -29,12 +29,14 @@ from megatron_ext.megatron.interleaved_offload import InterleavedOffloadOptimize
 
 InterleavedOffloadOptimizer.subgroup_numel = 128  # several subgroups, some spanning shards
 
-def build(cls, seed=0):
+def build(cls, seed=0, sgd=False):
     torch.manual_seed(seed)
     shards = [torch.randn(n, dtype=torch.bfloat16) for n in (300, 70, 129, 5)]
+    inner = (dict(cpu_optimizer_cls=torch.optim.SGD, gpu_optimizer_cls=torch.optim.SGD, momentum=0.9) if sgd else
+             dict(cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.AdamW, betas=(0.9, 0.95), eps=1e-8,
+                  fused=True))
     opt = cls([{"params": shards[:2]}, {"params": shards[2:], "weight_decay": 0.0}], offload_fraction=1.0,
-              cpu_optimizer_cls=torch.optim.AdamW, gpu_optimizer_cls=torch.optim.AdamW, param_update_in_fp32=True,
-              lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, fused=True)
+              param_update_in_fp32=True, lr=1e-2, weight_decay=0.1, **inner)
     return shards, opt
 
 def step(shards, opt, i):
@@ -43,11 +45,11 @@ def step(shards, opt, i):
         s.decoupled_grad = torch.randn(s.shape, generator=gen).to(torch.bfloat16)
     opt.step()
 
-def same(a, b):
+def same(a, b, keys=("exp_avg", "exp_avg_sq", "step", "master_param")):
     (sa, oa), (sb, ob) = a, b
     assert all(torch.equal(x, y) for x, y in zip(sa, sb)), "weights differ"
     for p, q in zip(sa, sb):
-        for key in ("exp_avg", "exp_avg_sq", "step", "master_param"):
+        for key in keys:
             assert torch.equal(oa.state[p][key], ob.state[q][key]), key
 """
 
@@ -86,6 +88,17 @@ print("ok")
     assert out.split()[0] == "4"
 
 
+def test_sgd_bit_identical_to_hdo():
+    out = run_python("""
+hdo, ours = build(HybridDeviceOptimizer, sgd=True), build(InterleavedOffloadOptimizer, sgd=True)
+for i in range(4):
+    step(*hdo, i); step(*ours, i)
+    same(hdo, ours, keys=("momentum_buffer", "master_param"))
+print("ok")
+""")
+    assert out.split()[-1] == "ok", out
+
+
 def test_the_flag_is_refused_without_cpu_offload_and_with_a_fraction():
     from megatron_ext.megatron.args import validate_datastates_args
 
@@ -95,6 +108,6 @@ def test_the_flag_is_refused_without_cpu_offload_and_with_a_fraction():
                                                     optimizer_offload_fraction=1.0))
     with pytest.raises(ValueError, match="drop --optimizer-offload-fraction 0.5"):
         validate_datastates_args(argparse.Namespace(**base, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5))
-    with pytest.raises(ValueError, match="Adam/AdamW only"):
-        validate_datastates_args(argparse.Namespace(**{**base, "optimizer": "sgd"}, optimizer_cpu_offload=True,
+    with pytest.raises(ValueError, match="Adam/AdamW and SGD, not --optimizer lion"):
+        validate_datastates_args(argparse.Namespace(**{**base, "optimizer": "lion"}, optimizer_cpu_offload=True,
                                                     optimizer_offload_fraction=1.0))

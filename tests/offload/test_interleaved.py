@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_ext.offload.interleaved import AdamSlot, InterleavedAdam, InterleavedOffload
+from megatron_ext.offload.interleaved import StateSlot, InterleavedUpdate, InterleavedOffload
 from megatron_ext.offload.perf_model import NodeRates, Shape, choose, predict
 from megatron_ext.offload.lanes import DeferredCpuLanes
 from megatron_ext.offload.subgroups import ALIGN, partition, spread, strided
@@ -31,7 +31,7 @@ def _reference_and_slots(fused):
                              {"params": reference[2:], "weight_decay": 0.0}],
                             lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=fused)
     groups = _groups(fused)
-    slots = [AdamSlot(master=m.clone(), grad=torch.empty(n, dtype=torch.bfloat16), state={},
+    slots = [StateSlot(master=m.clone(), grad=torch.empty(n, dtype=torch.bfloat16), state={},
                       group=groups[0] if i < 2 else groups[1], weight=torch.empty(n, dtype=torch.bfloat16))
              for i, (m, n) in enumerate(zip(masters, SIZES))]
     return reference, opt, slots, gen
@@ -39,7 +39,7 @@ def _reference_and_slots(fused):
 
 def _run(on_gpu_per_step, fused=True, streams=None, steps=4):
     reference, opt, slots, gen = _reference_and_slots(fused)
-    engine = InterleavedAdam(streams or DeferredCpuLanes(), subgroup_numel=1024)
+    engine = InterleavedUpdate(streams or DeferredCpuLanes(), subgroup_numel=1024)
     for step in range(steps):
         for p, slot in zip(reference, slots):
             grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
@@ -115,3 +115,32 @@ def test_model_driven_steps_log_the_split_and_stay_exact():
     assert all(torch.equal(p.detach(), slot.master) for p, slot in zip(reference, slots))
     assert len(lines) == 3 and "subgroups on the GPU, step predicted" in lines[0]
     assert offload.records[0].gpu_subgroups > 0
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.9, False), (0.9, True), (0.0, False)])
+@pytest.mark.parametrize("split", ["cpu", "gpu", "stride2"])
+def test_sgd_bit_identical_to_torch_sgd(momentum, nesterov, split):
+    gen = torch.Generator().manual_seed(0)
+    masters = [torch.randn(n, generator=gen) for n in SIZES]
+    reference = [torch.nn.Parameter(m.clone()) for m in masters]
+    opt = torch.optim.SGD(reference, lr=1e-2, momentum=momentum, nesterov=nesterov, weight_decay=0.01)
+    group = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+    slots = [StateSlot(m.clone(), torch.empty(n, dtype=torch.bfloat16), {}, group, torch.empty(n, dtype=torch.bfloat16))
+             for m, n in zip(masters, SIZES)]
+    engine = InterleavedUpdate(DeferredCpuLanes(), subgroup_numel=1024)
+    total = len(engine.plan(SIZES))
+    on_gpu = {"cpu": frozenset(), "gpu": frozenset(range(total)), "stride2": strided(2, total)}[split]
+    for _ in range(4):
+        for p, slot in zip(reference, slots):
+            grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+            slot.grad.copy_(grad)
+            p.grad = grad.float()
+        opt.step()
+        engine.step(slots, on_gpu)
+        for p, slot in zip(reference, slots):
+            assert torch.equal(p.detach(), slot.master)
+            assert torch.equal(p.detach().to(torch.bfloat16), slot.weight)
+            if momentum:
+                assert torch.equal(opt.state[p]["momentum_buffer"], slot.state["momentum_buffer"])
+            else:
+                assert slot.state == {}
