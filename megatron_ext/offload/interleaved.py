@@ -3,11 +3,12 @@
 Both sides run torch's own functional update (``torch.optim.adam.adam``, ``torch.optim.sgd.sgd``)
 with the flags of the parameter group (fused, foreach, decoupled weight decay, AMSGrad, momentum,
 Nesterov...), on the same fp32 values, so on a CPU-only machine the result is bit-identical to
-``torch.optim.Adam``/``AdamW``/``SGD`` stepping the whole tensors, whatever the split. One step (``InterleavedUpdate.step``):
+``torch.optim.Adam``/``AdamW``/``SGD`` stepping the whole tensors, whatever the split. One step
+(``InterleavedUpdate.step``):
 
 1. The d2h lane waits for the gradients, then copies those of CPU subgroups to host fp32 buffers.
-2. The h2d lane prefetches the first two GPU subgroups' master and moments into the two staging
-   buffers.
+2. The h2d lane prefetches the first two GPU subgroups' master and state (Adam's moments, SGD's
+   momentum buffer) into the two staging buffers.
 3. For each GPU subgroup ``j`` (buffer ``j % 2``): compute waits for its prefetch, updates it in
    the staging buffer with the device gradient (cast to fp32 as the host copy would be), writes the
    updated master into the model's weight; the d2h lane waits for that and writes master and
@@ -16,7 +17,7 @@ Nesterov...), on the same fp32 values, so on a CPU-only machine the result is bi
    gradients of step 1 have arrived) and queues their updated weights on the h2d lane.
 4. Compute waits for the last h2d copy (the next forward sees every weight), the host waits for
    the last write-back (the host state is complete: a checkpoint or the next step may read it),
-   and each tensor's step count goes up by one.
+   and each tensor's Adam step count goes up by one.
 
 The caller clips the gradients before ``step``: nothing is updated before the norm is known.
 """
