@@ -92,6 +92,9 @@ def _refusals(args: Any) -> list[str]:
     if fraction != 1.0:
         problems.append(f"--datastates-interleaved-offload keeps all optimizer state on the host and splits the "
                         f"update each step itself: drop --optimizer-offload-fraction {fraction} (or give 1.0)")
+    size = getattr(args, "datastates_offload_subgroup_numel", None)
+    if size is not None and size <= 0:
+        problems.append(f"--datastates-offload-subgroup-numel must be positive, not {size}")
     if getattr(args, "optimizer", "adam") not in ("adam", "sgd"):
         problems.append(f"--datastates-interleaved-offload steps what --optimizer-cpu-offload offers, Adam/AdamW "
                         f"and SGD, not --optimizer {args.optimizer}")

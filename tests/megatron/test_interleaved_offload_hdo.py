@@ -108,6 +108,9 @@ def test_the_flag_is_refused_without_cpu_offload_and_with_a_fraction():
                                                     optimizer_offload_fraction=1.0))
     with pytest.raises(ValueError, match="drop --optimizer-offload-fraction 0.5"):
         validate_datastates_args(argparse.Namespace(**base, optimizer_cpu_offload=True, optimizer_offload_fraction=0.5))
+    with pytest.raises(ValueError, match="must be positive, not 0"):
+        validate_datastates_args(argparse.Namespace(**base, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0,
+                                                    datastates_offload_subgroup_numel=0))
     with pytest.raises(ValueError, match="Adam/AdamW and SGD, not --optimizer lion"):
         validate_datastates_args(argparse.Namespace(**{**base, "optimizer": "lion"}, optimizer_cpu_offload=True,
                                                     optimizer_offload_fraction=1.0))
