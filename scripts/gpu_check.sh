@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU node check, one command, on a GPU node (torch with CUDA, plus what --prepare packed):
 #   1. tests: pytest tests/gpu, every CUDA-only line of the engine (one NCCL rank per GPU);
-#   2. bench: bench engine --device cuda --check, its figures against their limits;
+#   2. bench: bench engine --device cuda --check, its figures against their limits; then bench offload
+#      (a 200M-parameter shard: all-GPU, HDO at 1.0, a static split, interleaved; figures reported,
+#      no limit enforced yet; on --device cpu a small shard whose variants must be bit-identical);
 #   3. megatron: Megatron-LM's own pretrain_gpt.py (the patched pin) over NCCL on all of this
 #      node's GPUs (world size 1 on one GPU): a Llama-style GPT, --use-datastates --save-interval 1,
 #      SIGKILL once a checkpoint is committed, resume, bit for bit against an uninterrupted run
@@ -23,13 +25,14 @@
 # --wheels W      installed with pip --no-index --no-deps into a private folder put on PYTHONPATH;
 #                 a wheel that holds a package the node already has is refused (it would shadow it).
 # --out RES       where the results go (default $OUT when set, else runs/gpu-check-HOST-DATE),
-#                 at most 8 files, none in folders: summary.txt, junit.xml, bench_engine.json, logs.tar.gz.
+#                 at most 8 files, none in folders: summary.txt, junit.xml, bench_engine.json,
+#                 bench_offload.json, logs.tar.gz.
 #                 Checkpoints and the benchmark's files go to a work folder ($LOCAL_SCRATCH, else
 #                 /tmp), removed at the end unless --keep-work.
 # --skip PART     tests, bench or megatron (repeatable); its line says SKIP.
 # --device cpu    the same script path on a machine without a GPU (a shake-out): the CPU twins of
 #                 tests/gpu, bench engine --device cpu, main-job on one CPU rank.
-# Timeouts (seconds): GPU_CHECK_TIMEOUT_TESTS (90), _BENCH (80), _MEGATRON (150).
+# Timeouts (seconds): GPU_CHECK_TIMEOUT_TESTS (90), _BENCH (80), _BENCH_OFFLOAD (60), _MEGATRON (150).
 # Environment: configs/site.env (or $SITE_ENV) when present: SITE_SETUP is run first, $PYTHON is
 # the interpreter (default python3), $LOCAL_SCRATCH the work folder's parent.
 # Exit status: 0 all passed, 1 a part failed, 2 no CUDA, a bad argument or nothing to install from.
@@ -47,6 +50,7 @@ SKIP=" "
 MAX_PREPARED_MIB=48
 T_TESTS="${GPU_CHECK_TIMEOUT_TESTS:-90}"
 T_BENCH="${GPU_CHECK_TIMEOUT_BENCH:-80}"
+T_BENCH_OFFLOAD="${GPU_CHECK_TIMEOUT_BENCH_OFFLOAD:-60}"
 T_MEGATRON="${GPU_CHECK_TIMEOUT_MEGATRON:-150}"
 die2() { echo "gpu_check.sh: $*" >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
@@ -232,6 +236,21 @@ PYEOF
     if [[ -z "$why" ]]; then line "PASS bench engine ($((SECONDS - start))s): $figures"
     elif [[ $rc -eq 1 && -n "$figures" ]]; then status=1; line "FAIL bench engine (a figure outside its limit): $figures"
     else status=1; line "FAIL bench engine ($why): ${figures:-no figures}; logs.tar.gz: logs/bench_engine.log"; fi
+    start=$SECONDS
+    params=200000000
+    [[ "$DEVICE" == cpu ]] && params=200000
+    run_part "$T_BENCH_OFFLOAD" "$LOGS/bench_offload.log" "$PY" -m megatron_ext bench offload --device "$DEVICE" \
+        --params "$params" --fractions 0.5 --strides 2 --out "$RES/bench_offload.json"
+    rc=$?
+    why="$(verdict $rc "$T_BENCH_OFFLOAD")"
+    figures="$("$PY" - "$RES/bench_offload.json" <<'PYEOF' 2>/dev/null
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(", ".join(f"{v['variant']} {v['update_s'] * 1e3:.0f} ms ({v['params_per_s'] / 1e9:.2f} G params/s)" for v in r["variants"]))
+PYEOF
+)"
+    if [[ -z "$why" ]]; then line "PASS bench offload ($((SECONDS - start))s): $figures"
+    else status=1; line "FAIL bench offload ($why): ${figures:-no figures}; logs.tar.gz: logs/bench_offload.log"; fi
 fi
 
 # ------------------------------------------------------------------ 3. Megatron-LM over NCCL

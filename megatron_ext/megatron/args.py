@@ -51,6 +51,12 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                             "By default each one is first decoded by a restricted unpickler and refused unless it "
                             "holds only what TE writes (docs/RELIABILITY.md, 'Threat model'). Only for checkpoints "
                             "from a source you trust: unpickling can run any code.")
+    group.add_argument("--datastates-interleaved-offload", action="store_true",
+                       help="With --optimizer-cpu-offload: all fp32 optimizer state on the host, each step's "
+                            "update split between GPU and CPU by a measured performance model; HDO's trajectory and "
+                            "checkpoints bit for bit on CPUs, its speed not measured on a GPU (docs/MEGATRON.md).")
+    group.add_argument("--datastates-offload-subgroup-numel", type=int, default=None, metavar="N",
+                       help="Elements per subgroup of --datastates-interleaved-offload (default 16M).")
     return parser
 
 
@@ -182,6 +188,9 @@ def _unsupported_megatron_features(args: Any) -> list[str]:
 
 def validate_datastates_args(args: Any) -> None:
     """Reject flag combinations the engine cannot honour, with one clear message, before training."""
+    if getattr(args, "datastates_interleaved_offload", False):  # an optimizer option: with or without --use-datastates
+        from megatron_ext.megatron.interleaved_offload import install
+        install(args)
     if not MegatronAdapterOptions.from_args(args).enabled:
         return
     problems = []

@@ -118,6 +118,12 @@ SCENARIOS = {
     "optimizer_cpu_offload": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--optimizer-cpu-offload",
                                        "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "0.5",
                                        "--overlap-cpu-optimizer-d2h-h2d"], KILL_RESUME),
+    # --datastates-interleaved-offload: the same optimizer at fraction 1.0, its step split between the
+    # "GPU" (staged through the deferring stand-in for CUDA streams) and the CPU by the performance model.
+    "interleaved_offload": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--optimizer-cpu-offload",
+                                     "--use-precision-aware-optimizer", "--overlap-cpu-optimizer-d2h-h2d",
+                                     "--datastates-interleaved-offload", "--datastates-offload-subgroup-numel",
+                                     "4096"], KILL_RESUME),
     # --optimizer lion (emerging-optimizers): megatron-core chains Lion (one moment, exp_avg) for the linear
     # weights and Adam for the other parameters, both non-distributed (with --use-distributed-optimizer it
     # is the layer-wise optimizer, refused). Megatron-LM's own torch_dist saves and loads it on CPUs.

@@ -33,6 +33,14 @@ CASES = {
     "mxfp8_grad_buffer_reuse": (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
                                  "--reuse-grad-buf-for-mxfp8-param-ag"],
                                 "--reuse-grad-buf-for-mxfp8-param-ag with --overlap-param-gather"),
+    "interleaved_offload_alone": (["--datastates-interleaved-offload"],
+                                  "--datastates-interleaved-offload steps megatron-core's offloaded optimizer: "
+                                  "it needs --optimizer-cpu-offload"),
+    "interleaved_offload_fraction": (["--datastates-interleaved-offload", "--optimizer-cpu-offload",
+                                      "--optimizer-offload-fraction", "0.5"],
+                                     "drop --optimizer-offload-fraction 0.5"),
+    "interleaved_offload": (["--datastates-interleaved-offload", "--optimizer-cpu-offload",
+                             "--use-precision-aware-optimizer", "--use-distributed-optimizer"], None),
     "lion_plain": (["--optimizer", "lion"], None),
     "adam_distributed": (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], None),
     # The flags generated from EngineConfig's fields, and the earlier spellings kept as aliases, parse in

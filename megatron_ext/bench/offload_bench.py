@@ -1,0 +1,271 @@
+"""``megatron-ext bench offload``: the optimizer step with fp32 state in host memory, split several ways.
+
+Torch only (no megatron-core, no Transformer Engine): it runs on a bare GPU node. A synthetic
+shard (``--params``, default 3B on a GPU, 1M on a CPU) of tensors of mixed sizes: bf16 weights and
+gradients on the device, fp32 masters and Adam moments on the host (pinned on a GPU). Variants:
+
+* ``all-gpu``: every state tensor on the device, no transfer (skipped where it does not fit);
+* ``hdo-1.0``: the data movement of megatron-core's hybrid device optimizer at fraction 1.0 (this
+  project's interleaved step with no GPU subgroup, not megatron-core's class: the bench imports no
+  megatron-core): gradients to the host on a side stream, every update on the CPU, weights back on
+  another;
+* ``static-F``: HDO's static split, the first ``1 - F`` of the parameters with their state resident on
+  the device, the fraction ``F`` on the host (``--fractions``, default 0.1 to 0.5);
+* ``interleaved-model``: the interleaved optimizer, split by its performance model;
+* ``interleaved-stride-S``: the same with every ``S``-th subgroup on the GPU (``--strides``).
+
+Every variant sees the same gradients, so on a CPU their results must be bit-identical (checked,
+exit 1 if not). Each step can be preceded by a synthetic forward/backward (``--tokens``: matmuls of
+``6 * params * tokens`` FLOPs) and followed by a checkpoint (``--checkpoint``: the state copied to
+a host snapshot, host-to-host where it is on the host, and the weights device-to-host).
+
+JSON per variant: median update and iteration seconds (after ``--warmup``), parameters updated per
+second, PCIe GB/s each way (bytes the variant moves per step over the update time), peak device
+memory, and the model's prediction where the split has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from megatron_ext.arg_types import NONNEG_INT, POSITIVE_INT
+from megatron_ext.offload.interleaved import StateSlot, InterleavedOffload, adam_update, init_state, update_probe
+from megatron_ext.offload.perf_model import Shape, measure, predict
+from megatron_ext.offload.lanes import lanes_for
+
+NAME = "offload"
+HELP = "optimizer step with host-resident fp32 state: all-GPU, HDO at 1.0, static splits, interleaved"
+
+GROUP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=False, maximize=False, foreach=None,
+             capturable=False, differentiable=False, fused=True, decoupled_weight_decay=True)
+LINK_BYTES = Shape(0, 0).grad_bytes  # a bf16 gradient or weight crosses PCIe as fp32 (cast on the device)
+
+
+def shard_sizes(params: int) -> list[int]:
+    """Tensor sizes of a transformer-like shard: a few large matrices and some small vectors."""
+    large = max(1, params // 12)
+    sizes = []
+    while sum(sizes) + large <= params:
+        sizes += [large, 1 + large // 1000]
+    rest = params - sum(sizes)
+    return [s for s in sizes if s] + ([rest] if rest else [])
+
+
+class Shard:
+    """Weights and gradients on the device, masters and moments on the host; fresh for each variant."""
+
+    def __init__(self, sizes: list[int], device: torch.device, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        pin = device.type == "cuda"
+        self.sizes, self.device = sizes, device
+        self.masters = [torch.randn(n, generator=gen).pin_memory() if pin else torch.randn(n, generator=gen)
+                        for n in sizes]
+        self.weights = [m.to(device=device, dtype=torch.bfloat16) for m in self.masters]
+        self.grads = [torch.empty(n, dtype=torch.bfloat16, device=device) for n in sizes]
+        self.states = [init_state(m, GROUP, pin) for m in self.masters]
+
+    def fill_grads(self, step: int) -> None:
+        gen = torch.Generator(device=self.device).manual_seed(1000 + step)
+        for g in self.grads:
+            g.copy_(torch.randn(g.shape, generator=gen, device=self.device) * 1e-2)
+
+    def slots(self, indices) -> list[StateSlot]:
+        return [StateSlot(self.masters[i], self.grads[i], self.states[i], GROUP, self.weights[i]) for i in indices]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class DeviceResident:
+    """The part of the shard whose masters and moments live on the device (all-GPU, static splits)."""
+
+    def __init__(self, shard: Shard, indices: list[int]):
+        self.shard, self.indices = shard, indices
+        dev = shard.device
+        self.masters = {i: shard.masters[i].to(dev) for i in indices}
+        self.states = {i: {k: (v.to(dev) if k != "step" else v.to(dev)) for k, v in shard.states[i].items()}
+                       for i in indices}
+
+    def step(self) -> None:
+        for i in self.indices:
+            step = self.states[i]["step"].clone()
+            adam_update([self.masters[i]], [self.shard.grads[i].float()], [self.states[i]], [step], GROUP)
+            self.states[i]["step"] += 1
+            self.shard.weights[i].copy_(self.masters[i])
+
+    def results(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        return {i: (self.masters[i].cpu(), self.states[i]["exp_avg"].cpu(), self.states[i]["exp_avg_sq"].cpu())
+                for i in self.indices}
+
+
+def _fwd_bwd(device: torch.device, flops: float, work: list[torch.Tensor]) -> None:
+    """Matmuls of about ``flops`` on the device: the synthetic forward/backward."""
+    if flops <= 0:
+        return
+    a = work[0]
+    for _ in range(max(1, round(flops / (2 * a.shape[0] ** 3)))):
+        torch.mm(a, a, out=work[1])
+
+
+def run_variant(name: str, policy, shard: Shard, resident_fraction: float, steps: int, warmup: int,
+                subgroup_numel: int, flops: float, checkpoint: bool, rates) -> tuple[dict, dict]:
+    device = shard.device
+    n = len(shard.sizes)
+    total = sum(shard.sizes)
+    # the first tensors up to resident_fraction of the parameters stay on the device, as HDO splits
+    resident, count = [], 0
+    for i, size in enumerate(shard.sizes):
+        if count < resident_fraction * total:
+            resident.append(i)
+            count += size
+    on_host = [i for i in range(n) if i not in resident]
+    dev_part = DeviceResident(shard, resident) if resident else None
+    offload = InterleavedOffload(lanes_for(device), subgroup_numel, policy=policy, rates=rates) if on_host else None
+    slots = shard.slots(on_host)
+    side = 4096 if device.type == "cuda" else 64
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    work = [torch.randn(side, side, device=device, dtype=torch.bfloat16) for _ in range(2)] if flops else []
+    snapshot: list[torch.Tensor] = []
+    update_s, iter_s, ckpt_s, records = [], [], [], []
+    for step in range(warmup + steps):
+        shard.fill_grads(step)
+        _sync(device)
+        began = time.perf_counter()
+        _fwd_bwd(device, flops, work)
+        upd_began = time.perf_counter()
+        if dev_part is not None:
+            dev_part.step()
+        if offload is not None:
+            records.append(offload.step(slots))
+        _sync(device)
+        upd_done = time.perf_counter()
+        if checkpoint:
+            snapshot = [m.clone() for m in shard.masters if m.device.type == "cpu"] + \
+                       [w.to("cpu") for w in shard.weights]
+            if dev_part is not None:
+                snapshot += [t for r in dev_part.results().values() for t in r]
+            for i in on_host:
+                snapshot += [shard.states[i]["exp_avg"].clone(), shard.states[i]["exp_avg_sq"].clone()]
+            _sync(device)
+        done = time.perf_counter()
+        if step >= warmup:
+            update_s.append(upd_done - upd_began)
+            iter_s.append(done - began)
+            ckpt_s.append(done - upd_done)
+    del snapshot
+    gpu_fraction = statistics.mean(r.gpu_subgroups / max(1, r.subgroups) for r in records[warmup:]) if records else 0.0
+    host_numel = sum(shard.sizes[i] for i in on_host)
+    staged = gpu_fraction * host_numel
+    h2d_bytes = staged * 12 + (host_numel - staged) * LINK_BYTES
+    d2h_bytes = staged * 12 + (host_numel - staged) * LINK_BYTES
+    upd = statistics.median(update_s)
+    predicted = None
+    if offload is not None and offload.model is not None:
+        predicted = statistics.median(r.predicted_seconds for r in records[warmup:])
+    elif offload is not None and not resident:
+        k = round(gpu_fraction * len(offload.engine.subgroups))
+        predicted = predict(k, offload.rates, Shape(len(offload.engine.subgroups), subgroup_numel,
+                                                     grad_bytes=LINK_BYTES, weight_bytes=LINK_BYTES)).seconds
+    result = {
+        "variant": name, "update_s": upd, "iteration_s": statistics.median(iter_s),
+        "checkpoint_s": statistics.median(ckpt_s) if checkpoint else None,
+        "params_per_s": total / upd if upd > 0 else None,
+        "h2d_gbps": h2d_bytes / upd / 1e9 if upd > 0 else None, "d2h_gbps": d2h_bytes / upd / 1e9 if upd > 0 else None,
+        "gpu_subgroup_share": gpu_fraction, "device_resident_share": count / total,
+        "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "predicted_update_s": predicted,
+    }
+    final = {i: (shard.masters[i].clone(), shard.states[i]["exp_avg"].clone(), shard.states[i]["exp_avg_sq"].clone())
+             for i in on_host}
+    if dev_part is not None:
+        final.update(dev_part.results())
+    final["weights"] = tuple(w.cpu() for w in shard.weights)
+    return result, final
+
+
+def _fits_on_device(params: int, device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
+    need = params * (12 + 4 + 4)  # master and moments, bf16 weight and gradient, the fp32 gradient
+    return need <= 0.9 * torch.cuda.mem_get_info(device)[0]
+
+
+def run(params: int, device: torch.device, steps: int, warmup: int, subgroup_numel: int, fractions, strides,
+        tokens: int, checkpoint: bool) -> dict:
+    sizes = shard_sizes(params)
+    flops = 6.0 * params * tokens
+    variants = []
+    if _fits_on_device(params, device):
+        variants.append(("all-gpu", ("fraction", 0.0), 1.0))
+    variants.append(("hdo-1.0", ("fraction", 0.0), 0.0))
+    variants += [(f"static-{f:g}", ("fraction", 0.0), 1.0 - f) for f in fractions]
+    variants.append(("interleaved-model", "model", 0.0))
+    variants += [(f"interleaved-stride-{s}", ("stride", s), 0.0) for s in strides]
+    results, finals = [], {}
+    rates = measure(device, subgroup_numel, update_probe(GROUP))
+    for name, policy, resident in variants:
+        shard = Shard(sizes, device)
+        result, final = run_variant(name, policy, shard, resident, steps, warmup, subgroup_numel, flops,
+                                    checkpoint, rates)
+        results.append(result)
+        finals[name] = final
+        del shard
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    reference = finals[variants[0][0]]
+    identical = {name: all(all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(reference[key], final[key]))
+                           for key in reference) for name, final in finals.items()}
+    return {"device": str(device), "params": params, "tensors": len(sizes), "subgroup_numel": subgroup_numel,
+            "steps": steps, "warmup": warmup, "tokens": tokens, "checkpoint": checkpoint,
+            "rates": {"h2d_gbps": rates.h2d / 1e9, "d2h_gbps": rates.d2h / 1e9,
+                      "gpu_params_per_s": rates.gpu_rate, "cpu_params_per_s": rates.cpu_rate},
+            "variants": results, "bit_identical_to_first": identical}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", type=POSITIVE_INT, default=None,
+                   help="parameters in the shard (default 3e9 on a GPU, 1e6 on a CPU)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    p.add_argument("--steps", type=POSITIVE_INT, default=None, help="measured steps (default 20 on a GPU, 3 on a CPU)")
+    p.add_argument("--warmup", type=NONNEG_INT, default=2, help="steps before measuring (default 2)")
+    p.add_argument("--subgroup-numel", type=POSITIVE_INT, default=None,
+                   help="elements per subgroup (default 1/64 of the shard, at least 4096)")
+    p.add_argument("--fractions", default="0.1,0.25,0.5",
+                   help="static splits: offloaded fractions (default 0.1,0.25,0.5)")
+    p.add_argument("--strides", default="2,4", help="fixed strides of the interleaved variant (default 2,4)")
+    p.add_argument("--tokens", type=NONNEG_INT, default=None,
+                   help="synthetic forward/backward of 6*params*tokens FLOPs per step "
+                        "(default 16 on a GPU, 0 on a CPU)")
+    p.add_argument("--checkpoint", action="store_true", help="a checkpoint (host snapshot) after every step")
+    p.add_argument("--out", default=None, help="write the JSON here too")
+
+
+def main(args) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("bench offload --device cuda: no CUDA device is visible to torch here", file=sys.stderr)
+        return 2
+    on_gpu = device.type == "cuda"
+    params = args.params or (3_000_000_000 if on_gpu else 1_000_000)
+    result = run(params, device, args.steps or (20 if on_gpu else 3), args.warmup,
+                 args.subgroup_numel or max(4096, params // 64),
+                 [float(f) for f in args.fractions.split(",") if f], [int(s) for s in args.strides.split(",") if s],
+                 args.tokens if args.tokens is not None else (16 if on_gpu else 0), args.checkpoint)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    if not on_gpu and not all(result["bit_identical_to_first"].values()):
+        print("bench offload: on a CPU every variant must give the same bits", file=sys.stderr)
+        return 1
+    return 0
