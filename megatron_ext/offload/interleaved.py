@@ -52,6 +52,8 @@ class StateSlot:
 
 @dataclass(frozen=True)
 class StepTimes:
+    """One step's wall time, and how much of it (and how many elements) the CPU updates took."""
+
     seconds: float
     cpu_seconds: float
     cpu_elements: int
@@ -165,9 +167,23 @@ class InterleavedUpdate:
             staging.numel = numel
         return staging.buffers
 
+    def _staging_for(self, gpu: list[Subgroup], keys: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
+        """The double buffer, sized for the largest GPU subgroup (none when no subgroup is on the GPU)."""
+        return self._stage(keys, capacity(gpu)) if gpu else []
+
     def step(self, slots: list[StateSlot], on_gpu: frozenset[int]) -> StepTimes:
+        """One interleaved step over ``slots``, the subgroups in ``on_gpu`` updated on the device."""
         start = time.perf_counter()
-        s = self.streams
+        run = self._begin(slots, on_gpu)
+        run.grads_to_host()                                       # 1.
+        run.prefetch_first(self._staging_for(run.gpu, run.keys))  # 2.
+        run.interleave()                                          # 3.
+        run.finish()                                              # 4.
+        return run.times(time.perf_counter() - start)
+
+    def _begin(self, slots: list[StateSlot], on_gpu: frozenset[int]) -> _StepRun:
+        """The step's shared state: subgroups split, state created where missing, step counts copied
+        (before this step's increment, which comes only once every piece is updated)."""
         subgroups = self.plan([slot.master.numel() for slot in slots])
         keys = state_keys(slots[0].group) if slots else MOMENTS
         if any(state_keys(slot.group) != keys for slot in slots):
@@ -177,111 +193,160 @@ class InterleavedUpdate:
         for slot in slots:
             if any(key not in slot.state for key in keys) or not slot.state:
                 slot.state.update(init_state(slot.master, slot.group, self.pin))
-        # Adam's step counts before this step's increment
         steps = [slot.state["step"].clone() if "step" in slot.state else None for slot in slots]
         gpu = [sg for sg in subgroups if sg.index in on_gpu]
         cpu = [sg for sg in subgroups if sg.index not in on_gpu]
-        # fused and capturable Adam keep the step count with the tensors: copied to the device once,
-        # now, since a blocking copy later would wait for the GPU updates already queued
-        device_steps = {p.tensor: steps[p.tensor].to(self.device) for sg in gpu for p in sg.pieces
-                        if steps[p.tensor] is not None
-                        and (slots[p.tensor].group.get("fused") or slots[p.tensor].group.get("capturable"))}
+        return _StepRun(self.streams, self.device, slots, keys, self._host_grads, fresh, steps, gpu, cpu,
+                        self._device_steps(slots, steps, gpu))
 
-        def step_copy(i: int, on_device: bool) -> list[torch.Tensor]:
-            source = device_steps.get(i, steps[i]) if on_device else steps[i]
-            return [source.clone()] if source is not None else []
+    def _device_steps(self, slots: list[StateSlot], steps: list, gpu: list[Subgroup]) -> dict:
+        """Fused and capturable Adam keep the step count with the tensors: copied to the device once,
+        now, since a blocking copy later would wait for the GPU updates already queued."""
+        return {p.tensor: steps[p.tensor].to(self.device) for sg in gpu for p in sg.pieces
+                if steps[p.tensor] is not None
+                and (slots[p.tensor].group.get("fused") or slots[p.tensor].group.get("capturable"))}
 
-        # 1. CPU subgroups' gradients to the host.
+
+@dataclass
+class _StepRun:
+    """One call of ``InterleavedUpdate.step``: what its phases share (the double buffer's ready/freed
+    events, the CPU subgroups still to update, the CPU time), one method per phase of the module
+    docstring. Every copy stays on the lane, and every wait/record in the order, the docstring gives."""
+
+    lanes: object
+    device: torch.device
+    slots: list[StateSlot]
+    keys: tuple[str, ...]
+    host_grads: list[torch.Tensor]
+    fresh: list[bool]
+    steps: list
+    gpu: list[Subgroup]
+    cpu: list[Subgroup]
+    device_steps: dict
+    staging: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    ready: list = field(default_factory=lambda: [None, None])
+    freed: list = field(default_factory=lambda: [None, None])
+    grads_on_host: object = None
+    grads_waited: bool = False
+    cpu_seconds: float = 0.0
+    cpu_elements: int = 0
+    cpu_queue: list[Subgroup] = field(init=False)  # the CPU subgroups not updated yet
+
+    def __post_init__(self) -> None:
+        self.cpu_queue = list(self.cpu)
+
+    def _step_copy(self, i: int, on_device: bool) -> list[torch.Tensor]:
+        """A throw-away copy of tensor ``i``'s step count for Adam to increment (SGD: none)."""
+        source = self.device_steps.get(i, self.steps[i]) if on_device else self.steps[i]
+        return [source.clone()] if source is not None else []
+
+    def _staged(self, sg: Subgroup):
+        """``(piece, slot, lo, hi)`` for each piece of ``sg``: ``lo:hi`` is its range in a staging buffer."""
+        offset = 0
+        for p in sg.pieces:
+            yield p, self.slots[p.tensor], offset, offset + p.numel
+            offset += p.numel
+
+    def grads_to_host(self) -> None:
+        """Phase 1: once the gradients are computed, the CPU subgroups' gradients to the host."""
+        s = self.lanes
         s.wait_compute("d2h")
-        for sg in cpu:
+        for sg in self.cpu:
             for p in sg.pieces:
-                s.copy("d2h", self._host_grads[p.tensor][p.start:p.stop], _flat(slots[p.tensor].grad)[p.start:p.stop])
-        grads_on_host = s.record("d2h", "grads_to_host")
+                s.copy("d2h", self.host_grads[p.tensor][p.start:p.stop],
+                       _flat(self.slots[p.tensor].grad)[p.start:p.stop])
+        self.grads_on_host = s.record("d2h", "grads_to_host")
 
-        # 2. Prefetch of the first two GPU subgroups.
-        staging = self._stage(keys, capacity(gpu)) if gpu else []
-        ready, freed = [None, None], [None, None]
-        s.wait_compute("h2d")
+    def prefetch_first(self, staging: list[dict[str, torch.Tensor]]) -> None:
+        """Phase 2: the first two GPU subgroups into the double buffer ``staging``."""
+        self.staging = staging
+        self.lanes.wait_compute("h2d")
+        for j in range(min(2, len(self.gpu))):
+            self._prefetch(j)
 
-        def prefetch(j: int) -> None:
-            b = j % 2
-            if freed[b] is not None:
-                s.wait("h2d", freed[b])
-            offset = 0
-            for p in gpu[j].pieces:
-                slot, n = slots[p.tensor], p.numel
-                s.copy("h2d", staging[b]["master"][offset:offset + n], _flat(slot.master)[p.start:p.stop])
-                for key in keys:
-                    s.copy("h2d", staging[b][key][offset:offset + n], _flat(slot.state[key])[p.start:p.stop])
-                offset += n
-            ready[b] = s.record("h2d", "prefetch")
+    def _prefetch(self, j: int) -> None:
+        """GPU subgroup ``j``'s master and state into buffer ``j % 2``, once its last user wrote it back."""
+        s, b = self.lanes, j % 2
+        if self.freed[b] is not None:
+            s.wait("h2d", self.freed[b])
+        for p, slot, lo, hi in self._staged(self.gpu[j]):
+            s.copy("h2d", self.staging[b]["master"][lo:hi], _flat(slot.master)[p.start:p.stop])
+            for key in self.keys:
+                s.copy("h2d", self.staging[b][key][lo:hi], _flat(slot.state[key])[p.start:p.stop])
+        self.ready[b] = s.record("h2d", "prefetch")
 
-        for j in range(min(2, len(gpu))):
-            prefetch(j)
+    def interleave(self) -> None:
+        """Phase 3: each GPU subgroup updated and written back, the next-but-one prefetched into its
+        buffer, and a share of the CPU subgroups updated meanwhile; then the CPU subgroups left."""
+        share = math.ceil(len(self.cpu) / (len(self.gpu) + 1)) if self.gpu else len(self.cpu)
+        for j in range(len(self.gpu)):
+            self._update_on_gpu(j)
+            self._write_back(j)
+            if j + 2 < len(self.gpu):
+                self._prefetch(j + 2)
+            self._update_on_cpu(share)
+        self._update_on_cpu(len(self.cpu_queue))
 
-        cpu_seconds, cpu_elements, cpu_queue = 0.0, 0, list(cpu)
-        grads_waited = False
+    def _update_on_gpu(self, j: int) -> None:
+        """GPU subgroup ``j`` updated in its buffer (after its prefetch), its masters copied to the weights."""
+        s, b = self.lanes, j % 2
+        s.wait("compute", self.ready[b])
+        for p, slot, lo, hi in self._staged(self.gpu[j]):
+            view = {key: self.staging[b][key][lo:hi] for key in self.keys}
+            master = self.staging[b]["master"][lo:hi]
+            grad = _flat(slot.grad)[p.start:p.stop].to(device=self.device, dtype=torch.float32)
+            update([master], [grad], [view], self._step_copy(p.tensor, True), slot.group, self.fresh[p.tensor])
+            if slot.weight is not None:
+                s.copy("compute", _flat(slot.weight)[p.start:p.stop], master)
 
-        def update_on_cpu(count: int) -> None:
-            nonlocal cpu_seconds, cpu_elements, grads_waited
-            for _ in range(min(count, len(cpu_queue))):
-                if not grads_waited:
-                    s.host_wait(grads_on_host)
-                    grads_waited = True
-                sg = cpu_queue.pop(0)
-                began = time.perf_counter()
-                for p in sg.pieces:
-                    slot = slots[p.tensor]
-                    view = {key: _flat(slot.state[key])[p.start:p.stop] for key in keys}
-                    master = _flat(slot.master)[p.start:p.stop]
-                    update([master], [self._host_grads[p.tensor][p.start:p.stop]], [view],
-                           step_copy(p.tensor, False), slot.group, fresh[p.tensor])
-                    if slot.weight is not None:
-                        s.copy("h2d", _flat(slot.weight)[p.start:p.stop], master)
-                cpu_seconds += time.perf_counter() - began
-                cpu_elements += sg.numel
+    def _write_back(self, j: int) -> None:
+        """GPU subgroup ``j``'s master and state back to the host once updated; its buffer is then free."""
+        s, b = self.lanes, j % 2
+        s.wait("d2h", s.record("compute", "updated"))
+        for p, slot, lo, hi in self._staged(self.gpu[j]):
+            s.copy("d2h", _flat(slot.master)[p.start:p.stop], self.staging[b]["master"][lo:hi])
+            for key in self.keys:
+                s.copy("d2h", _flat(slot.state[key])[p.start:p.stop], self.staging[b][key][lo:hi])
+        self.freed[b] = s.record("d2h", "buffer_free")
 
-        # 3. GPU subgroups through the double buffer, CPU subgroups in between.
-        share = math.ceil(len(cpu) / (len(gpu) + 1)) if gpu else len(cpu)
-        for j, sg in enumerate(gpu):
-            b = j % 2
-            s.wait("compute", ready[b])
-            offset = 0
-            for p in sg.pieces:
-                slot, n = slots[p.tensor], p.numel
-                view = {key: staging[b][key][offset:offset + n] for key in keys}
-                master = staging[b]["master"][offset:offset + n]
-                grad = _flat(slot.grad)[p.start:p.stop].to(device=self.device, dtype=torch.float32)
-                update([master], [grad], [view], step_copy(p.tensor, True), slot.group, fresh[p.tensor])
-                if slot.weight is not None:
-                    s.copy("compute", _flat(slot.weight)[p.start:p.stop], master)
-                offset += n
-            s.wait("d2h", s.record("compute", "updated"))
-            offset = 0
-            for p in sg.pieces:
-                slot, n = slots[p.tensor], p.numel
-                s.copy("d2h", _flat(slot.master)[p.start:p.stop], staging[b]["master"][offset:offset + n])
-                for key in keys:
-                    s.copy("d2h", _flat(slot.state[key])[p.start:p.stop], staging[b][key][offset:offset + n])
-                offset += n
-            freed[b] = s.record("d2h", "buffer_free")
-            if j + 2 < len(gpu):
-                prefetch(j + 2)
-            update_on_cpu(share)
-        update_on_cpu(len(cpu_queue))
+    def _update_on_cpu(self, count: int) -> None:
+        """The next ``count`` CPU subgroups updated on the host (the first after its gradients arrived)."""
+        for _ in range(min(count, len(self.cpu_queue))):
+            if not self.grads_waited:
+                self.lanes.host_wait(self.grads_on_host)
+                self.grads_waited = True
+            sg = self.cpu_queue.pop(0)
+            began = time.perf_counter()
+            self._update_cpu_subgroup(sg)
+            self.cpu_seconds += time.perf_counter() - began
+            self.cpu_elements += sg.numel
 
-        # 4. Weights ordered before the next forward; host state complete; step counts.
+    def _update_cpu_subgroup(self, sg: Subgroup) -> None:
+        """``sg`` updated in place on the host, its updated masters queued to the weights on ``h2d``."""
+        for p in sg.pieces:
+            slot = self.slots[p.tensor]
+            view = {key: _flat(slot.state[key])[p.start:p.stop] for key in self.keys}
+            master = _flat(slot.master)[p.start:p.stop]
+            update([master], [self.host_grads[p.tensor][p.start:p.stop]], [view],
+                   self._step_copy(p.tensor, False), slot.group, self.fresh[p.tensor])
+            if slot.weight is not None:
+                self.lanes.copy("h2d", _flat(slot.weight)[p.start:p.stop], master)
+
+    def finish(self) -> None:
+        """Phase 4: weights ordered before the next forward; host state complete; step counts."""
+        s = self.lanes
         weights_sent = s.record("h2d", "weights_to_device")
         s.wait("compute", weights_sent)
         s.host_wait(weights_sent)  # the next step's CPU updates rewrite the masters these copies read
-        s.host_wait(s.record("d2h", "write_back"))
+        s.host_wait(s.record("d2h", "write_back"))  # a checkpoint or the next step may read the host state
         if hasattr(s, "reset"):
             s.reset()
-        for slot in slots:
+        for slot in self.slots:
             if "step" in slot.state:
                 slot.state["step"] += 1
-        gpu_elements = sum(sg.numel for sg in gpu)
-        return StepTimes(time.perf_counter() - start, cpu_seconds, cpu_elements, gpu_elements)
+
+    def times(self, seconds: float) -> StepTimes:
+        return StepTimes(seconds, self.cpu_seconds, self.cpu_elements, sum(sg.numel for sg in self.gpu))
 
 
 def update_probe(group: dict):
