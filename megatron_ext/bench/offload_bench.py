@@ -31,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -91,8 +92,7 @@ class DeviceResident:
         self.shard, self.indices = shard, indices
         dev = shard.device
         self.masters = {i: shard.masters[i].to(dev) for i in indices}
-        self.states = {i: {k: (v.to(dev) if k != "step" else v.to(dev)) for k, v in shard.states[i].items()}
-                       for i in indices}
+        self.states = {i: {k: v.to(dev) for k, v in shard.states[i].items()} for i in indices}
 
     def step(self) -> None:
         for i in self.indices:
@@ -115,81 +115,139 @@ def _fwd_bwd(device: torch.device, flops: float, work: list[torch.Tensor]) -> No
         torch.mm(a, a, out=work[1])
 
 
-def run_variant(name: str, policy, shard: Shard, resident_fraction: float, steps: int, warmup: int,
-                subgroup_numel: int, flops: float, checkpoint: bool, rates) -> tuple[dict, dict]:
-    device = shard.device
-    n = len(shard.sizes)
+@dataclass
+class _Split:
+    """How one variant splits the shard: tensors whose state stays on the device (HDO's static split,
+    stepped by ``dev_part``) and tensors whose state is on the host (stepped by ``offload``)."""
+
+    resident: list[int]
+    resident_numel: int
+    on_host: list[int]
+    dev_part: DeviceResident | None
+    offload: InterleavedOffload | None
+    slots: list[StateSlot]
+
+
+def _split(shard: Shard, policy, resident_fraction: float, subgroup_numel: int, rates) -> _Split:
+    """The first tensors up to ``resident_fraction`` of the parameters stay on the device, as HDO splits."""
     total = sum(shard.sizes)
-    # the first tensors up to resident_fraction of the parameters stay on the device, as HDO splits
     resident, count = [], 0
     for i, size in enumerate(shard.sizes):
         if count < resident_fraction * total:
             resident.append(i)
             count += size
-    on_host = [i for i in range(n) if i not in resident]
+    on_host = [i for i in range(len(shard.sizes)) if i not in resident]
     dev_part = DeviceResident(shard, resident) if resident else None
-    offload = InterleavedOffload(lanes_for(device), subgroup_numel, policy=policy, rates=rates) if on_host else None
-    slots = shard.slots(on_host)
-    side = 4096 if device.type == "cuda" else 64
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    work = [torch.randn(side, side, device=device, dtype=torch.bfloat16) for _ in range(2)] if flops else []
-    snapshot: list[torch.Tensor] = []
-    update_s, iter_s, ckpt_s, records = [], [], [], []
+    offload = (InterleavedOffload(lanes_for(shard.device), subgroup_numel, policy=policy, rates=rates)
+               if on_host else None)
+    return _Split(resident, count, on_host, dev_part, offload, shard.slots(on_host))
+
+
+@dataclass
+class _Timings:
+    """Per measured step (after the warmup): update, whole iteration, checkpoint; and every step's record."""
+
+    update_s: list[float] = field(default_factory=list)
+    iter_s: list[float] = field(default_factory=list)
+    ckpt_s: list[float] = field(default_factory=list)
+    records: list = field(default_factory=list)
+
+
+def _snapshot(shard: Shard, split: _Split) -> list[torch.Tensor]:
+    """The synthetic checkpoint: state copied host-to-host where it is on the host, the rest and the
+    weights device-to-host."""
+    snapshot = [m.clone() for m in shard.masters if m.device.type == "cpu"] + [w.to("cpu") for w in shard.weights]
+    if split.dev_part is not None:
+        snapshot += [t for r in split.dev_part.results().values() for t in r]
+    for i in split.on_host:
+        snapshot += [shard.states[i]["exp_avg"].clone(), shard.states[i]["exp_avg_sq"].clone()]
+    _sync(shard.device)
+    return snapshot
+
+
+def _timed_steps(shard: Shard, split: _Split, steps: int, warmup: int, flops: float, checkpoint: bool,
+                 work: list[torch.Tensor]) -> _Timings:
+    """``warmup + steps`` iterations (gradients, forward/backward, update, checkpoint), the last ``steps`` timed."""
+    device, timings = shard.device, _Timings()
+    snapshot: list[torch.Tensor] = []  # each snapshot stays alive until the next one replaces it
     for step in range(warmup + steps):
         shard.fill_grads(step)
         _sync(device)
         began = time.perf_counter()
         _fwd_bwd(device, flops, work)
         upd_began = time.perf_counter()
-        if dev_part is not None:
-            dev_part.step()
-        if offload is not None:
-            records.append(offload.step(slots))
+        if split.dev_part is not None:
+            split.dev_part.step()
+        if split.offload is not None:
+            timings.records.append(split.offload.step(split.slots))
         _sync(device)
         upd_done = time.perf_counter()
         if checkpoint:
-            snapshot = [m.clone() for m in shard.masters if m.device.type == "cpu"] + \
-                       [w.to("cpu") for w in shard.weights]
-            if dev_part is not None:
-                snapshot += [t for r in dev_part.results().values() for t in r]
-            for i in on_host:
-                snapshot += [shard.states[i]["exp_avg"].clone(), shard.states[i]["exp_avg_sq"].clone()]
-            _sync(device)
+            snapshot = _snapshot(shard, split)
         done = time.perf_counter()
         if step >= warmup:
-            update_s.append(upd_done - upd_began)
-            iter_s.append(done - began)
-            ckpt_s.append(done - upd_done)
-    del snapshot
-    gpu_fraction = statistics.mean(r.gpu_subgroups / max(1, r.subgroups) for r in records[warmup:]) if records else 0.0
-    host_numel = sum(shard.sizes[i] for i in on_host)
+            timings.update_s.append(upd_done - upd_began)
+            timings.iter_s.append(done - began)
+            timings.ckpt_s.append(done - upd_done)
+    return timings
+
+
+def _predicted(split: _Split, gpu_fraction: float, subgroup_numel: int, records) -> float | None:
+    """The model's prediction of the update time where the variant has one: its own split's, or for a
+    fixed split of host-only state, the model's estimate at that split."""
+    offload = split.offload
+    if offload is not None and offload.model is not None:
+        return statistics.median(r.predicted_seconds for r in records)
+    if offload is not None and not split.resident:
+        k = round(gpu_fraction * len(offload.engine.subgroups))
+        return predict(k, offload.rates, Shape(len(offload.engine.subgroups), subgroup_numel,
+                                               grad_bytes=LINK_BYTES, weight_bytes=LINK_BYTES)).seconds
+    return None
+
+
+def _summary(name: str, shard: Shard, split: _Split, timings: _Timings, warmup: int, subgroup_numel: int,
+             checkpoint: bool) -> dict:
+    """The variant's JSON: medians, rates, bytes over PCIe per update second, peak memory, prediction."""
+    device, total = shard.device, sum(shard.sizes)
+    records = timings.records[warmup:]
+    gpu_fraction = statistics.mean(r.gpu_subgroups / max(1, r.subgroups) for r in records) if timings.records else 0.0
+    host_numel = sum(shard.sizes[i] for i in split.on_host)
     staged = gpu_fraction * host_numel
     h2d_bytes = staged * 12 + (host_numel - staged) * LINK_BYTES
     d2h_bytes = staged * 12 + (host_numel - staged) * LINK_BYTES
-    upd = statistics.median(update_s)
-    predicted = None
-    if offload is not None and offload.model is not None:
-        predicted = statistics.median(r.predicted_seconds for r in records[warmup:])
-    elif offload is not None and not resident:
-        k = round(gpu_fraction * len(offload.engine.subgroups))
-        predicted = predict(k, offload.rates, Shape(len(offload.engine.subgroups), subgroup_numel,
-                                                     grad_bytes=LINK_BYTES, weight_bytes=LINK_BYTES)).seconds
-    result = {
-        "variant": name, "update_s": upd, "iteration_s": statistics.median(iter_s),
-        "checkpoint_s": statistics.median(ckpt_s) if checkpoint else None,
+    upd = statistics.median(timings.update_s)
+    return {
+        "variant": name, "update_s": upd, "iteration_s": statistics.median(timings.iter_s),
+        "checkpoint_s": statistics.median(timings.ckpt_s) if checkpoint else None,
         "params_per_s": total / upd if upd > 0 else None,
         "h2d_gbps": h2d_bytes / upd / 1e9 if upd > 0 else None, "d2h_gbps": d2h_bytes / upd / 1e9 if upd > 0 else None,
-        "gpu_subgroup_share": gpu_fraction, "device_resident_share": count / total,
+        "gpu_subgroup_share": gpu_fraction, "device_resident_share": split.resident_numel / total,
         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "predicted_update_s": predicted,
+        "predicted_update_s": _predicted(split, gpu_fraction, subgroup_numel, records),
     }
+
+
+def _final_state(shard: Shard, split: _Split) -> dict:
+    """Masters, moments and weights after the last step: what every variant must agree on."""
     final = {i: (shard.masters[i].clone(), shard.states[i]["exp_avg"].clone(), shard.states[i]["exp_avg_sq"].clone())
-             for i in on_host}
-    if dev_part is not None:
-        final.update(dev_part.results())
+             for i in split.on_host}
+    if split.dev_part is not None:
+        final.update(split.dev_part.results())
     final["weights"] = tuple(w.cpu() for w in shard.weights)
-    return result, final
+    return final
+
+
+def run_variant(name: str, policy, shard: Shard, resident_fraction: float, steps: int, warmup: int,
+                subgroup_numel: int, flops: float, checkpoint: bool, rates) -> tuple[dict, dict]:
+    """One variant on a fresh ``shard``: (its JSON, its final state for the bit-identity check)."""
+    device = shard.device
+    split = _split(shard, policy, resident_fraction, subgroup_numel, rates)
+    side = 4096 if device.type == "cuda" else 64
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    work = [torch.randn(side, side, device=device, dtype=torch.bfloat16) for _ in range(2)] if flops else []
+    timings = _timed_steps(shard, split, steps, warmup, flops, checkpoint, work)
+    return _summary(name, shard, split, timings, warmup, subgroup_numel, checkpoint), _final_state(shard, split)
 
 
 def _fits_on_device(params: int, device: torch.device) -> bool:

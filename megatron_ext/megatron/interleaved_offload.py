@@ -40,14 +40,19 @@ class InterleavedOffloadOptimizer(HybridDeviceOptimizer):
         self._offload: InterleavedOffload | None = None
         super().__init__(params, offload_fraction=1.0, **kwargs)
 
+    def _host_params(self):
+        """``(CPU sub-optimizer, param group, fp32 host param)`` for every tensor HDO offloaded."""
+        for optimizer in self.cpu_optimizers:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    yield optimizer, group, param
+
     def _init_sub_optimizers(self):
         super()._init_sub_optimizers()
         if torch.cuda.is_available():  # HDO's fp32 copies of bf16 weights are pageable: pin them
-            for optimizer in self.cpu_optimizers:
-                for group in optimizer.param_groups:
-                    for param in group["params"]:
-                        if not param.is_pinned():
-                            param.data = param.data.pin_memory()
+            for _, _, param in self._host_params():
+                if not param.is_pinned():
+                    param.data = param.data.pin_memory()
 
     def _interleaved(self) -> InterleavedOffload:
         if self._offload is None:
@@ -57,20 +62,17 @@ class InterleavedOffloadOptimizer(HybridDeviceOptimizer):
         return self._offload
 
     def _slots(self) -> list[StateSlot]:
+        """One slot per host param with a gradient this step: HDO's master and state, the device grad and weight."""
         slots = []
-        for optimizer in self.cpu_optimizers:
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    device_param = self.cpu_copys_map_gpu_param[param]
-                    grad = getattr(device_param, "decoupled_grad", device_param.grad)
-                    if grad is None:
-                        continue
-                    state = optimizer.state[param]
-                    if torch.cuda.is_available():  # a loaded state comes pageable (HDO moves it with .to("cpu"))
-                        for key, value in state.items():
-                            if key != "step" and isinstance(value, torch.Tensor) and not value.is_pinned():
-                                state[key] = value.pin_memory()
-                    slots.append(StateSlot(param.data, grad, state, group, device_param.data))
+        for optimizer, group, param in self._host_params():
+            device_param = self.cpu_copys_map_gpu_param[param]
+            grad = getattr(device_param, "decoupled_grad", device_param.grad)
+            if grad is None:
+                continue
+            state = optimizer.state[param]
+            if torch.cuda.is_available():  # a loaded state comes pageable (HDO moves it with .to("cpu"))
+                _pin_state(state)
+            slots.append(StateSlot(param.data, grad, state, group, device_param.data))
         return slots
 
     def step(self, closure=None):
@@ -81,6 +83,13 @@ class InterleavedOffloadOptimizer(HybridDeviceOptimizer):
         self._sync_hdo_param_groups_to_sub_optimizers()
         self._interleaved().step(self._slots())
         self._sync_sub_optimizers_state_to_hdo()
+
+
+def _pin_state(state: dict) -> None:
+    """Pin ``state``'s pageable tensors in place (the step count excepted): the side lanes copy them asynchronously."""
+    for key, value in state.items():
+        if key != "step" and isinstance(value, torch.Tensor) and not value.is_pinned():
+            state[key] = value.pin_memory()
 
 
 def _refusals(args: Any) -> list[str]:

@@ -211,7 +211,7 @@ class InterleavedUpdate:
 class _StepRun:
     """One call of ``InterleavedUpdate.step``: what its phases share (the double buffer's ready/freed
     events, the CPU subgroups still to update, the CPU time), one method per phase of the module
-    docstring. Every copy stays on the lane, and every wait/record in the order, the docstring gives."""
+    docstring, each issuing its copies, waits and records on the lanes and in the order it gives."""
 
     lanes: object
     device: torch.device
