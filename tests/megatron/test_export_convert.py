@@ -171,9 +171,10 @@ def test_convert_to_torch_dist_and_back_resumes_bit_exact(tmp_path):
 
 
 @pytest.mark.multiproc
-# dp_zero_gather_scatter's path differs from dp_reshardable's (default, above) only in megatron-core's
-# own flattening: with --run-slow, to keep the default run near 30 minutes.
-@pytest.mark.parametrize("fmt", ["fully_reshardable", pytest.param("dp_zero_gather_scatter", marks=pytest.mark.slow)])
+# Both formats differ from dp_reshardable's (the default, above) only in megatron-core's own layout of the
+# optimizer state: with --run-slow, to keep the default run near 30 minutes.
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["fully_reshardable", "dp_zero_gather_scatter"])
 def test_convert_other_megatron_core_optimizer_formats_both_ways(tmp_path, fmt):
     """A torch_dist checkpoint in ``fmt`` (the trainer's own megatron-core save) converts to datastates,
     which ``--use-datastates`` resumes bit-exactly, and back to torch_dist in the same format, which
