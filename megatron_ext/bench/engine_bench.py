@@ -99,7 +99,7 @@ def measure_datastates(state: dict[str, torch.Tensor], directory: str, cache_gb:
         engine_cpu = process_cpu_s() - cpu0 - compute_cpu + worker_cpu_s(engine)
         # The same save again: what every later checkpoint of a trainer at --save-interval 1 costs
         # (the I/O worker runs and has the cache's pages mapped already).
-        cpu0, worker0, copy0 = process_cpu_s(), worker_cpu_s(engine), copy_cpu_s()
+        cpu0, worker0, copy0 = process_cpu_s(), worker_cpu_s(engine), copy_cpu_s(device)
         engine.save(state, "step2")
         compute_cpu0 = time.thread_time()
         compute(compute_s, device)
@@ -108,7 +108,7 @@ def measure_datastates(state: dict[str, torch.Tensor], directory: str, cache_gb:
         engine.commit("step2")
         engine.wait_persisted()
         warm_cpu = process_cpu_s() - cpu0 - compute_cpu + worker_cpu_s(engine) - worker0
-        warm_copy_cpu = copy_cpu_s() - copy0
+        warm_copy_cpu = copy_cpu_s(device) - copy0
         records = {(r["event"], r["level"], r["checkpoint"]): r for r in engine.telemetry.records}
         engine.shutdown()
     flush = records[("flush", "shared", "step1")]
@@ -149,19 +149,19 @@ def worker_cpu_s(engine: CheckpointEngine) -> float:
     return times.user + times.system
 
 
-def copy_cpu_s() -> float:
+def copy_cpu_s(device: str = "cpu") -> float:
     """CPU seconds so far of the threads that copy into the host cache: the engine's snapshot thread
     and the OpenMP threads torch adds to each of its copies (a large ``copy_`` from a thread other
     than the main one runs on a team of its own, which did about half the bytes here). On a GPU node
-    the device-to-host copy engine moves these bytes. Linux: threads read from /proc; elsewhere the
-    snapshot thread alone.
+    the device-to-host copy engine moves these bytes and the snapshot thread only queues them: there
+    (``device="cuda"``), and off Linux (no /proc to read the other threads from), it is that thread alone.
 
     The threads counted besides the snapshot thread are those Python did not start, less the main
     thread: the caller's compute uses one intra-op thread (``busy_compute``), so the only such
     threads that run during a save are the copy's.
     """
     snapshot = next((t for t in threading.enumerate() if t.name == "datastates-snapshot" and t.ident), None)
-    if not os.path.isdir("/proc/self/task"):
+    if device != "cpu" or not os.path.isdir("/proc/self/task"):
         return time.clock_gettime(time.pthread_getcpuclockid(snapshot.ident)) if snapshot else 0.0
     started_by_python = {t.native_id for t in threading.enumerate()} - ({snapshot.native_id} if snapshot else set())
     started_by_python.add(threading.main_thread().native_id)
