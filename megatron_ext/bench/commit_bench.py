@@ -8,7 +8,12 @@ Each configuration (N ranks, T tensors per rank) commits a few checkpoints throu
 * the remaining ranks post the same status (built by the same functions from the same kind of
   report) without a thread of their own: a thread per simulated rank would measure this
   machine's scheduler, not the protocol. They write no report files; theirs cost every rank the
-  same as a sampled rank's, in parallel on a real cluster.
+  same as a sampled rank's, in parallel on a real cluster. Where their group's leader
+  (``CommitGroups``) is one of them, it forwards the group before the sampled ranks are durable,
+  as the leaders of groups other than rank 0's would in parallel; rank 0 forwards its own group.
+
+``--fan-in``: ranks per group (default: the engine's, the square root of the world size; the world
+size or more: the flat protocol, every rank posting to rank 0).
 
 Reported per configuration (medians over the checkpoints):
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -44,11 +50,11 @@ import torch.distributed as dist
 from megatron_ext.arg_types import POSITIVE_INT
 from megatron_ext.bench.common import working_dir
 from megatron_ext.engine.format.catalog import read_manifest
-from megatron_ext.engine.format.manifest import encode_json
+from megatron_ext.engine.format.manifest import MANIFEST_SHARES, encode_json, summarize_heads
 from megatron_ext.engine.format.names import LEVEL_SHARED, REPORTS, report_name
 from megatron_ext.engine.save.commit import Committer, durable_status, job_key, rank_report
 from megatron_ext.engine.save.context import SaveContext
-from megatron_ext.engine.save.coordination import CommitChannel
+from megatron_ext.engine.save.coordination import CommitChannel, CommitGroups
 from megatron_ext.engine.save.jobs import CheckpointJob
 from megatron_ext.engine.save.signal import CommitSignal
 from megatron_ext.engine.telemetry import Telemetry
@@ -148,10 +154,13 @@ class CountingStore:
 
 
 def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sampled: int,
-                       timeout_s: float) -> dict:
+                       timeout_s: float, fan_in: int | None = None) -> dict:
     run_id = "0c0ffee00000"
     store = CountingStore(dist.PrefixStore(f"datastates/{run_id}/", dist.HashStore()))
     real = list(range(min(ranks, sampled + 1)))  # rank 0 and the sampled ones
+    groups = CommitGroups.of(ranks, fan_in)
+    # Groups whose leader has no thread: none of their ranks has one (the sampled ranks come first).
+    light_groups = [g for g in range(groups.count) if groups.ranks(g).start not in real] if not groups.flat else []
     errors: list[BaseException] = []
 
     def fail(exc: BaseException, job: CheckpointJob | None = None) -> bool:
@@ -163,10 +172,10 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
                            timeout_s=timeout_s, telemetry=Telemetry(None, rank),
                            local_dir=None, o_direct=False, chunk_bytes=1 << 20)
 
-    committers = {r: Committer(context(r), may_remove=lambda root: True, channel=CommitChannel(store, store, r, ranks),
+    committers = {r: Committer(context(r), may_remove=lambda root: True, channel=CommitChannel(store, store, r, ranks, groups),
                                signal=CommitSignal())
                   for r in real}
-    light = CommitChannel(store, store, 1, ranks)  # posts for the ranks without a thread
+    light = CommitChannel(store, store, 1, ranks, groups)  # posts (and forwards) for the ranks without a thread
     rows = []
     with OpCounter() as ops:
         for i in range(1, checkpoints + 1):
@@ -191,6 +200,10 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
                 data = encode_json(report)
                 rel = f"{checkpoint}/{REPORTS}/{report_name(r, run_id)}"
                 light.post_durable(key, *durable_status(report, data, rel))
+            for g in light_groups:  # in parallel on a cluster, before rank 0's own group is complete
+                light.rank = groups.ranks(g).start
+                if not light.forward(key, timeout_s, MANIFEST_SHARES, functools.partial(summarize_heads, checkpoint)):
+                    raise RuntimeError(f"group {g} of checkpoint {checkpoint} was not complete")
             # They post before the threaded ranks are durable: an in-process store wakes every waiter at
             # every post, a TCPStore server only the waiter of the key set, so rank 0 waiting through
             # 4,096 posts would measure this simulation, not the protocol.
@@ -218,7 +231,8 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
     read_manifest(os.path.join(root, checkpoint))  # what was committed is a valid checkpoint manifest
     for committer in committers.values():
         committer.stop(10)
-    result = {"ranks": ranks, "tensors_per_rank": tensors, "sampled_ranks": len(real)}
+    result = {"ranks": ranks, "tensors_per_rank": tensors, "sampled_ranks": len(real), "fan_in": groups.fan_in,
+              "groups": groups.count}
     for field in rows[0]:
         result[field] = statistics.median(row[field] for row in rows)
     return result
@@ -231,7 +245,7 @@ def _mark_durable(job: CheckpointJob, committer: Committer) -> None:
 
 
 def run(ranks: tuple[int, ...] = RANKS, tensors: tuple[int, ...] = TENSORS, checkpoints: int = 3, sampled: int = 7,
-        workdir: str | None = None, timeout_s: float = 300.0) -> dict:
+        workdir: str | None = None, timeout_s: float = 300.0, fan_in: int | None = None) -> dict:
     results = []
     with working_dir(workdir, "megatron-ext-bench-commit-") as base:
         for t in tensors:
@@ -240,8 +254,8 @@ def run(ranks: tuple[int, ...] = RANKS, tensors: tuple[int, ...] = TENSORS, chec
                 shutil.rmtree(root, ignore_errors=True)
                 os.makedirs(root)
                 started = time.monotonic()
-                row = _one_configuration(root, n, t, checkpoints, sampled, timeout_s)
-                _progress(f"N={n} T={t}: latency {row['commit_latency_s'] * 1e3:.1f} ms, "
+                row = _one_configuration(root, n, t, checkpoints, sampled, timeout_s, fan_in)
+                _progress(f"N={n} T={t} groups {row['groups']}x{row['fan_in']}: latency {row['commit_latency_s'] * 1e3:.1f} ms, "
                           f"{row['metadata_ops_per_rank']:.0f} fs ops/rank, rank 0 cpu {row['rank0_cpu_s'] * 1e3:.1f} ms, "
                           f"manifest {row['manifest_bytes'] / 1e6:.2f} MB ({time.monotonic() - started:.0f}s)")
                 results.append(row)
@@ -297,6 +311,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensors", type=POSITIVE_INT, nargs="+", default=[50, 640], help="tensors per rank")
     p.add_argument("--checkpoints", type=POSITIVE_INT, default=3, help="commits per configuration (median)")
     p.add_argument("--sampled", type=POSITIVE_INT, default=7, help="ranks besides 0 with a committer thread")
+    p.add_argument("--fan-in", type=POSITIVE_INT, default=None,
+                   help="ranks per commit group (default: the engine's; the world size or more: flat)")
     p.add_argument("--plot", default=None, metavar="DIR", help="write commit_*.png figures there")
     p.add_argument("--baseline", default=None, metavar="JSON",
                    help="another run's --json output (e.g. an older version's) drawn beside this one")
@@ -306,7 +322,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: Any) -> int:
     with contextlib.redirect_stdout(sys.stderr):
-        result = run(tuple(args.ranks), tuple(args.tensors), args.checkpoints, args.sampled, args.dir)
+        result = run(tuple(args.ranks), tuple(args.tensors), args.checkpoints, args.sampled, args.dir,
+                     fan_in=args.fan_in)
         if args.plot:
             baseline = None
             if args.baseline:

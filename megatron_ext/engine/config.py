@@ -147,6 +147,12 @@ class EngineConfig:
     ranks_per_node: int | None = _knob(
         None, "ranks per node for the peer mapping; smaller values simulate several nodes on one machine",
         none_means="`LOCAL_WORLD_SIZE`", metavar="N")
+    commit_fan_in: int | None = _knob(
+        None, "ranks per group of the commit: each group's first rank joins and checks its group's reports and "
+              "forwards them to rank 0 as one, so rank 0's work per checkpoint grows with the number of groups, not "
+              "of ranks (docs/FORMAT.md, \"Commit protocol\"); a value of at least the world size makes every rank "
+              "report to rank 0. Every rank must use the same value",
+        none_means="the square root of the world size, rounded up", metavar="N")
     replica_dir: str | None = _knob(
         None, "host-memory directory for the replicas a node holds (with `peer_replica`), created private "
               "(0700) and checked before every use: another user's directory, one open to others or a symbolic "
@@ -253,6 +259,9 @@ class EngineConfig:
         value = self.ranks_per_node
         if value is not None and (type(value) is not int or value < 1):
             raise ConfigError(f"ranks_per_node must be a whole number >= 1, got {value!r}")
+        value = self.commit_fan_in
+        if value is not None and (type(value) is not int or value < 2):
+            raise ConfigError(f"commit_fan_in must be a whole number >= 2, got {value!r}")
         if self.parser_threads is not None and type(self.parser_threads) is not int:
             raise ConfigError(f"parser_threads must be a whole number, got {self.parser_threads!r}")
         if not (type(self.o_direct) is bool or self.o_direct == "auto"):

@@ -27,20 +27,21 @@ TIMEOUT_S = 6  # what the rank that never reports waits out
 LONG_TIMEOUT_S = 120  # beyond what any of these runs needs: only a rank's own report ends a wait
 
 
-def _run(tmp_path: Path, fault: str, on_failure: str, timeout_s: int = LONG_TIMEOUT_S) -> dict[int, dict]:
+def _run(tmp_path: Path, fault: str, on_failure: str, timeout_s: int = LONG_TIMEOUT_S, ranks: int = 2,
+         fault_rank: int = 1) -> dict[int, dict]:
     root, out = tmp_path / "ckpt", tmp_path / "out"
-    out.mkdir()
-    env = dict(os.environ, FAULT=fault, FAULT_RANK="1", ON_FAILURE=on_failure, TIMEOUT=str(timeout_s),
+    out.mkdir(parents=True)
+    env = dict(os.environ, FAULT=fault, FAULT_RANK=str(fault_rank), ON_FAILURE=on_failure, TIMEOUT=str(timeout_s),
                OMP_NUM_THREADS="1")
-    cmd = torchrun_command(2, str(HERE / "fault_worker.py"), str(root), str(out))
+    cmd = torchrun_command(ranks, str(HERE / "fault_worker.py"), str(root), str(out))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LONG_TIMEOUT_S + 120)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)}
+    return {r: json.loads((out / f"rank-{r}.json").read_text()) for r in range(ranks)}
 
 
-def _assert_c001_intact(root: Path) -> None:
+def _assert_c001_intact(root: Path, ranks: int = 2) -> None:
     with CheckpointEngine({"save_dir": str(root), "host_cache_size": 0.001}, rank=0, world_size=1) as engine:
-        for rank in range(2):
+        for rank in range(ranks):
             state = engine.load("c001", f"r{rank}")
             assert torch.equal(state["w"], torch.full((200_000,), float(1 + rank))) and state["step"] == 1
 
@@ -95,3 +96,23 @@ def test_rank_that_never_reports_times_out_on_every_rank(tmp_path):
     assert outcome[0]["c002"]["seconds"] >= TIMEOUT_S
     assert not outcome[1]["c002"]["ok"]  # it never saved c002: waiting for it is an error too
     _assert_c001_intact(tmp_path / "ckpt")
+
+
+@pytest.mark.multiproc
+def test_four_ranks_in_two_commit_groups_a_leader_fault_and_a_silent_member(tmp_path):
+    """Four processes commit in two groups (0-1, 2-3) through the job's TCPStore. Rank 2 leads the
+    second group: its full disk stops every rank with its own error (its group's failure, forwarded,
+    not a timeout). Then, in a second run, rank 3 never reports: rank 0 names it when its wait runs out."""
+    outcome = _run(tmp_path / "leader", "enospc", "stop", ranks=4, fault_rank=2)
+    for rank in range(4):
+        c002 = outcome[rank]["c002"]
+        assert not c002["ok"] and "No space left on device" in c002["error"], (rank, c002)
+        assert "not every rank reported" not in c002["error"] and "did not forward" not in c002["error"]
+    assert "failed on rank 2" in outcome[0]["c002"]["error"]
+    _assert_c001_intact(tmp_path / "leader" / "ckpt", ranks=4)
+
+    outcome = _run(tmp_path / "member", "never_report", "stop", timeout_s=TIMEOUT_S, ranks=4, fault_rank=3)
+    error = outcome[0]["c002"]["error"]
+    assert f"not every rank reported its files durable within {TIMEOUT_S}s (missing ranks: 3)" in error, error
+    assert all(not outcome[rank]["c002"]["ok"] for rank in range(4))
+    _assert_c001_intact(tmp_path / "member" / "ckpt", ranks=4)

@@ -22,6 +22,7 @@ from megatron_ext.engine.format.manifest import (
     check_share,
     encode_json,
     manifest_part,
+    summarize_heads,
 )
 from megatron_ext.engine.format.validation import validate_manifest
 from megatron_ext.engine.save import coordination
@@ -147,9 +148,9 @@ def _posted(world: int = WORLD, damage=None, key: str = "k/c/t"):
 def test_intact_shares_join_into_a_manifest_the_loader_accepts():
     channel, collected, key = _posted()
     assert collected.missing == [] and len(collected.durable) == WORLD
-    heads, shares = channel.open_shares(key, collected, MANIFEST_SHARES)
+    heads, shares = channel.open_shares(collected, MANIFEST_SHARES)
     assert [head[0] for head in heads] == list(range(WORLD))
-    _, data = assemble_manifest(CKPT, RUN, 7, WORLD, heads, shares)
+    _, data = assemble_manifest(CKPT, RUN, 7, WORLD, summarize_heads(CKPT, heads, range(WORLD)), shares)
     doc = validate_manifest(json.loads(data), CKPT, "manifest")
     assert sorted(doc["files"]) == [f"rank{r:05d}" for r in range(WORLD)]
     assert doc["files"]["rank00003"]["extra"] == {"note": "\u00e9\u2028\x01"}
@@ -165,7 +166,7 @@ def test_every_single_byte_changed_in_a_record_names_its_rank():
     for pos in range(start, end):
         channel, collected, key = _posted(damage=lambda blob: blob[:pos] + bytes([blob[pos] ^ 0x01]) + blob[pos + 1:])
         with pytest.raises(ShareDamaged, match=r"rank 2's share.*ranks \[3\]" if pos == start else r"rank 3's share"):
-            channel.open_shares(key, collected, MANIFEST_SHARES)
+            channel.open_shares(collected, MANIFEST_SHARES)
 
 
 def test_a_record_checked_for_another_world_size_or_attempt_is_refused():
@@ -177,14 +178,14 @@ def test_a_record_checked_for_another_world_size_or_attempt_is_refused():
         CommitChannel(store, store, rank, world).post_durable(key, head, shares)
     channel = CommitChannel(store, store, 0, 3)
     with pytest.raises(ShareDamaged, match="rank 2's share") as caught:
-        channel.open_shares(key, channel.collect(key, 5.0), MANIFEST_SHARES)
+        channel.open_shares(channel.collect(key, 5.0), MANIFEST_SHARES)
     assert caught.value.rank == 2
 
 
 def test_bytes_before_the_first_record_are_refused():
     channel, collected, key = _posted(damage=lambda blob: b"{}" + blob)
     with pytest.raises(ShareDamaged):
-        channel.open_shares(key, collected, MANIFEST_SHARES)
+        channel.open_shares(collected, MANIFEST_SHARES)
 
 
 # ---------------------------------------------------------------------------- what each rank checks of its own share
@@ -227,8 +228,8 @@ def test_a_rank_without_files_posts_an_empty_share_and_the_manifest_still_loads(
         check_share(CKPT, RUN, rank, 3, head, shares)
         CommitChannel(store, store, rank, 3).post_durable(key, head, shares)
     channel = CommitChannel(store, store, 0, 3)
-    heads, shares = channel.open_shares(key, channel.collect(key, 5.0), MANIFEST_SHARES)
-    _, data = assemble_manifest(CKPT, RUN, 7, 3, heads, shares)
+    heads, shares = channel.open_shares(channel.collect(key, 5.0), MANIFEST_SHARES)
+    _, data = assemble_manifest(CKPT, RUN, 7, 3, summarize_heads(CKPT, heads, range(3)), shares)
     doc = validate_manifest(json.loads(data), CKPT, "manifest")
     assert sorted(doc["files"]) == ["rank00000", "rank00002"] and sorted(doc["reports"]) == ["0", "1", "2"]
 
@@ -239,9 +240,9 @@ def test_duplicate_names_across_ranks_fail_naming_both_ranks():
         head, shares = _share(rank, names=("shared",) if rank in (0, 2) else None)
         CommitChannel(store, store, rank, 3).post_durable(key, head, shares)
     channel = CommitChannel(store, store, 0, 3)
-    heads, shares = channel.open_shares(key, channel.collect(key, 5.0), MANIFEST_SHARES)
+    heads, shares = channel.open_shares(channel.collect(key, 5.0), MANIFEST_SHARES)
     with pytest.raises(CheckpointError, match="file name 'shared' saved by ranks 0 and 2"):
-        assemble_manifest(CKPT, RUN, 7, 3, heads, shares)
+        assemble_manifest(CKPT, RUN, 7, 3, summarize_heads(CKPT, heads, range(3)), shares)
 
 
 def test_the_commit_writes_what_read_manifest_accepts(tmp_path):

@@ -154,39 +154,64 @@ def _members(part: Any, what: str) -> dict:
     return doc
 
 
-def assemble_manifest(checkpoint: str, run_id: str, version: int | None, world_size: int, heads: list[list],
-                      shares: dict[str, bytes], attempt_of: str | None = None) -> tuple[dict, bytes]:
+def summarize_heads(checkpoint: str, heads: list[list], ranks: range) -> list:
+    """What rank 0 checks across the ranks ``ranks``, condensed from their heads ``[rank, version,
+    bytes, *names]`` (``manifest_part``, in rank order): ``[bytes, versions, *names]``, the versions
+    (distinct, in no order) of the ranks that saved files. A group's leader forwards this for its
+    group (save/coordination.py), so rank 0 handles one summary per group, not per rank."""
+    got = list(map(itemgetter(0), heads))  # C-speed passes: this runs over every rank each commit
+    if got != list(ranks):
+        if len(got) != len(ranks):
+            raise CheckpointError(f"checkpoint {checkpoint}: {len(got)} rank summaries for the "
+                                  f"{len(ranks)} ranks {ranks.start}-{ranks.stop - 1}")
+        index = next(i for i, rank in enumerate(got) if rank != ranks[i])
+        raise CheckpointError(f"checkpoint {checkpoint}: summary {ranks[index]} is of rank {got[index]!r}")
+    # A rank that saved nothing only joins the commit (``commit`` takes no version): it states none.
+    versions = list({head[1] for head in heads if len(head) > 3})
+    return [sum(map(itemgetter(2), heads)), versions, *chain.from_iterable(map(itemgetter(slice(3, None)), heads))]
+
+
+def merge_summaries(checkpoint: str, summaries: list[list], groups: int) -> list:
+    """One summary of every rank from the groups' ``[group, bytes, versions, *names]`` (in group order)."""
+    got = list(map(itemgetter(0), summaries))
+    if got != list(range(groups)):
+        raise CheckpointError(f"checkpoint {checkpoint}: the summaries of groups {got[:8]} are not one per group "
+                              f"of the {groups}")
+    try:
+        versions = list(set(chain.from_iterable(map(itemgetter(2), summaries))))
+        nbytes = sum(map(itemgetter(1), summaries))
+    except TypeError as exc:  # only a leader's bug: summaries arrive exactly as their leaders posted them
+        raise CheckpointError(f"checkpoint {checkpoint}: a group's summary is malformed ({exc})") from None
+    return [nbytes, versions, *chain.from_iterable(map(itemgetter(slice(3, None)), summaries))]
+
+
+def assemble_manifest(checkpoint: str, run_id: str, version: int | None, world_size: int, summary: list,
+                      shares: dict[str, list], attempt_of: str | None = None) -> tuple[dict, bytes]:
     """The format-2 manifest from every rank's ``manifest_part``: ``(header, bytes)``.
 
-    ``heads``: ``[rank, *head]`` of every rank, in rank order; ``shares``: for each of
-    ``MANIFEST_SHARES``, every rank's share joined. ``header`` is the manifest without ``files``
-    and ``reports``. Rank 0's cost: a few C-speed passes over N small heads, no share decoded.
+    ``summary``: every rank's heads condensed (``summarize_heads``, ``merge_summaries``), which also
+    checked that each rank is in once; ``shares``: for each of ``MANIFEST_SHARES``, every rank's
+    share, as pieces (bytes or views) that joined make them all. ``header`` is the manifest without
+    ``files`` and ``reports``. Rank 0's cost: a few C-speed passes over the file names, no share
+    decoded, and one copy of the shares' bytes, into the manifest.
 
-    What only rank 0 can check is checked here: every rank once, names unique across ranks, one
-    version, its own header by the loader's rules, the size bound. With shares that each passed
-    ``check_share`` and arrived intact (save/coordination.py), that is every rule ``read_manifest``
-    applies (docs/FORMAT.md, "Manifest validation").
+    What only rank 0 can check is checked here: names unique across ranks, one version, its own
+    header by the loader's rules, the size bound. With shares that each passed ``check_share`` and
+    arrived intact (save/coordination.py), that is every rule ``read_manifest`` applies
+    (docs/FORMAT.md, "Manifest validation").
     """
-    if len(heads) != world_size:
-        raise CheckpointError(f"checkpoint {checkpoint}: {len(heads)} rank summaries for world size {world_size}")
-    ranks = list(map(itemgetter(0), heads))  # C-speed passes: rank 0 runs this over every rank each commit
-    if ranks != list(range(world_size)):
-        rank = next(r for r, got in enumerate(ranks) if got != r)
-        raise CheckpointError(f"checkpoint {checkpoint}: summary {rank} is of rank {ranks[rank]!r}")
-    names = list(chain.from_iterable(map(itemgetter(slice(3, None)), heads)))
+    names = summary[2:]
     if len(set(names)) != len(names):
-        owner: dict[str, int] = {}
-        for head in heads:
-            for name in head[3:]:
-                if owner.setdefault(name, head[0]) != head[0]:
-                    raise CheckpointError(f"checkpoint {checkpoint}: file name {name!r} saved by ranks {owner[name]} "
-                                          f"and {head[0]}; names must be unique per checkpoint")
-    # A rank that saved nothing only joins the commit (``commit`` takes no version): it states none.
-    versions = {head[1] for head in heads if len(head) > 3}
+        seen: set[str] = set()
+        name = next(n for n in names if n in seen or seen.add(n))
+        owners = _owners(b"".join(shares["files"]), name)
+        raise CheckpointError(f"checkpoint {checkpoint}: file name {name!r} saved by ranks "
+                              + " and ".join(map(str, owners[:2])) + "; names must be unique per checkpoint")
+    versions = summary[1]
     if len(versions) > 1:
         raise CheckpointError(f"checkpoint {checkpoint}: ranks disagree on the version {sorted(map(str, versions))}")
     if versions:
-        version = versions.pop()
+        version = versions[0]
     header = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": run_id, "checkpoint": checkpoint,
         "version": version, "world_size": world_size, "committed_at": time.time(),
@@ -197,24 +222,44 @@ def assemble_manifest(checkpoint: str, run_id: str, version: int | None, world_s
         validate_header(header, checkpoint)
     except FormatViolation as exc:
         raise CheckpointError(f"checkpoint {checkpoint}: the manifest's header would not load: {exc}") from None
-    data = b"".join((encode_json(header)[:-1], b',"files":{', shares["files"][1:], b'},"reports":{',
-                     shares["reports"][1:], b"}}"))
+    data = b"".join([encode_json(header)[:-1], b',"files":{', *_body(shares["files"]), b'},"reports":{',
+                     *_body(shares["reports"]), b"}}"])
     if len(data) > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"checkpoint {checkpoint}: a manifest of {len(data)} bytes, more than a loader "
                               f"reads ({MAX_MANIFEST_BYTES})")
     return header, data
 
 
+def _body(pieces: list) -> list:
+    """Comma-led members in pieces, the first comma dropped (a view, no copy): an object's body."""
+    pieces = list(pieces)
+    for i, piece in enumerate(pieces):
+        if len(piece):
+            pieces[i] = memoryview(piece)[1:]
+            break
+    return pieces
+
+
+def _owners(files: bytes, name: str) -> list:
+    """The ranks whose entries in the joined ``files`` shares are named ``name`` (for a message only)."""
+    try:
+        pairs = json.loads(b"{" + files[1:] + b"}", object_pairs_hook=lambda members: members)
+        return [dict(entry).get("rank", "?") for key, entry in pairs if key == name]
+    except (ValueError, TypeError):
+        return ["?", "?"]
+
+
 def build_manifest(checkpoint: str, run_id: str, version: int | None, world_size: int, summaries: list[dict],
                    attempt_of: str | None = None) -> dict:
     """The manifest ``assemble_manifest`` writes for these summaries, as a dict (for tools and tests)."""
-    heads, shares = [], {name: b"" for name in MANIFEST_SHARES}
+    heads, shares = [], {name: [] for name in MANIFEST_SHARES}
     for summary in summaries:
         head, share = manifest_part(summary)
         heads.append([summary["rank"], *head])
         for name in MANIFEST_SHARES:
-            shares[name] += share[name]
-    _, data = assemble_manifest(checkpoint, run_id, version, world_size, heads, shares, attempt_of)
+            shares[name].append(share[name])
+    summary = summarize_heads(checkpoint, heads, range(world_size))
+    _, data = assemble_manifest(checkpoint, run_id, version, world_size, summary, shares, attempt_of)
     return parse_json(data, f"{checkpoint}/{MANIFEST}")
 
 

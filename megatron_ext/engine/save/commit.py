@@ -9,7 +9,9 @@
    encoded its own and held it, with its report, to the rules a loader applies:
    ``manifest.check_share``), once each arrived exactly as posted (``CommitChannel.open_shares``:
    a digest per rank, no JSON parsed but small heads), checks what spans ranks
-   (``manifest.assemble_manifest``) and writes ``<ckpt>/manifest.json`` atomically. The manifest
+   (``manifest.assemble_manifest``) and writes ``<ckpt>/manifest.json`` atomically. At scale the
+   ranks are grouped (``CommitGroups``): each group's first rank does this joining and checking for
+   its group and forwards one record, so rank 0's work grows with the groups, not the ranks. The manifest
    is the commit marker: a directory without one is not a checkpoint and is never loaded. A
    manifest a loader would refuse is never written: the checkpoint fails on every rank, naming
    the rank whose share broke a rule or was damaged, and nothing is deleted. Then it publishes
@@ -29,6 +31,7 @@ Checkpoints are settled in the order their commits were requested, the same on e
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import threading
@@ -43,6 +46,8 @@ from ..format.manifest import (
     check_share,
     encode_json,
     manifest_part,
+    merge_summaries,
+    summarize_heads,
     summary_of,
 )
 from ..format.names import FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, MANIFEST, REPORTS, report_name
@@ -235,8 +240,10 @@ class Committer:
         if abandoned:
             if post:
                 self.channel.post(key, abandoned_status(job))
+            started = time.monotonic()  # rank 0's wait for every rank counts from here, its group's included
+            self._forward(job, key)
             if self.rank == 0:
-                self._decide(job, key)
+                self._decide(job, key, started)
             return
         try:
             job.commit_stage.hold(self.timeout_s, lambda: "this rank's report to be written")
@@ -244,12 +251,15 @@ class Committer:
         except BaseException as exc:
             if post:  # the others learn it now, not when rank 0's wait runs out
                 self.channel.post(key, FailedStatus(f"{type(exc).__name__}: {exc}").wire())
+            self._forward(job, key)
             raise
         self._emit_levels(job)
         if post:
             self.channel.post_durable(key, status, shares)
+        started = time.monotonic()
+        self._forward(job, key)
         if self.rank == 0:
-            decision = self._decide(job, key)
+            decision = self._decide(job, key, started)
         else:
             decision = self._await_decision(job, key)
         committed_bytes = self._manifest_bytes.pop(key, 0)  # rank 0 wrote the manifest: what it lists
@@ -325,7 +335,7 @@ class Committer:
             try:
                 return CommitDecision.from_wire(self.channel.await_decision(key, wait_s))
             except DecisionTimeout:
-                rank0_posted = 0 not in self.channel.missing(key)
+                rank0_posted = self.channel.posted(key, 0)
                 if not rank0_posted:
                     raise CheckpointError(f"checkpoint {job.checkpoint}: rank 0 did not report or decide within "
                                           f"{wait_s * attempt:.0f}s (rank 0 is gone or stuck)") from None
@@ -334,14 +344,26 @@ class Committer:
                                           f"{wait_s * attempt:.0f}s (rank 0 is stuck)") from None
         raise AssertionError("unreachable")
 
-    def _decide(self, job: CheckpointJob, key: str) -> CommitDecision:
+    def _forward(self, job: CheckpointJob, key: str) -> None:
+        """A group's leader (``CommitGroups``): its group's statuses to rank 0, once per checkpoint
+        (the failure handler forwards at once for a leader whose engine failed)."""
+        if not self.channel.leads or not job.claim_forward():
+            return
+        ranks = self.channel.groups.ranks(self.channel.groups.group_of(self.rank))
+        job.commit_stage.hold(self.timeout_s, lambda: f"the reports of ranks {ranks.start}-{ranks.stop - 1}, "
+                                                      "its group" + self._missing(key))
+        self.channel.forward(key, self.timeout_s, MANIFEST_SHARES, functools.partial(summarize_heads, job.checkpoint))
+
+    def _decide(self, job: CheckpointJob, key: str, started: float) -> CommitDecision:
         """Rank 0: every rank's status, then the manifest (if all are durable), then the decision.
 
         Returns the decision that stands (one published earlier, by a failure, wins). This wait is
-        the deadline of the commit: the training thread's own wait defers to it (deadlines.py).
+        the deadline of the commit (from ``started``, before rank 0 forwarded its own group): the
+        training thread's own wait defers to it (deadlines.py).
         """
-        job.commit_stage.hold(self.timeout_s, lambda: "every rank's report of its files" + self._missing(key))
-        collected = self.channel.collect(key, self.timeout_s)
+        timeout_s = max(self.timeout_s - (time.monotonic() - started), 1.0)
+        job.commit_stage.hold(timeout_s, lambda: "every rank's report of its files" + self._missing(key))
+        collected = self.channel.collect(key, timeout_s)
         with gc_paused():
             return self._settle(job, key, collected)
 
@@ -362,6 +384,12 @@ class Committer:
             decision = CommitDecision.failed(f"checkpoint {job.checkpoint}: not every rank reported its files "
                                              f"durable within {self.timeout_s:.0f}s (missing ranks: "
                                              + ", ".join(map(str, missing)) + ")")
+        elif collected.unforwarded:
+            leaders = ", ".join(map(str, collected.unforwarded))
+            decision = CommitDecision.failed(f"checkpoint {job.checkpoint}: every rank reported its files durable, "
+                                             f"but the group leader(s) {leaders} did not forward their groups' "
+                                             f"reports within {self.timeout_s:.0f}s (gone or stuck, or a rank of "
+                                             "the group reported late)")
         elif job.abandoned:  # rank 0 alone dropped it (its own failure decided already, or a race with it)
             decision = CommitDecision.failed(f"checkpoint {job.checkpoint} was abandoned on rank 0")
         else:
@@ -390,15 +418,20 @@ class Committer:
         ckpt_dir = os.path.join(job.root, job.checkpoint)
         path = os.path.join(ckpt_dir, MANIFEST)
         try:
-            heads, shares = self.channel.open_shares(key, collected, MANIFEST_SHARES)
+            heads, shares = self.channel.open_shares(collected, MANIFEST_SHARES)
         except ShareDamaged as exc:
             raise CheckpointError(f"checkpoint {job.checkpoint}: {exc}; the checkpoint is not committed "
                                   f"({path} not written)") from None
+        groups = self.channel.groups
+        if groups.flat:
+            summary = summarize_heads(job.checkpoint, heads, range(self.world_size))
+        else:  # each group's leader condensed its group's heads (``_forward``)
+            summary = merge_summaries(job.checkpoint, heads, groups.count)
         attempt_of = self.run_id if job.tag != self.run_id else None  # a second save of this id in this run
-        header, data = assemble_manifest(job.checkpoint, job.tag, job.version, self.world_size, heads, shares,
+        header, data = assemble_manifest(job.checkpoint, job.tag, job.version, self.world_size, summary, shares,
                                          attempt_of)
         self._atomic_write(path, data)
-        self._manifest_bytes[key] = sum(head[2] for head in heads)  # for the outcome (``_commit``)
+        self._manifest_bytes[key] = summary[0]  # for the outcome (``_commit``)
         if self.may_remove(job.root) and not job.created(ckpt_dir):  # a new directory holds no other run's files
             remove_unlisted(ckpt_dir, job.tag)
         return header

@@ -27,14 +27,27 @@ Per checkpoint attempt, under ``<root digest>/<checkpoint>/<tag>/``:
 * ``skip``: the first rank that skips the checkpoint leaves its reason here, so the others can
   drop their copy before the decision (``peer_skip``, one ``check``).
 
+*Groups.* Rank 0's work above is O(ranks): at 4,096 ranks, tens of thousands of Python objects per
+commit. So ranks are grouped (``CommitGroups``: consecutive ranks, about the square root of the world
+size to a group). A rank posts exactly as above, but under ``<tag>/g<group>/`` and counting to its
+group's size; the group's first rank, its *leader*, collects its group as rank 0 would, checks the
+records (``open_shares``) and condenses their heads (``[bytes, versions, names...]``), then posts one
+record for the group to the keys above (``group * 2**64 + digest``; ``count`` reaches the number of
+groups): its condensed head and its members' shares joined. A group with a rank that skipped or failed
+forwards those statuses instead; one with a damaged record forwards a failure naming its rank; one not
+complete in time forwards nothing, and rank 0, when its own wait runs out, reads that group's keys to
+name the missing ranks (or the leader, if they all posted). A leader whose engine fails forwards its
+own failure for its group at once (``forward_failed``): its committer, which forwards, may be gone.
+
 Every rank processes its checkpoints in the order it asked to commit them, the same on every rank
 (training is SPMD), so when rank 0 has every status of a later checkpoint, no rank reads an older
-one's keys any more and rank 0 deletes them: the store holds O(1) checkpoints' keys.
+one's keys any more and rank 0 deletes them; a leader deletes its group's the same way: the store
+holds O(1) checkpoints' keys.
 
 Each store call releases the GIL and takes it back on the committer thread: a switch for a
 Python-bound training thread. So a commit costs every rank but 0 five calls (posting, then ``wait``
-and ``get`` of the decision; six for the rank that sets ``all``) and rank 0 about fourteen,
-none of them per rank or per file.
+and ``get`` of the decision; six for the rank that sets ``all``), a leader about eight more, and
+rank 0 about twenty, none of them per rank or per file.
 """
 
 from __future__ import annotations
@@ -44,9 +57,10 @@ import datetime
 import hashlib
 import itertools
 import json
+import math
 import operator
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import xxhash
 
@@ -87,23 +101,107 @@ def checkpoint_key(root: str, checkpoint: str, tag: str) -> str:
     return f"{digest}/{checkpoint}/{tag}"
 
 
+@dataclasses.dataclass(frozen=True)
+class CommitGroups:
+    """Consecutive ranks, ``fan_in`` to a group, whose first rank (the group's *leader*) joins and
+    checks its group's records and forwards them to rank 0 as one record: rank 0 then handles one
+    record per group, not per rank. By default ``fan_in`` is the world size's square root, so a
+    leader and rank 0 each handle about that many. One group (``fan_in`` at least the world
+    size) is the flat protocol: every rank posts straight to rank 0.
+    """
+
+    world_size: int
+    fan_in: int
+
+    @classmethod
+    def of(cls, world_size: int, fan_in: int | None = None) -> "CommitGroups":
+        if fan_in is None:
+            fan_in = max(2, math.isqrt(max(world_size - 1, 0)) + 1)  # the square root, rounded up
+        return cls(world_size, max(1, min(fan_in, world_size)))
+
+    @property
+    def count(self) -> int:
+        return -(-self.world_size // self.fan_in)
+
+    @property
+    def flat(self) -> bool:
+        return self.count == 1
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.fan_in
+
+    def ranks(self, group: int) -> range:
+        return range(group * self.fan_in, min(self.world_size, (group + 1) * self.fan_in))
+
+    def leads(self, rank: int) -> bool:
+        """Whether ``rank`` forwards its group (no rank does in a flat commit)."""
+        return not self.flat and rank % self.fan_in == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Point:
+    """Where members post their statuses and one rank collects them: every rank of a flat commit
+    (rank 0 collects), the ranks of one group (its leader collects), or the groups of a grouped
+    commit (their leaders post, rank 0 collects)."""
+
+    key: str
+    members: range  # ranks; group numbers at the top of a grouped commit
+    seed: int
+    groups: CommitGroups | None = None  # set at the top of a grouped commit
+
+    def member_of(self, rank: int) -> int:
+        """The member a status object (it names a rank) counts for."""
+        return rank if self.groups is None else self.groups.group_of(rank)
+
+    def rank_of(self, member: int) -> int:
+        """The rank that posted for ``member``: the rank itself, or its group's leader."""
+        return member if self.groups is None else self.groups.ranks(member).start
+
+    def shares_of(self, member: int) -> str:
+        """What ``member`` posts, for messages."""
+        if self.groups is None:
+            return f"rank {member}'s share of the manifest"
+        ranks = self.groups.ranks(member)
+        return f"the shares of the manifest of ranks {ranks.start}-{ranks.stop - 1} (forwarded by rank {ranks.start})"
+
+
 class CommitChannel:
     """One rank's end of the commit conversation (``waiting`` blocks, ``notices`` never does).
 
     A blocking ``wait`` holds a TCPStore client for its whole length, so the committer thread
     gets a client of its own (``waiting``) and the short calls other threads make (skip notices,
     failures) go through ``notices``. In one process (tests, the commit benchmark) both may be the
-    same thread-safe store.
+    same thread-safe store. ``groups``: how ranks are grouped (``CommitGroups``; None: flat).
     """
 
-    def __init__(self, waiting: Any, notices: Any, rank: int, world_size: int):
+    def __init__(self, waiting: Any, notices: Any, rank: int, world_size: int, groups: CommitGroups | None = None):
         self.waiting = waiting
         self.notices = notices
         self.rank = rank
         self.world_size = world_size
-        # Rank 0: collected, keys not deleted yet (key, whether every rank was durable: then no rank
-        # left a ``skip`` key).
-        self._settled: list[tuple[str, bool]] = []
+        self.groups = groups if groups is not None else CommitGroups(world_size, max(world_size, 1))
+        if self.groups.world_size != world_size:
+            raise ValueError(f"commit groups of a world of {self.groups.world_size} for a world of {world_size}")
+        self.leads = self.groups.leads(rank)
+        # Collected, keys not deleted yet: rank 0's checkpoints, a leader's group's (store prefix, key names).
+        self._settled: list[tuple[str, tuple[str, ...]]] = []
+        self._group_settled: list[tuple[str, tuple[str, ...]]] = []
+
+    # ------------------------------------------------------------------ where statuses go
+    def _top(self, key: str) -> _Point:
+        """Where rank 0 collects: every rank's status (flat), or every group's."""
+        if self.groups.flat:
+            return _Point(key, range(self.world_size), share_seed(key, self.world_size))
+        return _Point(key, range(self.groups.count), share_seed(key, self.world_size), self.groups)
+
+    def _group(self, key: str, group: int) -> _Point:
+        prefix = f"{key}/g{group}"
+        return _Point(prefix, self.groups.ranks(group), share_seed(prefix, self.world_size))
+
+    def _own(self, key: str, rank: int | None = None) -> _Point:
+        """Where ``rank`` (default: this one) posts its status of ``key``."""
+        rank = self.rank if rank is None else rank
+        return self._top(key) if self.groups.flat else self._group(key, self.groups.group_of(rank))
 
     # ------------------------------------------------------------------ every rank
     def post(self, key: str, status: dict, *, from_committer: bool = True) -> None:
@@ -112,26 +210,33 @@ class CommitChannel:
         The caller makes sure a rank posts one status per checkpoint, this or ``post_durable``.
         """
         store = self.waiting if from_committer else self.notices
-        store.append(f"{key}/statuses", b"," + json.dumps(dict(status, rank=self.rank), separators=(",", ":")).encode())
-        self._count(store, key)
+        self._post_objects(store, self._own(key), [dict(status, rank=self.rank)])
 
     def post_durable(self, key: str, head: list, shares: Mapping[str, bytes]) -> None:
         """This rank's one status for ``key``: durable, with ``head`` (a JSON array rank 0 checks)
         and ``shares`` (bytes that passed ``manifest.check_share``, in ``MANIFEST_SHARES`` order).
 
         One record, ``RECORD [rank, *head] PART share PART share``, goes to ``shares``, then
-        ``rank * 2**64 + digest`` to ``statuses``: a status in means its record is in, and rank 0
-        holds the record to the digest without decoding more than the head (``open_shares``).
+        ``rank * 2**64 + digest`` to ``statuses``: a status in means its record is in, and the
+        collector holds the record to the digest without decoding more than the head (``open_shares``).
         """
         record = PART.join((json.dumps([self.rank, *head], separators=(",", ":")).encode(), *shares.values()))
-        self.waiting.append(f"{key}/shares", RECORD + record)
-        digest = xxhash.xxh3_64_intdigest(record, share_seed(key, self.world_size))
-        self.waiting.append(f"{key}/statuses", b",%d" % (self.rank << 64 | digest))
-        self._count(self.waiting, key)
+        self._post_record(self.waiting, self._own(key), self.rank, record)
 
-    def _count(self, store: Any, key: str) -> None:
-        if store.add(f"{key}/count", 1) == self.world_size:
-            store.set(f"{key}/all", b"1")
+    def _post_record(self, store: Any, point: _Point, member: int, record: bytes) -> None:
+        store.append(f"{point.key}/shares", RECORD + record)
+        digest = xxhash.xxh3_64_intdigest(record, point.seed)
+        store.append(f"{point.key}/statuses", b",%d" % (member << 64 | digest))
+        self._count(store, point)
+
+    def _post_objects(self, store: Any, point: _Point, statuses: list[dict]) -> None:
+        store.append(f"{point.key}/statuses",
+                     b"".join(b"," + json.dumps(status, separators=(",", ":")).encode() for status in statuses))
+        self._count(store, point)
+
+    def _count(self, store: Any, point: _Point) -> None:
+        if store.add(f"{point.key}/count", 1) == len(point.members):
+            store.set(f"{point.key}/all", b"1")
 
     def notify_skip(self, key: str, detail: dict) -> None:
         """Tell the other ranks early that this rank skips ``key`` (the first skipper's reason stays)."""
@@ -154,123 +259,213 @@ class CommitChannel:
                                   "stuck, or a rank never reported)") from None
         return _loads(self.waiting.get(f"{key}/decision"), f"{key}/decision")
 
+    # ------------------------------------------------------------------ a group's leader
+    def forward(self, key: str, timeout_s: float, names: tuple[str, ...],
+                condense: Callable[[list[list], range], list]) -> bool:
+        """A group's leader: its group's statuses of ``key``, once all are in, forwarded to rank 0
+        as one. A durable group: one record, ``[group, *condense(heads, ranks)]`` and the members'
+        shares joined (``names``), once each member's record arrived intact; else the statuses of
+        the members that skipped or failed, or a failure naming the member whose record did not
+        arrive. Returns False if the group was not complete within ``timeout_s``: nothing is
+        forwarded, and rank 0 names the missing ranks when its own wait runs out (``collect``).
+        """
+        group = self.groups.group_of(self.rank)
+        collected = self._collect(self._group(key, group), timeout_s, self._group_settled, ())
+        if collected.missing:
+            return False
+        top = self._top(key)
+        if collected.others:
+            self._post_objects(self.waiting, top, collected.others)
+            return True
+        try:
+            heads, shares = self.open_shares(collected, names)
+            summary = condense(heads, collected.point.members)
+        except CheckpointError as exc:  # ShareDamaged, or heads that are not the group's ranks
+            rank = exc.rank if isinstance(exc, ShareDamaged) and exc.rank is not None else self.rank
+            self._post_objects(self.waiting, top, [{"state": FAILED, "rank": rank, "error": str(exc)}])
+            return True
+        pieces = [json.dumps([group, *summary], separators=(",", ":")).encode()]
+        for name in names:
+            pieces += (PART, *shares[name])
+        self._post_record(self.waiting, top, group, b"".join(pieces))
+        return True
+
+    def forward_failed(self, key: str, status: dict) -> None:
+        """A group's leader whose engine failed: its own failure stands for its group, at once
+        (its committer, which forwards, may be gone; the checkpoint fails whatever the others say)."""
+        self._post_objects(self.notices, self._top(key), [dict(status, rank=self.rank)])
+
     # ------------------------------------------------------------------ rank 0
     def collect(self, key: str, timeout_s: float) -> "Collected":
-        """Every rank's status of ``key`` once all are in (or ``timeout_s`` ran out: then some are
-        missing), and the durable ranks' records as the store joined them (``open_shares``).
+        """Every status of ``key`` once all are in (or ``timeout_s`` ran out: then some are
+        missing), and the records as the store joined them (``open_shares``): every rank's in a
+        flat commit, every group's in a grouped one.
 
         With every status in, every rank is done with the checkpoints before (module docstring):
-        their keys are deleted here.
+        their keys are deleted here. If the wait ran out in a grouped commit, the ranks of the
+        groups not forwarded are looked up in their groups' own keys: the ones that never posted
+        are ``missing``; a group whose ranks all posted names its leader in ``unforwarded``.
         """
+        top = self._top(key)
+        collected = self._collect(top, timeout_s, self._settled, ("skip",))
+        if top.groups is None or not collected.missing:
+            return collected
+        others, missing, unforwarded = list(collected.others), [], []
+        for group in collected.missing:
+            point = self._group(key, group)
+            durable, objects = self._statuses(self.notices, point)
+            others += objects
+            lost = self._missing(point, durable, objects)
+            missing += lost
+            if not lost:
+                unforwarded.append(point.members.start)
+        others.sort(key=lambda status: status["rank"])
+        return dataclasses.replace(collected, others=others, missing=missing, unforwarded=unforwarded)
+
+    def _collect(self, point: _Point, timeout_s: float, settled: list, unclean: tuple[str, ...]) -> "Collected":
+        """The statuses and records posted to ``point`` once all its members posted (or the wait
+        ran out); once all are in, the keys of the points collected before are deleted (with
+        ``unclean`` too where a status was not durable)."""
         store = self.waiting
-        share_keys = [f"{key}/shares"]
+        shares = f"{point.key}/shares"
         try:
-            store.wait([f"{key}/all"], datetime.timedelta(seconds=timeout_s))
+            store.wait([f"{point.key}/all"], datetime.timedelta(seconds=timeout_s))
         except Exception as exc:
             if not _is_timeout(exc):
                 raise CheckpointError(f"the commit store failed while waiting for the ranks: {exc}") from exc
             everyone = False
         else:
             everyone = True
-        if everyone and store.check(share_keys):  # the usual case: two calls
-            raw, records = store.multi_get([f"{key}/statuses", *share_keys])
-        else:  # nobody durable, or some rank never posted: key by key, none waited for
-            raw = self._get(store, f"{key}/statuses")
-            records = self._get(store, share_keys[0])
-        durable, others = self._decode(raw, key)
-        missing = self._missing(durable, others)
+        if everyone and store.check([shares]):  # the usual case: two calls
+            raw, records = store.multi_get([f"{point.key}/statuses", shares])
+        else:  # nobody durable, or some member never posted: key by key, none waited for
+            raw = self._get(store, f"{point.key}/statuses")
+            records = self._get(store, shares)
+        durable, others = self._decode(raw, point.key)
+        missing = self._missing(point, durable, others)
         if not missing:
-            for old, clean in self._settled:
-                for name in _KEYS + (() if clean else ("skip",)):
+            for old, names in settled:
+                for name in names:
                     store.delete_key(f"{old}/{name}")
-            self._settled = []
-        self._settled.append((key, not others and not missing))
-        return Collected(durable, others, missing, records)
+            settled.clear()
+        settled.append((point.key, _KEYS if not others and not missing else _KEYS + unclean))
+        return Collected(durable, others, missing, records, point)
 
-    def open_shares(self, key: str, collected: "Collected", names: tuple[str, ...]) -> tuple[list[list], dict[str, bytes]]:
-        """Rank 0, every rank durable: the heads ``[rank, *head]`` in rank order and, for each of
-        ``names``, every rank's share joined, from records that arrived exactly as posted.
+    def open_shares(self, collected: "Collected", names: tuple[str, ...]) -> tuple[list[list], dict[str, list]]:
+        """The collector, every member durable: the heads ``[member, *head]`` in member order and,
+        for each of ``names``, every member's share (views of ``collected.records``, to be joined
+        once, where they are written), from records that arrived exactly as posted.
 
-        The records are split at their framing bytes and each hashed (C speed, no JSON parsed but
-        the heads): their digests must be, as a set, the ones the statuses carry. The ranks
-        checked their records' contents (``manifest.check_share``), so an intact record needs no
-        re-parsing here; a damaged or foreign one is a ``ShareDamaged`` naming the rank whose
-        record did not arrive.
+        The records are found at their framing bytes and each hashed where it lies (views, no copy:
+        on a loaded host a copy of the megabytes of records costs more in page faults than all the
+        rest), no JSON parsed but the heads: their digests must be, as a set, the ones the statuses
+        carry. The ranks checked their records' contents (``manifest.check_share``), so an intact
+        record needs no re-parsing here; a damaged or foreign one is a ``ShareDamaged`` naming the
+        rank whose record did not arrive.
         """
-        seed = share_seed(key, self.world_size)
-        records = collected.records.split(RECORD)
+        seed = collected.point.seed
+        blob = collected.records
+        starts = _positions(blob, RECORD)
+        ends = starts[1:] + [len(blob)]
+        view = memoryview(blob)
+        records = [view[start + 1:end] for start, end in zip(starts, ends)]
         want = set(map(operator.and_, collected.durable, itertools.repeat(_DIGEST)))
-        if records[0] or len(records) != 1 + len(collected.durable) or len(want) != len(collected.durable):
-            raise self._damaged(collected, records, seed)
-        del records[0]
-        if set(map(xxhash.xxh3_64_intdigest, records, itertools.repeat(seed))) != want:
-            raise self._damaged(collected, records, seed)
+        if ((blob and starts[:1] != [0]) or len(records) != len(collected.durable)
+                or len(want) != len(collected.durable)
+                or set(map(xxhash.xxh3_64_intdigest, records, itertools.repeat(seed))) != want):
+            raise self._damaged(collected, blob.split(RECORD), seed)
         width = 1 + len(names)
-        parts = collected.records.replace(RECORD, PART).split(PART)
+        columns: list[list[memoryview]] = [[] for _ in range(width)]
+        find = blob.find
         try:
-            if len(parts) != 1 + width * len(records):  # intact, but its own rank framed it wrongly (a bug)
-                raise ValueError(f"a record does not have {width} parts")
-            del parts[0]
-            heads = json.loads(b"[" + b",".join(parts[0::width]) + b"]")
+            for start, end in zip(starts, ends):  # one per member: O(groups) or O(group) where ranks are grouped
+                at = part = start + 1
+                for column in columns[:-1]:
+                    part = find(PART, at, end)
+                    if part < 0:
+                        break
+                    column.append(view[at:part])
+                    at = part + 1
+                if part < 0 or find(PART, at, end) >= 0:  # intact, but its own rank framed it wrongly (a bug)
+                    raise ValueError(f"a record does not have {width} parts")
+                columns[-1].append(view[at:end])
+            heads = json.loads(b"[" + b",".join(columns[0]) + b"]")
             heads.sort(key=operator.itemgetter(0))
         except (ValueError, TypeError, IndexError) as exc:
-            raise ShareDamaged(f"a record of the manifest is not [rank, ...] and {width - 1} shares: {exc}",
+            raise ShareDamaged(f"a record of the manifest is not [member, ...] and {width - 1} shares: {exc}",
                                None) from None
-        return heads, {name: b"".join(parts[i::width]) for i, name in enumerate(names, 1)}
+        return heads, dict(zip(names, columns[1:]))
 
     @staticmethod
     def _damaged(collected: "Collected", records: list[bytes], seed: int) -> ShareDamaged:
-        """Which rank's record did not arrive as posted, or which rank a record no status vouches
+        """Which member's record did not arrive as posted, or which member a record no status vouches
         for claims to be (only once the records failed the check, so cost does not matter)."""
+        point = collected.point
         digests = [xxhash.xxh3_64_intdigest(record, seed) for record in records]
         found = set(digests)
         lost = sorted(status >> 64 for status in collected.durable if status & _DIGEST not in found)
         if lost:
-            return ShareDamaged(f"rank {lost[0]}'s share of the manifest did not arrive as it posted it (no record in "
-                                "the commit store has the digest its status carries: damaged or replaced on its way)"
-                                + (f"; nor did those of ranks {lost[1:4]}" if len(lost) > 1 else ""), lost[0])
-        rank_of = {status & _DIGEST: status >> 64 for status in collected.durable}
+            return ShareDamaged(f"{point.shares_of(lost[0])} did not arrive as it was posted (no record in the commit "
+                                "store has the digest its status carries: damaged or replaced on its way)"
+                                + (f"; nor did those of ranks {[point.rank_of(m) for m in lost[1:4]]}"
+                                   if len(lost) > 1 else ""), point.rank_of(lost[0]))
+        member_of = {status & _DIGEST: status >> 64 for status in collected.durable}
         seen: set[int] = set()
-        twice = sorted({rank_of[d] for d in digests if d in rank_of and (d in seen or seen.add(d))})
+        twice = sorted({member_of[d] for d in digests if d in member_of and (d in seen or seen.add(d))})
         if twice:
-            return ShareDamaged(f"rank {twice[0]}'s share of the manifest is in the commit store twice", twice[0])
+            return ShareDamaged(f"{point.shares_of(twice[0])} is in the commit store twice", point.rank_of(twice[0]))
         for record, digest in zip(records, digests):
-            if record and digest not in rank_of:
+            if record and digest not in member_of:
                 try:
                     claimed = json.loads(record.split(PART, 1)[0])[0]
                 except (ValueError, TypeError, IndexError, KeyError):
                     continue
-                if type(claimed) is int:
-                    return ShareDamaged(f"the commit store holds a share of the manifest that says it is rank "
-                                        f"{claimed}'s, which no status vouches for (posted by a stranger, such as "
-                                        "another job's rank on a reused port, or for another attempt)", claimed)
+                if type(claimed) is int and claimed in point.members:
+                    return ShareDamaged(f"the commit store holds a record that says it is {point.shares_of(claimed)}, "
+                                        "which no status vouches for (posted by a stranger, such as another job's "
+                                        "rank on a reused port, or for another attempt)", point.rank_of(claimed))
         return ShareDamaged(f"the commit store holds {collected.records.count(RECORD)} records of the manifest for "
-                            f"{len(collected.durable)} durable ranks, or bytes outside any record: a record no rank "
-                            "can be named for", None)
+                            f"{len(collected.durable)} durable statuses at {point.key}, or bytes outside any record: "
+                            "a record no rank can be named for", None)
 
     def missing(self, key: str) -> list[int]:
-        """The ranks whose status of ``key`` is not in yet (for messages; two ``get``, no wait)."""
-        return self._missing(*self._statuses(self.notices, key))
+        """The ranks whose status of ``key`` is not in yet (for messages: two ``get`` per point read, no wait)."""
+        top = self._top(key)
+        lost = self._missing(top, *self._statuses(self.notices, top))
+        if top.groups is None:
+            return lost
+        ranks = []
+        for group in lost:  # not forwarded yet: the group's own keys
+            point = self._group(key, group)
+            ranks += self._missing(point, *self._statuses(self.notices, point))
+        return ranks
+
+    def posted(self, key: str, rank: int) -> bool:
+        """Whether ``rank`` posted its status of ``key`` (two ``get``, no wait)."""
+        point = self._own(key, rank)
+        return rank not in self._missing(point, *self._statuses(self.notices, point))
 
     def settle(self, key: str, decision: dict) -> dict:
         """Publish ``decision`` unless one is already there; returns the one that stands."""
         raw = self.notices.compare_set(f"{key}/decision", "", json.dumps(decision, separators=(",", ":")))
         return _loads(raw, f"{key}/decision")
 
-    def _missing(self, durable: list[int], others: list[dict]) -> list[int]:
-        seen = set(map(operator.rshift, durable, itertools.repeat(64))) | {status["rank"] for status in others}
-        return [r for r in range(self.world_size) if r not in seen]
+    @staticmethod
+    def _missing(point: _Point, durable: list[int], others: list[dict]) -> list[int]:
+        seen = set(map(operator.rshift, durable, itertools.repeat(64)))
+        seen.update(point.member_of(status["rank"]) for status in others)
+        return [member for member in point.members if member not in seen]
 
     @staticmethod
     def _get(store: Any, key: str) -> bytes:
         return store.get(key) if store.check([key]) else b""
 
-    def _statuses(self, store: Any, key: str) -> tuple[list[int], list[dict]]:
-        return self._decode(self._get(store, f"{key}/statuses"), key)
+    def _statuses(self, store: Any, point: _Point) -> tuple[list[int], list[dict]]:
+        return self._decode(self._get(store, f"{point.key}/statuses"), point.key)
 
     @staticmethod
     def _decode(raw: bytes, key: str) -> tuple[list[int], list[dict]]:
-        """The durable statuses (numbers, ``rank * 2**64 + digest``) and the other statuses
+        """The durable statuses (numbers, ``member * 2**64 + digest``) and the other statuses
         (objects, sorted by rank) in ``raw``, the key's ``,x,y,...`` as the store concatenated
         them, decoded in one call."""
         statuses = _loads(b"[" + raw[1:] + b"]", f"{key}/statuses", list)
@@ -286,14 +481,28 @@ class CommitChannel:
 
 @dataclasses.dataclass
 class Collected:
-    """What rank 0 has of one checkpoint: the durable ranks' statuses (``rank * 2**64 + digest``),
-    the other ranks' statuses (sorted by rank), the ranks missing, and the durable ranks' records
-    as the store joined them (``open_shares``)."""
+    """What a collector has of one checkpoint at ``point``: the durable members' statuses
+    (``member * 2**64 + digest``), the statuses of ranks that skipped or failed (sorted by rank),
+    the members missing (at rank 0: ranks) and the durable members' records as the store joined
+    them (``open_shares``). ``unforwarded``: the leaders of groups whose ranks all posted but that
+    did not reach rank 0 in time."""
 
     durable: list[int]
     others: list[dict]
     missing: list[int]
     records: bytes
+    point: _Point
+    unforwarded: list[int] = dataclasses.field(default_factory=list)
+
+
+def _positions(blob: bytes, byte: bytes) -> list[int]:
+    """Where ``byte`` occurs in ``blob`` (a C-speed scan per occurrence, nothing copied)."""
+    found, find = [], blob.find
+    at = find(byte)
+    while at >= 0:
+        found.append(at)
+        at = find(byte, at + 1)
+    return found
 
 
 def _loads(raw: bytes, where: str, kind: type = dict) -> Any:

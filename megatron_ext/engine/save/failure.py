@@ -82,6 +82,8 @@ class FailureHandler:
         key = job_key(job)
         if job.claim_status():
             self.channel.post(key, FailedStatus(message).wire(), from_committer=False)
+        if self.channel.leads and job.claim_forward():  # this rank's group would wait for its committer
+            self.channel.forward_failed(key, FailedStatus(message).wire())
         if self.rank == 0:
             self.channel.settle(key, CommitDecision.failed(f"checkpoint {job.checkpoint} failed on rank 0: {message}").wire())
 

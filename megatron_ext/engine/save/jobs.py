@@ -195,6 +195,7 @@ class CheckpointJob:
     _directories: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
     _created: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
     _status_claimed: bool = dataclasses.field(default=False, init=False, repr=False)
+    _forward_claimed: bool = dataclasses.field(default=False, init=False, repr=False)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
     #: Notified on every change a waiter may wait for; ``_changes`` counts them (``changes``/``wait_change``).
     _changed: threading.Condition = dataclasses.field(init=False, repr=False)
@@ -354,6 +355,12 @@ class CheckpointJob:
         """True once: the caller posts this rank's one status of the checkpoint to the commit store."""
         with self._lock:
             claimed, self._status_claimed = self._status_claimed, True
+            return not claimed
+
+    def claim_forward(self) -> bool:
+        """True once: the caller, this rank being a group's leader, forwards the group's statuses."""
+        with self._lock:
+            claimed, self._forward_claimed = self._forward_claimed, True
             return not claimed
 
     def make_directory(self, path: str) -> None:

@@ -28,7 +28,7 @@ import torch
 from ..config import EngineConfig, check_writable_dir
 from ..errors import CheckpointError, ConfigError
 from ..files import atomic_write
-from ..format.manifest import MANIFEST_SHARES, assemble_manifest, encode_json
+from ..format.manifest import MANIFEST_SHARES, assemble_manifest, encode_json, summarize_heads
 from ..format.names import MANIFEST, REPORTS, RUN_ID, report_name, valid_name
 from ..format.validation import check_report
 from ..read.entries import CommittedManifest
@@ -162,7 +162,7 @@ class OfflineWriter:
             raise CheckpointError(f"checkpoint {self.checkpoint}: commit() after close()")
         reports_dir = os.path.join(self.checkpoint_dir, REPORTS)
         heads: list[list] = []
-        shares = {part: b"" for part in MANIFEST_SHARES}
+        shares: dict[str, list[bytes]] = {part: [] for part in MANIFEST_SHARES}
         for rank in range(self.world_size):
             job = self._job(rank)
             job.make_directory(reports_dir)
@@ -173,8 +173,9 @@ class OfflineWriter:
             head, share = durable_status(report, data, f"{self.checkpoint}/{REPORTS}/{report_name(rank, self.run_id)}")
             heads.append([rank, *head])
             for part in MANIFEST_SHARES:
-                shares[part] += share[part]
-        header, data = assemble_manifest(self.checkpoint, self.run_id, self.version, self.world_size, heads, shares)
+                shares[part].append(share[part])
+        summary = summarize_heads(self.checkpoint, heads, range(self.world_size))
+        header, data = assemble_manifest(self.checkpoint, self.run_id, self.version, self.world_size, summary, shares)
         # Each share was held to the loader's rules as it was made (``durable_status``), the rules
         # that span ranks by ``assemble_manifest``: what the engine's ranks and rank 0 check.
         atomic_write(os.path.join(self.checkpoint_dir, MANIFEST), data)

@@ -28,7 +28,7 @@ from ..host_cache import HostCache
 from ..telemetry import Telemetry
 from .commit import Committer
 from .context import SaveContext
-from .coordination import CommitChannel, open_stores
+from .coordination import CommitChannel, CommitGroups, open_stores
 from .copier import make_copier
 from .failure import FailureHandler
 from .flush import LevelStager, RankWriter
@@ -69,7 +69,8 @@ class SavePipeline:
         timeout_s = config.persist_timeout_s
         waiting, notices = open_stores(run_id, timeout_s, 1 if read_only else world_size, commit_store,
                                        private=read_only)
-        channel = CommitChannel(waiting, notices, rank, world_size)
+        groups = None if read_only else CommitGroups.of(world_size, config.commit_fan_in)  # None: flat
+        channel = CommitChannel(waiting, notices, rank, world_size, groups)
         signal = CommitSignal()
         failures = FailureHandler(rank, run_id, config.on_failure, jobs, telemetry, channel, signal)
         ctx = SaveContext(rank=rank, world_size=world_size, run_id=run_id, fail=failures.fail, check=failures.check,
