@@ -24,7 +24,9 @@ Reported per configuration (medians over the checkpoints):
   a sampled rank other than 0 makes per checkpoint, counted by wrapping ``os``; rank 0's are
   ``metadata_ops_rank0``;
 * ``rank0_cpu_s``: CPU time of rank 0's committer thread per commit;
-* ``manifest_bytes``: the manifest's size; ``store_ops_per_rank``: store calls of a sampled rank.
+* ``manifest_bytes``: the manifest's size; ``store_ops_per_rank``: store calls of a sampled rank
+  (not a group's leader); ``store_ops_per_leader``: those of a sampled group leader other than 0
+  (None if none is sampled).
 
 Not modelled: network latency to the store server and its fan-out of one notification per
 waiting rank (on a TCPStore server, one socket write each).
@@ -219,13 +221,17 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
                 raise RuntimeError(f"commit failed: {errors[0]}") from errors[0]
             seen = max(jobs[r].committed_at for r in real)
             cpu = time.clock_gettime(clock) - cpu0
-            other = [r for r in real if r != 0]
+            other = [r for r in real if r != 0 and not groups.leads(r)]
+            leaders = [r for r in real if r != 0 and groups.leads(r)]
             rows.append({
                 "commit_latency_s": seen - last,
                 "rank0_cpu_s": cpu,
-                "metadata_ops_per_rank": statistics.mean(ops.take(idents[r]) for r in other) if other else 0,
+                "metadata_ops_per_rank": (statistics.mean(ops.take(idents[r]) for r in other + leaders)
+                                          if other + leaders else 0),
                 "metadata_ops_rank0": ops.take(idents[0]),
                 "store_ops_per_rank": statistics.mean(store.counts.pop(idents[r], 0) for r in other) if other else 0,
+                "store_ops_per_leader": (statistics.mean(store.counts.pop(idents[r], 0) for r in leaders)
+                                         if leaders else None),
                 "manifest_bytes": os.path.getsize(os.path.join(root, checkpoint, "manifest.json")),
             })
     read_manifest(os.path.join(root, checkpoint))  # what was committed is a valid checkpoint manifest
@@ -234,7 +240,7 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
     result = {"ranks": ranks, "tensors_per_rank": tensors, "sampled_ranks": len(real), "fan_in": groups.fan_in,
               "groups": groups.count}
     for field in rows[0]:
-        result[field] = statistics.median(row[field] for row in rows)
+        result[field] = None if rows[0][field] is None else statistics.median(row[field] for row in rows)
     return result
 
 

@@ -29,4 +29,9 @@ def test_bench_commit_json_and_per_rank_costs_independent_of_world_size(tmp_path
     # the append of its record (head and shares of the manifest), the status's append, add, wait, get; and set
     # by the one rank whose add completes the count
     assert all(5 <= row["store_ops_per_rank"] <= 6 for row in rows.values())
+    # at 8 ranks (groups of 3) ranks 3 and 6 lead theirs: besides their own, the group's wait, check and
+    # multi_get, its record's two appends and add (and set); from the second checkpoint on, the deletion of
+    # the group's older keys
+    assert rows[8]["groups"] == 3 and 11 <= rows[8]["store_ops_per_leader"] <= 19
+    assert rows[64]["groups"] == 8 and rows[64]["store_ops_per_leader"] is None  # sampled ranks 1-7: rank 0's group
     assert rows[64]["metadata_ops_rank0"] <= rows[8]["metadata_ops_rank0"] + 1

@@ -46,8 +46,9 @@ holds O(1) checkpoints' keys.
 
 Each store call releases the GIL and takes it back on the committer thread: a switch for a
 Python-bound training thread. So a commit costs every rank but 0 five calls (posting, then ``wait``
-and ``get`` of the decision; six for the rank that sets ``all``), a leader about eight more, and
-rank 0 about twenty, none of them per rank or per file.
+and ``get`` of the decision; six for the rank that sets ``all``), a leader about twelve more (its
+group's collection, its record, the deletion of its group's older keys), and rank 0 about twenty,
+none of them per rank or per file.
 """
 
 from __future__ import annotations
