@@ -161,8 +161,9 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
     store = CountingStore(dist.PrefixStore(f"datastates/{run_id}/", dist.HashStore()))
     real = list(range(min(ranks, sampled + 1)))  # rank 0 and the sampled ones
     groups = CommitGroups.of(ranks, fan_in)
-    # Groups whose leader has no thread: none of their ranks has one (the sampled ranks come first).
-    light_groups = [g for g in range(groups.count) if groups.ranks(g).start not in real] if not groups.flat else []
+    # Groups whose leader has no thread (none in a flat commit: rank 0 leads its one group); none of
+    # their ranks has one either, the sampled ranks coming first.
+    light_groups = [g for g in range(groups.count) if groups.ranks(g).start not in real]
     errors: list[BaseException] = []
 
     def fail(exc: BaseException, job: CheckpointJob | None = None) -> bool:

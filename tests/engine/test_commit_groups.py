@@ -140,6 +140,7 @@ def test_a_member_that_never_posts_is_named_by_rank_0():
     collected = channels[0].collect(KEY, 0.2)
     assert collected.missing == [4] and collected.unforwarded == []
     assert channels[0].missing(KEY) == [4] and channels[0].posted(KEY, 3) and not channels[0].posted(KEY, 4)
+    assert channels[0].missing(KEY, 1) == [4] and channels[0].missing(KEY, 0) == []  # one group's, for its leader
 
 
 def test_a_leader_that_never_forwards_is_named_by_rank_0():

@@ -349,9 +349,10 @@ class Committer:
         (the failure handler forwards at once for a leader whose engine failed)."""
         if not self.channel.leads or not job.claim_forward():
             return
-        ranks = self.channel.groups.ranks(self.channel.groups.group_of(self.rank))
+        group = self.channel.groups.group_of(self.rank)
+        ranks = self.channel.groups.ranks(group)
         job.commit_stage.hold(self.timeout_s, lambda: f"the reports of ranks {ranks.start}-{ranks.stop - 1}, "
-                                                      "its group" + self._missing(key))
+                                                      "its group" + self._missing(key, group))
         self.channel.forward(key, self.timeout_s, MANIFEST_SHARES, functools.partial(summarize_heads, job.checkpoint))
 
     def _decide(self, job: CheckpointJob, key: str, started: float) -> CommitDecision:
@@ -402,9 +403,9 @@ class Committer:
                 decision = CommitDecision.committed(header)
         return CommitDecision.from_wire(self.channel.settle(key, decision.wire()))
 
-    def _missing(self, key: str) -> str:
+    def _missing(self, key: str, group: int | None = None) -> str:
         try:
-            missing = self.channel.missing(key)
+            missing = self.channel.missing(key, group)
         except Exception:  # only a message: never fail on it
             return ""
         return " (missing ranks: " + ", ".join(map(str, missing)) + ")" if missing else ""

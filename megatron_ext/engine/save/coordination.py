@@ -311,8 +311,16 @@ class CommitChannel:
         collected = self._collect(top, timeout_s, self._settled, ("skip",))
         if top.groups is None or not collected.missing:
             return collected
-        others, missing, unforwarded = list(collected.others), [], []
-        for group in collected.missing:
+        others, missing, unforwarded = self._in_groups(key, collected.missing)
+        others = sorted(collected.others + others, key=lambda status: status["rank"])
+        return dataclasses.replace(collected, others=others, missing=missing, unforwarded=unforwarded)
+
+    def _in_groups(self, key: str, groups: list[int]) -> tuple[list[dict], list[int], list[int]]:
+        """What the ranks of ``groups`` posted to their groups' own keys (groups not forwarded):
+        the statuses of those that skipped or failed, the ranks that never posted, and the
+        leaders of the groups whose ranks all posted. Two ``get`` per group, no wait."""
+        others, missing, unforwarded = [], [], []
+        for group in groups:
             point = self._group(key, group)
             durable, objects = self._statuses(self.notices, point)
             others += objects
@@ -320,8 +328,7 @@ class CommitChannel:
             missing += lost
             if not lost:
                 unforwarded.append(point.members.start)
-        others.sort(key=lambda status: status["rank"])
-        return dataclasses.replace(collected, others=others, missing=missing, unforwarded=unforwarded)
+        return others, missing, unforwarded
 
     def _collect(self, point: _Point, timeout_s: float, settled: list, unclean: tuple[str, ...]) -> "Collected":
         """The statuses and records posted to ``point`` once all its members posted (or the wait
@@ -429,17 +436,14 @@ class CommitChannel:
                             f"{len(collected.durable)} durable statuses at {point.key}, or bytes outside any record: "
                             "a record no rank can be named for", None)
 
-    def missing(self, key: str) -> list[int]:
-        """The ranks whose status of ``key`` is not in yet (for messages: two ``get`` per point read, no wait)."""
+    def missing(self, key: str, group: int | None = None) -> list[int]:
+        """The ranks whose status of ``key`` is not in yet, of group ``group`` or of all (for
+        messages: two ``get`` per point read, no wait)."""
+        if group is not None:
+            return self._in_groups(key, [group])[1]
         top = self._top(key)
         lost = self._missing(top, *self._statuses(self.notices, top))
-        if top.groups is None:
-            return lost
-        ranks = []
-        for group in lost:  # not forwarded yet: the group's own keys
-            point = self._group(key, group)
-            ranks += self._missing(point, *self._statuses(self.notices, point))
-        return ranks
+        return lost if top.groups is None else self._in_groups(key, lost)[1]  # groups not forwarded yet
 
     def posted(self, key: str, rank: int) -> bool:
         """Whether ``rank`` posted its status of ``key`` (two ``get``, no wait)."""
