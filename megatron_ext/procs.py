@@ -10,6 +10,16 @@ import subprocess
 import sys
 
 
+def proc_cpu_seconds(stat_path: str) -> float:
+    """User + system CPU seconds in a ``/proc/<pid>[/task/<tid>]/stat`` file; 0 if it is gone (ended)."""
+    try:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that is free right now (for a rendezvous)."""
     with socket.socket() as s:

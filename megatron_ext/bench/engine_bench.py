@@ -30,6 +30,8 @@ from megatron_ext.arg_types import NONNEG, POSITIVE
 from megatron_ext.bench.common import (PeakRss, busy_compute, direct_write_gbps, ensure_process_group, fresh_dir,
                                        make_state, memcpy_gbps, state_bytes, working_dir)
 from megatron_ext.engine import CheckpointEngine
+from megatron_ext.engine.threads import os_thread_name
+from megatron_ext.procs import proc_cpu_seconds
 
 NAME = "engine"
 HELP = "engine vs torch.save, DCP async_save and an O_DIRECT write"
@@ -99,7 +101,7 @@ def measure_datastates(state: dict[str, torch.Tensor], directory: str, cache_gb:
         engine_cpu = process_cpu_s() - cpu0 - compute_cpu + worker_cpu_s(engine)
         # The same save again: what every later checkpoint of a trainer at --save-interval 1 costs
         # (the I/O worker runs and has the cache's pages mapped already).
-        cpu0, worker0, copy0 = process_cpu_s(), worker_cpu_s(engine), copy_cpu_s(device)
+        cpu0, worker0, copy0 = process_cpu_s(), worker_cpu_s(engine), copy_cpu_s()
         engine.save(state, "step2")
         compute_cpu0 = time.thread_time()
         compute(compute_s, device)
@@ -108,7 +110,7 @@ def measure_datastates(state: dict[str, torch.Tensor], directory: str, cache_gb:
         engine.commit("step2")
         engine.wait_persisted()
         warm_cpu = process_cpu_s() - cpu0 - compute_cpu + worker_cpu_s(engine) - worker0
-        warm_copy_cpu = copy_cpu_s(device) - copy0
+        warm_copy_cpu = copy_cpu_s() - copy0
         records = {(r["event"], r["level"], r["checkpoint"]): r for r in engine.telemetry.records}
         engine.shutdown()
     flush = records[("flush", "shared", "step1")]
@@ -149,51 +151,55 @@ def worker_cpu_s(engine: CheckpointEngine) -> float:
     return times.user + times.system
 
 
-def copy_cpu_s(device: str = "cpu") -> float:
+def copy_cpu_s() -> float:
     """CPU seconds so far of the threads that copy into the host cache: the engine's snapshot thread
-    and the OpenMP threads torch adds to each of its copies (a large ``copy_`` from a thread other
-    than the main one runs on a team of its own, which did about half the bytes here). On a GPU node
-    the device-to-host copy engine moves these bytes and the snapshot thread only queues them: there
-    (``device="cuda"``), and off Linux (no /proc to read the other threads from), it is that thread alone.
-
-    The threads counted besides the snapshot thread are those Python did not start, less the main
-    thread: the caller's compute uses one intra-op thread (``busy_compute``), so the only such
-    threads that run during a save are the copy's.
-    """
+    and the OpenMP threads torch adds to its copies (a large ``copy_`` from a thread other than the
+    main one runs on a team of its own, which did about half the bytes here). Those threads carry the
+    snapshot thread's OS name (``engine/threads.py``; Linux gives a new thread its creator's), so they
+    are read from ``/proc`` by that name (at the kernel's tick); the snapshot thread itself from its
+    own clock. On a GPU node the device-to-host copy engine moves these bytes and the snapshot
+    thread only queues them."""
     snapshot = next((t for t in threading.enumerate() if t.name == "datastates-snapshot" and t.ident), None)
-    if device != "cpu" or not os.path.isdir("/proc/self/task"):
-        return time.clock_gettime(time.pthread_getcpuclockid(snapshot.ident)) if snapshot else 0.0
-    started_by_python = {t.native_id for t in threading.enumerate()} - ({snapshot.native_id} if snapshot else set())
-    started_by_python.add(threading.main_thread().native_id)
-    ticks = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+    total = time.clock_gettime(time.pthread_getcpuclockid(snapshot.ident)) if snapshot else 0.0
+    if not os.path.isdir("/proc/self/task"):
+        return total
+    name = os_thread_name("datastates-snapshot")
     for tid in os.listdir("/proc/self/task"):
-        if int(tid) in started_by_python:
+        if snapshot is not None and int(tid) == snapshot.native_id:
             continue
         try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != name:
+                    continue
         except OSError:  # the thread ended meanwhile
             continue
-        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        total += proc_cpu_seconds(f"/proc/self/task/{tid}/stat")
     return total
 
 
 def cpu_floor_s_per_gb(state: dict[str, torch.Tensor], directory: str) -> dict:
     """The least CPU a checkpoint of ``state`` can take, per GB: one xxh3-64 pass over its bytes
-    and one O_DIRECT write of as many bytes, each on this thread (its own CPU clock)."""
+    and one O_DIRECT write of as many bytes, each on this thread (its own CPU clock).
+
+    Also the floor of this project's format (``floor_format_cpu_s_per_gb``): its files carry the
+    xxh3-64 of the whole file and of every tensor (docs/FORMAT.md), two digests of every byte, so
+    a second pass is measured too, and the write."""
     nbytes = state_bytes(state)
-    start = time.thread_time()
-    for tensor in state.values():
-        host = tensor if tensor.device.type == "cpu" else tensor.cpu()
-        xxhash.xxh3_64(memoryview(host.contiguous().view(torch.uint8).numpy())).hexdigest()
-    hashed = time.thread_time() - start
+    views = [memoryview((t if t.device.type == "cpu" else t.cpu()).contiguous().view(torch.uint8).numpy())
+             for t in state.values()]
+    passes = []
+    for _ in range(2):
+        start = time.thread_time()
+        for view in views:
+            xxhash.xxh3_64(view).hexdigest()
+        passes.append(time.thread_time() - start)
     start = time.thread_time()
     direct_write_gbps(directory, nbytes, repeats=1)
     written = time.thread_time() - start
     gb = nbytes / 1e9
-    return {"floor_checksum_cpu_s_per_gb": hashed / gb, "floor_write_cpu_s_per_gb": written / gb,
-            "floor_cpu_s_per_gb": (hashed + written) / gb}
+    return {"floor_checksum_cpu_s_per_gb": passes[0] / gb, "floor_write_cpu_s_per_gb": written / gb,
+            "floor_cpu_s_per_gb": (passes[0] + written) / gb,
+            "floor_format_cpu_s_per_gb": (sum(passes) + written) / gb}
 
 
 def measure_torch_save(state: dict[str, torch.Tensor], directory: str) -> float:
@@ -314,6 +320,9 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
         result["ratio_warm_cpu_besides_copy_vs_floor"] = ((result["datastates_warm_cpu_s_per_gb"]
                                                           - result["datastates_warm_copy_cpu_s_per_gb"])
                                                          / result["floor_cpu_s_per_gb"])
+        result["ratio_warm_cpu_besides_copy_vs_format_floor"] = ((result["datastates_warm_cpu_s_per_gb"]
+                                                                 - result["datastates_warm_copy_cpu_s_per_gb"])
+                                                                / result["floor_format_cpu_s_per_gb"])
         result["ratio_rss_vs_state_plus_cache"] = result["peak_rss_bytes"] / (rss_state + result["host_cache_bytes"])
         result["workdir"] = base
         return result
@@ -356,7 +365,8 @@ def format_table(r: dict) -> str:
         f" (the I/O worker running, the cache mapped: every later checkpoint), of which the copy into the cache"
         f" {r['datastates_warm_copy_cpu_s_per_gb']:.3f} s/GB",
         f"  CPU floor           {r['floor_cpu_s_per_gb']:.3f} s/GB (xxh3-64 pass {r['floor_checksum_cpu_s_per_gb']:.3f},"
-        f" O_DIRECT write {r['floor_write_cpu_s_per_gb']:.3f})",
+        f" O_DIRECT write {r['floor_write_cpu_s_per_gb']:.3f}); the format's (file and tensor digests, two passes)"
+        f" {r['floor_format_cpu_s_per_gb']:.3f} s/GB",
         f"  torch.save+fsync    {r['torch_save_s']:.2f}s (blocking)",
         f"  DCP async_save      blocked {r['dcp_async_blocking_s']:.2f}s, done {r['dcp_async_done_s']:.2f}s",
         f"  DCP + DefaultStager blocked {r['dcp_stager_blocking_s']:.4f}s (call {r['dcp_stager_call_s']:.4f}s,"
@@ -366,7 +376,8 @@ def format_table(r: dict) -> str:
         f" flush/direct {r['ratio_flush_vs_direct']:.2f} (target >= 0.90),"
         f" CPU/floor {r['ratio_cpu_vs_floor']:.2f} (target <= 1.30),"
         f" again: flush/direct {r['ratio_warm_flush_vs_direct']:.2f}, CPU/floor {r['ratio_warm_cpu_vs_floor']:.2f}"
-        f" ({r['ratio_warm_cpu_besides_copy_vs_floor']:.2f} besides the copy, a GPU's copy engine's work),"
+        f" ({r['ratio_warm_cpu_besides_copy_vs_floor']:.2f} besides the copy, a GPU's copy engine's work;"
+        f" {r['ratio_warm_cpu_besides_copy_vs_format_floor']:.2f} of the format's floor),"
         f" peak RSS/(state+cache) {r['ratio_rss_vs_state_plus_cache']:.2f} (target <= 1.10)",
     ]
     return "\n".join(lines)
@@ -382,6 +393,7 @@ def plot_cpu_vs_floor(r: dict, path: str) -> str:
         path, f"bench engine: CPU per GB against the floor ({r['state_bytes'] / 1e9:.1f} GB, {r['device']})",
         ["first save", "later saves"],
         {"xxh3 pass + O_DIRECT write (limit)": [floor, floor],
+         "the format's: two xxh3 passes + write": [r["floor_format_cpu_s_per_gb"]] * 2,
          "engine, all threads": [r["datastates_cpu_s_per_gb"], r["datastates_warm_cpu_s_per_gb"]],
          "engine besides the copy": [None, r["datastates_warm_cpu_s_per_gb"] - r["datastates_warm_copy_cpu_s_per_gb"]]},
         "CPU seconds per GB")

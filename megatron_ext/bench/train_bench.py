@@ -10,6 +10,17 @@ Iteration time is the median over the iterations after the warm-up, and includes
 calls. Time blocked is what the slowest rank spent in checkpointing per iteration: for datastates
 the ``save`` call plus the lazy wait inside the optimizer step, for megatron-core the save call
 (which stages the tensors) plus the per-iteration finalize.
+
+CPU per iteration is rank 0's: its process (training thread and checkpoint threads) and its
+child processes (the I/O worker), median of the per-iteration differences; split into the
+training thread's and the engine's (the threads it names, ``engine/threads.py``, and the I/O
+worker). On a machine whose cores the ranks fill, what a checkpoint takes in CPU comes out of
+training; the difference from no checkpoints is the checkpoint's CPU per iteration, a figure
+the machine's drift moves less than the wall time.
+
+``--repeats R`` runs the three modes R times, each round in the reverse order of the one before
+(a VM's speed drifts within minutes); every figure is the median over the rounds, and each
+round's own datastates / none ratio is listed.
 """
 
 from __future__ import annotations
@@ -70,6 +81,12 @@ def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interva
     if mode != "baseline":
         end = max(end, os.stat(tracker).st_mtime)
     measured = records[warmup:]
+
+    def cpu_per_iteration(field: str) -> float | None:
+        """Median over the measured iterations of rank 0's CPU in ``field`` (``process_cpu_seconds``)."""
+        steps = [r[field] - prev[field] for prev, r in zip(records[warmup - 1:], measured)] if warmup else []
+        return statistics.median(steps) if steps else None
+
     result = {
         "mode": mode, "nproc": nproc, "save_interval": save_interval, "iterations": iters,
         "iterations_measured": len(measured),
@@ -77,6 +94,9 @@ def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interva
         "iter_s_mean": statistics.mean(r["iter_time_s"] for r in measured),
         "blocked_s": statistics.mean(r["ckpt_blocked_s"] for r in measured),
         "end_to_end_s": end - start,
+        "cpu_s_per_iter": cpu_per_iteration("cpu_s"),
+        "cpu_main_s_per_iter": cpu_per_iteration("cpu_main_s"),
+        "cpu_engine_s_per_iter": cpu_per_iteration("cpu_engine_s"),
     }
     if mode == "datastates":
         with open(os.path.join(checkpoint_dir(save, iters - iters % save_interval), "manifest.json")) as f:
@@ -87,39 +107,68 @@ def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interva
 
 
 def run(iters: int = 12, nproc: int = 2, warmup: int = 3, workdir: str | None = None,
-        host_cache_gb: float = 0.5) -> dict:
+        host_cache_gb: float = 0.5, repeats: int = 1) -> dict:
     with working_dir(workdir, "megatron-ext-bench-train-") as base:
-        runs = {}
-        for i, mode in enumerate(MODES, 1):
-            _progress(f"{i}/3 {mode}: {iters} iterations on {nproc} CPU ranks")
-            runs[mode] = run_mode(mode, base, iters, nproc, 1, warmup, host_cache_gb)
+        rounds = []
+        for k in range(repeats):
+            order = MODES if k % 2 == 0 else MODES[::-1]
+            runs = {}
+            for i, mode in enumerate(order, 1):
+                _progress(f"round {k + 1}/{repeats}, {i}/3 {mode}: {iters} iterations on {nproc} CPU ranks")
+                runs[mode] = run_mode(mode, os.path.join(base, f"round{k + 1}"), iters, nproc, 1, warmup, host_cache_gb)
+            rounds.append(runs)
+
+        def median(mode: str, field: str) -> float:
+            return statistics.median(r[mode][field] for r in rounds)
+
         result = {
             "nproc": nproc,
+            "repeats": repeats,
             "iterations_measured": iters - warmup,
-            "iter_s_baseline": runs["baseline"]["iter_s"],
-            "iter_s_datastates": runs["datastates"]["iter_s"],
-            "iter_s_megatron_async": runs["megatron_async"]["iter_s"],
-            "blocked_s_datastates": runs["datastates"]["blocked_s"],
-            "blocked_s_megatron_async": runs["megatron_async"]["blocked_s"],
-            "ckpt_bytes_per_rank": runs["datastates"]["ckpt_bytes_per_rank"],
+            "iter_s_baseline": median("baseline", "iter_s"),
+            "iter_s_datastates": median("datastates", "iter_s"),
+            "iter_s_megatron_async": median("megatron_async", "iter_s"),
+            "blocked_s_datastates": median("datastates", "blocked_s"),
+            "blocked_s_megatron_async": median("megatron_async", "blocked_s"),
+            "cpu_s_per_iter_baseline": median("baseline", "cpu_s_per_iter"),
+            "cpu_s_per_iter_datastates": median("datastates", "cpu_s_per_iter"),
+            "cpu_s_per_iter_megatron_async": median("megatron_async", "cpu_s_per_iter"),
+            "cpu_main_s_per_iter_baseline": median("baseline", "cpu_main_s_per_iter"),
+            "cpu_main_s_per_iter_datastates": median("datastates", "cpu_main_s_per_iter"),
+            "cpu_engine_s_per_iter_datastates": median("datastates", "cpu_engine_s_per_iter"),
+            "ckpt_bytes_per_rank": median("datastates", "ckpt_bytes_per_rank"),
+            "round_ratios_iter_datastates_vs_baseline": [r["datastates"]["iter_s"] / r["baseline"]["iter_s"]
+                                                         for r in rounds],
         }
-        result["ratio_iter_datastates_vs_baseline"] = result["iter_s_datastates"] / result["iter_s_baseline"]
+        result["ratio_iter_datastates_vs_baseline"] = statistics.median(result["round_ratios_iter_datastates_vs_baseline"])
         result["ratio_blocked_megatron_vs_datastates"] = (
             result["blocked_s_megatron_async"] / max(result["blocked_s_datastates"], 1e-9))
+        result["ratio_cpu_datastates_vs_baseline"] = statistics.median(
+            r["datastates"]["cpu_s_per_iter"] / r["baseline"]["cpu_s_per_iter"] for r in rounds)
+        result["datastates_cpu_s_per_gb"] = ((result["cpu_s_per_iter_datastates"] - result["cpu_s_per_iter_baseline"])
+                                            / (result["ckpt_bytes_per_rank"] / 1e9))
         return result
 
 
 def format_table(r: dict) -> str:
     return "\n".join([
         f"{r['nproc']} CPU ranks, {r['ckpt_bytes_per_rank'] / 1e6:.1f} MB checkpoint per rank, "
-        f"median of {r['iterations_measured']} iterations",
+        f"median of {r['iterations_measured']} iterations, {r['repeats']} round(s)",
         f"  no checkpoints          iteration {r['iter_s_baseline'] * 1000:.1f} ms",
         f"  datastates, every iter  iteration {r['iter_s_datastates'] * 1000:.1f} ms, blocked "
         f"{r['blocked_s_datastates'] * 1000:.1f} ms",
         f"  megatron-core async     iteration {r['iter_s_megatron_async'] * 1000:.1f} ms, blocked "
         f"{r['blocked_s_megatron_async'] * 1000:.1f} ms",
+        f"  CPU per iteration       rank 0 and its I/O worker: none {r['cpu_s_per_iter_baseline'] * 1000:.0f} ms, "
+        f"datastates {r['cpu_s_per_iter_datastates'] * 1000:.0f} ms ({r['datastates_cpu_s_per_gb']:.3f} s per GB "
+        f"checkpointed), megatron-core async {r['cpu_s_per_iter_megatron_async'] * 1000:.0f} ms",
+        f"  of which                training thread: none {r['cpu_main_s_per_iter_baseline'] * 1000:.0f} ms, datastates "
+        f"{r['cpu_main_s_per_iter_datastates'] * 1000:.0f} ms; datastates' own threads and I/O worker "
+        f"{r['cpu_engine_s_per_iter_datastates'] * 1000:.0f} ms",
         f"  ratios                  datastates/baseline iteration {r['ratio_iter_datastates_vs_baseline']:.3f} "
-        f"(target <= 1.05), megatron/datastates blocked {r['ratio_blocked_megatron_vs_datastates']:.1f}x (target >= 5)",
+        f"(target <= 1.05; rounds {', '.join(f'{x:.3f}' for x in r['round_ratios_iter_datastates_vs_baseline'])}), "
+        f"CPU {r['ratio_cpu_datastates_vs_baseline']:.3f}, "
+        f"megatron/datastates blocked {r['ratio_blocked_megatron_vs_datastates']:.1f}x (target >= 5)",
     ])
 
 
@@ -127,11 +176,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``megatron-ext bench train``."""
     p.add_argument("--iters", type=POSITIVE_INT, default=12)
     p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=1,
+                   help="rounds of the three modes, each in the reverse order of the one before (figures: medians)")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
     p.add_argument("--json", action="store_true")
 
 
 def main(args) -> int:
-    result = run(args.iters, args.nproc, workdir=args.dir)
+    result = run(args.iters, args.nproc, workdir=args.dir, repeats=args.repeats)
     print(json.dumps(result, indent=1, sort_keys=True) if args.json else format_table(result))
     return 0

@@ -34,6 +34,7 @@ from .device import bind_thread, on_device
 from .errors import CacheError
 from .files import ALIGN
 from .priority import lowest_cpu_priority
+from .threads import EngineThread
 
 _PAGE = 4096
 #: ``cudaHostRegisterPortable``: the pages count as pinned in every CUDA context of the process.
@@ -71,7 +72,7 @@ class HostCache:
         self._array: np.ndarray | None = None
         self._ready = threading.Event()
         self._closing = threading.Event()
-        self._thread = threading.Thread(target=self._allocate, name="datastates-cache-alloc", daemon=True)
+        self._thread = EngineThread(self._allocate, "datastates-cache-alloc")
         self._thread.start()
 
     def _allocate(self) -> None:

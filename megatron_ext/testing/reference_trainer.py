@@ -445,6 +445,42 @@ def timed_checkpoint_call(fn: Callable, *args, **kwargs):
         _blocked_s[0] += time.perf_counter() - start
 
 
+def process_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by this rank (``bench train``'s account):
+
+    * ``cpu_s``: its process, every thread, and its child processes: the I/O worker, read live
+      from ``/proc``, and those already reaped (an async save's forked writers);
+    * ``cpu_main_s``: the training thread alone (the caller);
+    * ``cpu_engine_s``: the live threads the engine named (``engine/threads.py``; one that ended leaves
+      the sum, as the host cache's allocation does once) and the child processes.
+
+    Where ``/proc`` is missing, only the process and its reaped children are counted.
+    """
+    import resource
+
+    from megatron_ext.engine.threads import OS_PREFIX
+    from megatron_ext.procs import proc_cpu_seconds
+
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    children_s = reaped.ru_utime + reaped.ru_stime
+    engine_s = 0.0
+    if os.path.isdir("/proc/self/task"):
+        children: set[str] = set()
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/children") as f:
+                    children.update(f.read().split())
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    named = f.read().startswith(OS_PREFIX)
+            except OSError:  # it ended meanwhile
+                continue
+            if named:
+                engine_s += proc_cpu_seconds(f"/proc/self/task/{tid}/stat")
+        children_s += sum(proc_cpu_seconds(f"/proc/{pid}/stat") for pid in children)
+    return {"cpu_s": time.process_time() + children_s, "cpu_main_s": time.thread_time(),
+            "cpu_engine_s": engine_s + children_s}
+
+
 def checkpoint_blocked_seconds(args: argparse.Namespace) -> float:
     """Time training has waited for checkpointing so far on this rank.
 
@@ -650,6 +686,7 @@ def train(args: argparse.Namespace) -> List[float]:
                                           "lr": scheduler.get_lr(optimizer.param_groups[0]).hex(),
                                           "loss_float": loss, "iter_time_s": elapsed,
                                           "ckpt_blocked_s": blocked.item(), "wall_time": time.time(),
+                                          **process_cpu_seconds(),
                                           **({"load_s": load_s, "load_started_at": load_started_at}
                                              if load_s is not None else {})}) + "\n")
                     load_s = None

@@ -84,6 +84,36 @@ def test_the_worker_starts_at_the_first_save_and_ends_at_shutdown(tmp_path):
         assert reader.pipeline.io.pid is None  # reading starts no worker
 
 
+def _os_thread_names(pid: int | str = "self") -> list[str]:
+    names = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/comm") as f:
+            names.append(f.read().strip())
+    return names
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names in /proc are Linux's")
+def test_engine_threads_carry_their_names_in_the_os(tmp_path):
+    """``top -H``, perf and ``bench train``'s CPU account tell the engine's threads apart by their OS
+    names: the snapshot copy, the writer and the committer here, the checksum and the channels in
+    the I/O worker; the training thread keeps its own name."""
+    before = threading.current_thread().native_id
+    with open(f"/proc/self/task/{before}/comm") as f:
+        own = f.read().strip()
+    with CheckpointEngine({"save_dir": str(tmp_path / "ckpt"), **TINY, **FAST}) as engine:
+        engine.save(seeded_state(1, 5000, (10, 10)), "A", version=1)
+        engine.commit("A")
+        engine.wait_persisted()
+        ours = _os_thread_names()
+        theirs = _os_thread_names(engine.pipeline.io.pid)
+    assert {"ds-snapshot", "ds-committer"} <= set(ours), ours
+    assert {"ds-io-0", "ds-io-1", "ds-io-2"} <= set(theirs), theirs
+    if supports_o_direct(str(tmp_path)):  # the checksum thread runs beside an O_DIRECT write
+        assert "ds-io-checksum" in theirs, theirs
+    with open(f"/proc/self/task/{before}/comm") as f:
+        assert f.read().strip() == own
+
+
 def test_requests_per_checkpoint_do_not_grow_with_the_number_of_tensors(tmp_path):
     """Each request costs the training thread a GIL switch: a checkpoint of 300 tensors makes as
     many as one of 3 (one per run of cache slots, one per file, one per report and manifest)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import struct
 from typing import Any
@@ -69,16 +68,24 @@ def shape_elements(shape: Any, itemsize: int = 1) -> int:
     dimension of 2**63 would pass a byte count of 0 and then fail in torch (``TypeError``). At
     most ``MAX_DIMS`` dimensions.
     """
-    if type(shape) is not list or not all(type(n) is int and n >= 0 for n in shape):
+    # Plain loops, no generators: every rank's committer checks its report's hundreds of shapes
+    # on every checkpoint, holding the GIL (validation.check_report).
+    if type(shape) is not list:
         raise ValueError(f"shape {shape!r} is not a list of whole numbers >= 0")
+    for n in shape:
+        if type(n) is not int or n < 0:
+            raise ValueError(f"shape {shape!r} is not a list of whole numbers >= 0")
     if len(shape) > MAX_DIMS:
         raise ValueError(f"shape of {len(shape)} dimensions (at most {MAX_DIMS})")
-    extent = max(itemsize, 1)
+    extent = itemsize if itemsize > 1 else 1
+    elements = 1
     for n in shape:
-        extent *= max(n, 1)
-        if extent > INT64_MAX:
-            raise ValueError(f"shape {shape} does not fit an int64 (at {itemsize} bytes an element)")
-    return math.prod(shape)
+        elements *= n
+        if n > 1:
+            extent *= n
+            if extent > INT64_MAX:
+                raise ValueError(f"shape {shape} does not fit an int64 (at {itemsize} bytes an element)")
+    return elements
 
 
 @dataclasses.dataclass

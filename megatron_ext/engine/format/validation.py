@@ -189,31 +189,37 @@ def _validate_file(name: str, entry: Any, checkpoint: str, world: int, paths: se
 
 
 def _validate_tensors(tensors: Any, size: int) -> None:
-    """A file's tensor index: known dtypes, lengths that match shapes, disjoint spans inside ``size`` bytes."""
+    """A file's tensor index: known dtypes, lengths that match shapes, disjoint spans inside ``size`` bytes.
+
+    Every rank's committer runs this on its own report at every checkpoint, holding the GIL, so the
+    loop keeps to plain comparisons (no generator or call per tensor but the shape's and the checksum's)."""
     if type(tensors) is not dict:
         raise FormatViolation("tensors is not an object")
     spans = []
+    dtypes, is_checksum = TORCH_DTYPES, _HASH.fullmatch
     for tensor, meta in tensors.items():
         if not tensor or tensor == "__metadata__":
             raise FormatViolation(f"tensor name {tensor!r} is reserved")
         if type(meta) is not dict:
             raise FormatViolation(f"tensor {tensor!r}: not an object")
         dtype, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("offsets")
-        if dtype not in TORCH_DTYPES:
+        if dtype not in dtypes:
             raise FormatViolation(f"tensor {tensor!r}: unknown dtype {dtype!r}")
+        itemsize = dtypes[dtype].itemsize
         try:
-            elements = shape_elements(shape, TORCH_DTYPES[dtype].itemsize)
+            elements = shape_elements(shape, itemsize)
         except ValueError as exc:
             raise FormatViolation(f"tensor {tensor!r}: {exc}") from None
-        if type(offsets) is not list or len(offsets) != 2 or not all(_is_int(n) for n in offsets):
+        if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(offsets[1]) is not int:
             raise FormatViolation(f"tensor {tensor!r}: offsets {offsets!r} are not [begin, end]")
         begin, end = offsets
         if not 8 <= begin <= end <= size:
             raise FormatViolation(f"tensor {tensor!r}: offsets {offsets} lie outside the file's {size} bytes")
-        if end - begin != elements * TORCH_DTYPES[dtype].itemsize:
+        if end - begin != elements * itemsize:
             raise FormatViolation(f"tensor {tensor!r}: {end - begin} bytes do not hold shape {shape} of {dtype}")
-        if type(meta.get("xxh3_64")) is not str or not _HASH.fullmatch(meta["xxh3_64"]):
-            raise FormatViolation(f"tensor {tensor!r}: xxh3_64 {meta.get('xxh3_64')!r} is not a checksum")
+        checksum = meta.get("xxh3_64")
+        if type(checksum) is not str or not is_checksum(checksum):
+            raise FormatViolation(f"tensor {tensor!r}: xxh3_64 {checksum!r} is not a checksum")
         spans.append((begin, end, tensor))
     spans.sort()
     for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):

@@ -23,6 +23,7 @@ import xxhash
 
 from ..errors import CheckpointError
 from ..files import ALIGN, open_regular, round_up
+from ..threads import name_os_thread
 
 O_DIRECT_FLAG = getattr(os, "O_DIRECT", 0)
 #: Bytes one thread reads per request: large enough to stream, small enough to spread over threads.
@@ -41,7 +42,8 @@ def shared_pool(kind: str, threads: int) -> cf.ThreadPoolExecutor:
     with _pools_lock:
         pool = _pools.get((kind, threads))
         if pool is None:
-            pool = _pools[(kind, threads)] = cf.ThreadPoolExecutor(threads, thread_name_prefix=f"datastates-{kind}")
+            pool = _pools[(kind, threads)] = cf.ThreadPoolExecutor(threads, thread_name_prefix=f"datastates-{kind}",
+                                                                 initializer=name_os_thread)
         return pool
 
 

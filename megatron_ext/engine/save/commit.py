@@ -54,6 +54,7 @@ from ..format.names import FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, M
 from ..format.version import FORMAT_VERSION
 from ..format.validation import check_report
 from ..read.entries import CommittedManifest
+from ..threads import EngineThread
 from .context import SaveContext
 from .coordination import COMMITTED, SKIPPED, Collected, CommitChannel, DecisionTimeout, ShareDamaged
 from .jobs import CheckpointJob, CommitOutcome, JobState
@@ -156,7 +157,7 @@ class Committer:
         self._pending: list[CheckpointJob] = []
         self._manifest_bytes: dict[str, int] = {}  # rank 0, this thread: the bytes a manifest just written lists
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="datastates-committer", daemon=True)
+        self._thread = EngineThread(self._run, "datastates-committer")
         self._thread.start()
 
     def track(self, job: CheckpointJob) -> None:

@@ -28,6 +28,7 @@ import xxhash
 
 from ..files import ChunkFile, atomic_write, fsync_dir, round_up, write_durable
 from ..priority import lowest_cpu_priority
+from ..threads import name_os_thread
 
 
 class IoError(Exception):
@@ -182,7 +183,7 @@ class FileIo:
             # the lowest priority it never takes the core of the training thread (docs/BENCHMARKS.md).
             self._checksums = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="datastates-io-checksum",
-                initializer=None if self.overlap_buffered else lowest_cpu_priority)
+                initializer=_checksum_thread_start, initargs=(not self.overlap_buffered,))
         summed = self._checksums.submit(_checksum, f, data, offset)
         try:
             f.out.write_at(offset, written)
@@ -242,6 +243,12 @@ class FileIo:
             self.abort(file)
         if self._checksums is not None:
             self._checksums.shutdown(wait=True)
+
+
+def _checksum_thread_start(lowest_priority: bool) -> None:
+    name_os_thread("datastates-io-checksum")
+    if lowest_priority:
+        lowest_cpu_priority()
 
 
 def _checksum(f: _OpenFile, data: memoryview, offset: int) -> None:

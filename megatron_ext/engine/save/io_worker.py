@@ -44,6 +44,7 @@ from multiprocessing import context as mp_context, popen_spawn_posix, process, r
 from typing import Any
 
 from ..errors import CheckpointError
+from ..threads import EngineThread
 from .io_ops import (AbortRequest, AtomicWriteRequest, Failure, FileChecksums, FileIo, FinishRequest, IoError,
                      RunRequest, StageRequest, perform)
 
@@ -170,7 +171,7 @@ class IoWorker:
         with self._lock:
             if self._proc is not None or self._closed or self._early is not None:
                 return
-            self._early = threading.Thread(target=self._start_quietly, name="datastates-io-start", daemon=True)
+            self._early = EngineThread(self._start_quietly, "datastates-io-start")
             self._early.start()
 
     def _start_quietly(self) -> None:
@@ -236,7 +237,7 @@ class IoWorker:
             # here (its interpreter's teardown would add tens of milliseconds to shutdown), and killed
             # if stuck (a hung file system), which multiprocessing's join at exit would wait on forever.
             try:
-                threading.Thread(target=_reap, args=(proc, timeout), name="datastates-io-reaper", daemon=True).start()
+                EngineThread(_reap, "datastates-io-reaper", (proc, timeout)).start()
             except RuntimeError:  # at interpreter exit (the exit hook's shutdown) no thread starts: reap here
                 _reap(proc, timeout)
 
@@ -424,9 +425,9 @@ def serve(cache: _InheritedFd, cache_bytes: int, conns: list, overlap: bool) -> 
         pass
     memory = mmap.mmap(cache.fd, cache_bytes)
     os.close(cache.fd)  # the mapping keeps the memory
-    threading.Thread(target=_map_pages, args=(memory,), name="datastates-io-map", daemon=True).start()
+    EngineThread(_map_pages, "datastates-io-map", (memory,)).start()
     file_io = FileIo(memoryview(memory), overlap=overlap)
-    threads = [threading.Thread(target=_answer, args=(file_io, conn), name=f"datastates-io-{i}", daemon=True)
+    threads = [EngineThread(_answer, f"datastates-io-{i}", (file_io, conn))
                for i, conn in enumerate(conns)]
     for t in threads:
         t.start()

@@ -6,6 +6,8 @@ import collections
 import threading
 from typing import Any, Callable
 
+from ..threads import EngineThread
+
 _STOP = object()
 
 
@@ -51,7 +53,7 @@ class QueueWorker:
         """``on_start`` runs first on the new thread (e.g. binding it to the rank's CUDA device)."""
         self._queue = WorkQueue()
         self._on_start = on_start
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread = EngineThread(self._loop, name)
         self._thread.start()
 
     def submit(self, item: Any) -> None:

@@ -1,0 +1,75 @@
+"""``bench train``'s CPU account (``reference_trainer.process_cpu_seconds``): the engine's share is
+the threads it names in the OS and the rank's child processes (the I/O worker), the training
+thread's is the caller's own clock, and the total holds both."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from megatron_ext.engine.threads import EngineThread
+from megatron_ext.testing.reference_trainer import process_cpu_seconds
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _spin(seconds: float) -> None:
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_engine_threads_and_child_processes_count_as_the_engine_s_cpu():
+    before = process_cpu_seconds()
+    child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.4\n"
+                              "while time.process_time() < end: pass\ntime.sleep(30)"])
+    try:
+        named = EngineThread(_spin, "datastates-test-spin", (0.3,))
+        named.start()
+        named.join()
+        plain_done = threading.Event()
+        plain = threading.Thread(target=lambda: (_spin(0.3), plain_done.wait(30)))  # alive, not the engine's
+        plain.start()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # the child has spun once its CPU shows
+            after = process_cpu_seconds()
+            if after["cpu_engine_s"] - before["cpu_engine_s"] >= 0.35:
+                break
+            time.sleep(0.05)
+        _spin(0.2)
+        after = process_cpu_seconds()
+        plain_done.set()
+        plain.join()
+    finally:
+        child.kill()
+        child.wait()
+    # The named thread ended: its CPU is in the process's total, not in the live engine threads' sum.
+    # The child (0.4 s) counts as the engine's while alive; the plain thread never does.
+    engine = after["cpu_engine_s"] - before["cpu_engine_s"]
+    assert 0.35 <= engine < 0.4 + 0.3 + 0.05, (before, after)
+    assert after["cpu_main_s"] - before["cpu_main_s"] >= 0.2
+    assert after["cpu_s"] - before["cpu_s"] >= 0.3 + 0.3 + 0.2 + 0.35, (before, after)
+
+
+def test_a_live_engine_thread_counts_as_the_engine_s():
+    started, release = threading.Event(), threading.Event()
+
+    def spin_then_wait() -> None:
+        _spin(0.3)
+        started.set()
+        release.wait(30)
+
+    before = process_cpu_seconds()
+    thread = EngineThread(spin_then_wait, "datastates-test-spin")
+    thread.start()
+    try:
+        assert started.wait(30)
+        after = process_cpu_seconds()
+    finally:
+        release.set()
+        thread.join()
+    assert after["cpu_engine_s"] - before["cpu_engine_s"] >= 0.25, (before, after)
