@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,11 +135,19 @@ def engine_config_from_args(args: Any) -> dict:
            "save_dir": args.save, "local_dir": getattr(args, "datastates_local_dir", None)}
     if getattr(args, "save_retain_interval", None):
         cfg.update(keep_last=1, keep_every=args.save_retain_interval)
-    for flag in engine_flags():
-        value = getattr(args, flag.kwargs["dest"], None)
-        if value is not None and flag.key not in ("host_cache_size", "local_dir"):
-            cfg[flag.key] = value
+    for key, dest in _flag_destinations():
+        value = getattr(args, dest, None)
+        if value is not None and key not in ("host_cache_size", "local_dir"):
+            cfg[key] = value
     return cfg
+
+
+@functools.cache
+def _flag_destinations() -> tuple[tuple[str, str], ...]:
+    """(engine key, attribute of the parsed flags) of every ``--datastates-*`` flag, worked out once: they
+    follow from ``EngineConfig`` alone, and the adapter reads the configuration at every save (to refuse
+    one changed mid-run), where ``engine_flags`` would resolve the fields' type hints each time."""
+    return tuple((flag.key, flag.kwargs["dest"]) for flag in engine_flags())
 
 
 def adapter_engine_config(args: Any) -> dict:
