@@ -31,7 +31,7 @@ from megatron_ext.bench.common import (PeakRss, busy_compute, direct_write_gbps,
                                        make_state, memcpy_gbps, state_bytes, working_dir)
 from megatron_ext.engine import CheckpointEngine
 from megatron_ext.engine.threads import os_thread_name
-from megatron_ext.procs import proc_cpu_seconds
+from megatron_ext.procs import thread_cpu_seconds
 
 NAME = "engine"
 HELP = "engine vs torch.save, DCP async_save and an O_DIRECT write"
@@ -160,21 +160,9 @@ def copy_cpu_s() -> float:
     own clock. On a GPU node the device-to-host copy engine moves these bytes and the snapshot
     thread only queues them."""
     snapshot = next((t for t in threading.enumerate() if t.name == "datastates-snapshot" and t.ident), None)
-    total = time.clock_gettime(time.pthread_getcpuclockid(snapshot.ident)) if snapshot else 0.0
-    if not os.path.isdir("/proc/self/task"):
-        return total
+    own = time.clock_gettime(time.pthread_getcpuclockid(snapshot.ident)) if snapshot else 0.0
     name = os_thread_name("datastates-snapshot")
-    for tid in os.listdir("/proc/self/task"):
-        if snapshot is not None and int(tid) == snapshot.native_id:
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != name:
-                    continue
-        except OSError:  # the thread ended meanwhile
-            continue
-        total += proc_cpu_seconds(f"/proc/self/task/{tid}/stat")
-    return total
+    return own + thread_cpu_seconds(lambda n: n == name, skip=snapshot.native_id if snapshot else None)
 
 
 def cpu_floor_s_per_gb(state: dict[str, torch.Tensor], directory: str) -> dict:

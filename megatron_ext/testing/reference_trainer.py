@@ -459,24 +459,20 @@ def process_cpu_seconds() -> dict[str, float]:
     import resource
 
     from megatron_ext.engine.threads import OS_PREFIX
-    from megatron_ext.procs import proc_cpu_seconds
+    from megatron_ext.procs import proc_cpu_seconds, thread_cpu_seconds
 
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
     children_s = reaped.ru_utime + reaped.ru_stime
-    engine_s = 0.0
     if os.path.isdir("/proc/self/task"):
         children: set[str] = set()
         for tid in os.listdir("/proc/self/task"):
             try:
                 with open(f"/proc/self/task/{tid}/children") as f:
                     children.update(f.read().split())
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    named = f.read().startswith(OS_PREFIX)
             except OSError:  # it ended meanwhile
                 continue
-            if named:
-                engine_s += proc_cpu_seconds(f"/proc/self/task/{tid}/stat")
         children_s += sum(proc_cpu_seconds(f"/proc/{pid}/stat") for pid in children)
+    engine_s = thread_cpu_seconds(lambda name: name.startswith(OS_PREFIX))
     return {"cpu_s": time.process_time() + children_s, "cpu_main_s": time.thread_time(),
             "cpu_engine_s": engine_s + children_s}
 
