@@ -20,8 +20,7 @@ KEYS = {"state_bytes", "rss_with_state_bytes", "device", "flush_process", "memcp
         "ratio_flush_vs_direct", "datastates_cpu_s_per_gb", "floor_checksum_cpu_s_per_gb", "floor_write_cpu_s_per_gb",
         "floor_cpu_s_per_gb", "ratio_cpu_vs_floor", "datastates_warm_flush_gbps", "datastates_warm_cpu_s_per_gb",
         "ratio_warm_flush_vs_direct", "ratio_warm_cpu_vs_floor", "datastates_warm_copy_cpu_s_per_gb",
-        "ratio_warm_cpu_besides_copy_vs_floor", "floor_format_cpu_s_per_gb",
-        "ratio_warm_cpu_besides_copy_vs_format_floor",
+        "ratio_warm_cpu_besides_copy_vs_floor",
         "ratio_rss_vs_state_plus_cache", "workdir"}
 
 
@@ -39,8 +38,6 @@ def test_bench_engine_json_keys_on_cpu(tmp_path):
     assert result["device"] == "cpu" and result["d2h_gbps"] is None and result["datastates_blocking_s"] > 0
     # The engine's CPU counts its threads and its I/O worker: at least the floor's checksum pass.
     assert result["datastates_cpu_s_per_gb"] > result["floor_checksum_cpu_s_per_gb"] > 0
-    # The format's floor has a second digest pass besides the first (file and tensor digests).
-    assert result["floor_format_cpu_s_per_gb"] > result["floor_cpu_s_per_gb"]
     # The copy's threads are found by the snapshot thread's OS name: some CPU, less than the engine's.
     assert 0 < result["datastates_warm_copy_cpu_s_per_gb"] < result["datastates_warm_cpu_s_per_gb"]
     assert plot.read_bytes().startswith(b"\x89PNG") and f"wrote {plot}" in proc.stderr

@@ -43,7 +43,8 @@ def _report(root, checkpoint="c1", rank=0):
 
 
 def _to_v1(ckpt_dir) -> None:
-    """Rewrite a format-2 manifest as format 1 wrote it: each file's tensors inline, no reports."""
+    """Rewrite a manifest as format 1 wrote it: each file's tensors inline, no reports, each tensor
+    file's digest of its bytes (format 3 makes it of its pieces', test_file_digest.py)."""
     path = ckpt_dir / "manifest.json"
     doc = json.loads(path.read_bytes())
     del doc["reports"]
@@ -54,6 +55,7 @@ def _to_v1(ckpt_dir) -> None:
             index[entry["rank"]] = {e["name"]: e["tensors"] for e in
                                     json.loads((ckpt_dir / ".reports" / name).read_bytes())["files"]}
         entry["tensors"] = index[entry["rank"]][entry["name"]]
+        entry["xxh3_64"] = xxhash.xxh3_64_hexdigest((ckpt_dir.parent / entry["tensor_file"]).read_bytes())
     doc["format_version"] = 1
     path.write_text(json.dumps(doc))
 
@@ -67,7 +69,7 @@ def test_manifest_lists_reports_not_tensors_and_does_not_grow_with_them(make_eng
     sizes = {}
     for checkpoint, tensors in (("small", 13), ("large", 203)):
         manifest = read_manifest(str(root / checkpoint))
-        assert manifest["format_version"] == FORMAT_VERSION == 2
+        assert manifest["format_version"] == FORMAT_VERSION == 3
         assert all("tensors" not in entry for entry in manifest["files"].values())
         report = _report(root, checkpoint).read_bytes()
         assert manifest["reports"] == {"0": {"file": f"{checkpoint}/.reports/rank-00000.{manifest['run_id']}.json",

@@ -237,7 +237,7 @@ def test_files_load_with_safetensors_library_and_data_is_4k_aligned(make_engine,
     header = json.loads(raw[8:8 + n])
     assert header["__metadata__"]["name"] == "model" and header["__metadata__"]["run_id"] == engine.run_id
     # One format version: the tensor file's header says it as a string, the manifest as an int.
-    assert header["__metadata__"]["format_version"] == str(manifest["format_version"]) == "2"
+    assert header["__metadata__"]["format_version"] == str(manifest["format_version"]) == "3"
     assert len(raw) == manifest["files"]["model"]["size"]
 
     tensors = load_file(str(path))

@@ -18,6 +18,7 @@ import torch
 import xxhash
 
 from megatron_ext.engine import CheckpointEngine
+from megatron_ext.engine.format.digest import PIECEWISE_FROM_VERSION, FileDigest, cuts_of
 
 from helpers.procs import REPO, child_env
 
@@ -94,8 +95,16 @@ def reseal(root: Path, checkpoint: str) -> None:
         tensor, state = root / entry["tensor_file"], root / entry["state_file"]
         if tensor.is_file() and not tensor.is_symlink():
             data = tensor.read_bytes()
+            digest = xxhash.xxh3_64_hexdigest(data)
+            if doc.get("format_version", 0) >= PIECEWISE_FROM_VERSION:  # of its pieces' digests
+                offsets = [m.get("offsets") for m in tensors.values() if isinstance(m, dict)]
+                pieces = FileDigest(cuts_of(8 + int.from_bytes(data[:8], "little"),
+                                            [o for o in offsets if isinstance(o, list) and len(o) == 2
+                                             and all(type(x) is int for x in o)]))
+                pieces.update(data)
+                digest = pieces.hexdigest()
             for c in copies:
-                c["size"], c["xxh3_64"] = len(data), xxhash.xxh3_64_hexdigest(data)
+                c["size"], c["xxh3_64"] = len(data), digest
             for meta in tensors.values():
                 begin, end = meta["offsets"]
                 if 0 <= begin <= end <= len(data):

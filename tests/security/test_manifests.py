@@ -30,7 +30,7 @@ def _file(doc):
 MUTATIONS = {
     "not_an_object": (lambda d: [d], "not a JSON object"),
     "another_format": (lambda d: d.update(format="safetensors.index"), "not a megatron_ext.datastates manifest"),
-    "newer_version": (lambda d: d.update(format_version=3), "written by a newer format (version 3"),
+    "newer_version": (lambda d: d.update(format_version=4), "written by a newer format (version 4"),
     "version_as_text": (lambda d: d.update(format_version="1"), "format_version '1' is not a version number"),
     "bad_run_id": (lambda d: d.update(run_id="../x"), "run_id '../x' is not 12 hex digits"),
     "other_checkpoint": (lambda d: d.update(checkpoint=C1), f"belongs to checkpoint '{C1}', not to its directory"),
@@ -87,7 +87,7 @@ REPORT_MUTATIONS = {
     "another_rank": (lambda d: d.update(rank=1), "rank 1 is not the manifest's 0"),
     "another_run": (lambda d: d.update(run_id="0123456789ab"), "run_id '0123456789ab' is not the manifest's"),
     "another_checkpoint": (lambda d: d.update(checkpoint=C1), f"checkpoint '{C1}' is not the manifest's"),
-    "newer_format": (lambda d: d.update(format_version=3), "format_version 3 is not one this reader knows"),
+    "newer_format": (lambda d: d.update(format_version=4), "format_version 4 is not one this reader knows"),
     "a_file_missing": (lambda d: d.update(files=[]), "lacks files ['rank00000']"),
     "a_file_the_manifest_lacks": (lambda d: d["files"].append(dict(_report_file(d), name="rank00009")),
                                   "lists file 'rank00009', which the manifest does not list"),

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from .digest import cuts_of
 from .strict_json import parse_json
 from .version import HEADER_FORMAT_VERSION
 from ..files import round_up  # to the O_DIRECT block (files.ALIGN, 4 KiB): the header is padded to it
@@ -110,6 +111,10 @@ class FileLayout:
     spans: list[TensorSpan]  # in file order
     data_start: int
     size: int  # total file size in bytes
+
+    def cuts(self) -> list[int]:
+        """Where the file's checksum pieces end (format/digest.py): its data start and each tensor's end."""
+        return cuts_of(self.data_start, ((s.start, s.end) for s in self.spans))
 
     def header_in(self, start: int, end: int) -> bytes:
         """The header's bytes within file range [start, end) (those at its start; none past it)."""

@@ -207,6 +207,7 @@ class CommittedCheckpoint:
             options = self.options
             self._readers[name] = file_reader.FileReader(
                 base, entry, options.verify, level=chosen, run_id=self.manifest["run_id"], classes=options.classes,
+                format_version=self.manifest["format_version"],
                 threads=options.threads, o_direct=options.o_direct, timeout_s=options.timeout_s, staging=options.staging)
         return self._readers[name]
 

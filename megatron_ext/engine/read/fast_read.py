@@ -39,6 +39,7 @@ import xxhash
 from ..device import cuda_devices_of
 from ..errors import CacheError, CheckpointError
 from ..files import round_up
+from ..format.digest import tensor_file_digest
 from ..format.tensor_file import torch_dtype
 from .read_plan import (
     O_DIRECT_FLAG,
@@ -186,13 +187,15 @@ class RegionReads:
 
 
 def read_tensors(path: str, entry: dict, names: Iterable[str], *, verify: bool = True, whole_file: bool = False,
-                 o_direct: bool | str = "auto", threads: int = 4, pin: bool = False,
+                 piecewise: bool = True, o_direct: bool | str = "auto", threads: int = 4, pin: bool = False,
                  timeout_s: float = 1800.0) -> dict[str, torch.Tensor]:
     """The tensors ``names`` of one committed file (``entry`` = its manifest entry), read in parallel.
 
     With ``whole_file`` the whole file is read and, if ``verify``, its xxh3-64 compared with the
-    manifest as well; otherwise only the wanted ranges are read. Each tensor's own checksum is
-    always compared when ``verify``. The tensors share one aligned (pinned if ``pin``) buffer.
+    manifest as well (``piecewise``, format 3: made of its header's and its tensors' digests, so
+    only the header takes a pass of its own; else of all its bytes); otherwise only the wanted
+    ranges are read. Each tensor's own checksum is always compared when ``verify``. The tensors
+    share one aligned (pinned if ``pin``) buffer.
     """
     metas = tensor_metas(entry, names)
     order = sorted(metas, key=lambda n: metas[n]["offsets"][0])
@@ -242,7 +245,7 @@ def read_tensors(path: str, entry: dict, names: Iterable[str], *, verify: bool =
     fd, direct = open_for_read(path, o_direct)
     reading = RegionReads(path, pieces, direct, fd, read, on_tensor)
 
-    whole = xxhash.xxh3_64() if verify and whole_file else None
+    whole = xxhash.xxh3_64() if verify and whole_file and not piecewise else None
 
     def whole_file_checksum() -> None:
         for piece in pieces:  # in file order, while later pieces are still being read
@@ -251,7 +254,15 @@ def read_tensors(path: str, entry: dict, names: Iterable[str], *, verify: bool =
 
     def check() -> None:  # a damaged tensor is named before the file's checksum is blamed
         check_hashes(path, hashes, lock, deadline)
-        if whole is not None and whole.hexdigest() != entry["xxh3_64"]:
+        if not (verify and whole_file):
+            return
+        if piecewise:  # the buffer starts at the file's start: the header is before the first tensor's bytes
+            data_start = min((metas[n]["offsets"][0] for n in sized), default=size)
+            tensors = ((*meta["offsets"], meta["xxh3_64"]) for meta in entry["tensors"].values())
+            found = tensor_file_digest(xxhash.xxh3_64_intdigest(memory[:data_start]), tensors)
+        else:
+            found = whole.hexdigest()
+        if found != entry["xxh3_64"]:
             raise CheckpointError(f"{path} fails its checksum")
 
     reading.run(threads, deadline, timeout_s, whole_file_checksum if whole is not None else None, check)

@@ -18,10 +18,12 @@ import torch
 from ..errors import CheckpointError
 from ..files import open_regular
 from ..format import codec
+from ..format.digest import PIECEWISE_FROM_VERSION
 from ..format.names import REPORTS, report_name
 from ..format.tensor_file import read_header
 from ..format.sidecar import read_sidecar
 from ..format.validation import check_tensor_file
+from ..format.version import FORMAT_VERSION
 from .fast_read import read_tensors, to_device
 from .staged_read import MIN_STAGING_CHUNK, Staging, default_staging, read_into
 
@@ -53,12 +55,13 @@ class FileReader:
     def __init__(self, base: str, entry: dict, verify: bool = True, level: str = "shared", *,
                  threads: int = 4, o_direct: bool | str = "auto", timeout_s: float = 1800.0,
                  staging: Staging | None = None, run_id: str | None = None,
-                 classes: Mapping[codec.ClassKey, type] | None = None):
+                 classes: Mapping[codec.ClassKey, type] | None = None, format_version: int = FORMAT_VERSION):
         self.level = level  # the storage level it reads from
         self.entry = entry  # from a validated manifest (manifest.read_manifest)
         self.run_id = run_id  # the manifest's: the file's header must name it
         self.classes = classes  # allowed classes beyond the process-wide ones
         self.verify = verify
+        self.piecewise = format_version >= PIECEWISE_FROM_VERSION  # how the file's own checksum is made
         self.threads, self.o_direct, self.timeout_s = threads, o_direct, timeout_s
         self.staging = staging  # resident slots for ``read_into``; a process-wide default if None
         self.tensor_path = os.path.join(base, entry["tensor_file"])
@@ -75,7 +78,8 @@ class FileReader:
         """Several tensors in one parallel read (neighbouring ones share requests)."""
         self._check_file()
         return read_tensors(self.tensor_path, self.entry, names, verify=self.verify, whole_file=whole_file,
-                            o_direct=self.o_direct, threads=self.threads, pin=pin, timeout_s=self.timeout_s)
+                            piecewise=self.piecewise, o_direct=self.o_direct, threads=self.threads, pin=pin,
+                            timeout_s=self.timeout_s)
 
     def read_into(self, targets: dict[str, torch.Tensor]) -> None:
         """Fill existing tensors (name -> tensor of the saved dtype and shape) in place, in parallel."""

@@ -5,7 +5,8 @@ engine and with the ``safetensors`` library; whatever either would reject fails 
 file and the reason: the manifest is validated (manifest.py), every tensor file is a regular file
 of the manifest's size whose safetensors header is checked as strictly as the library checks it
 and matches the manifest exactly, every sidecar is well-formed and refers only to listed tensors,
-and (unless ``deep=False``) every file's and every tensor's xxh3-64 equals the manifest's. In
+and (unless ``deep=False``) every file's and every tensor's xxh3-64 equals the manifest's (from
+format 3 a file's is made of its header's and its tensors', format/digest.py: one pass). From
 format 2 each rank report (the tensor index) is checked against the manifest's size and xxh3-64
 and validated first; a rank whose report fails has that one problem reported, not one per file.
 Which classes a sidecar may rebuild is the loader's choice (its allow-list), not checked here.
@@ -23,6 +24,7 @@ from ..errors import CheckpointError
 from ..files import open_regular
 from ..format import codec
 from ..format.catalog import read_manifest
+from ..format.digest import PIECEWISE_FROM_VERSION, tensor_file_digest
 from ..format.names import MANIFEST, valid_name
 from ..format.tensor_file import read_header
 from ..format.sidecar import read_sidecar
@@ -108,7 +110,8 @@ def _check_tensor_file(root: str, committed: CommittedCheckpoint, name: str, dee
             raise CheckpointError(f"{path}: bad safetensors header: {exc}") from None
         check_tensor_file(committed.entry(name), header, committed.run_id, path)
         if deep:
-            _check_digests(fd, path, committed.tensors(name), file.checksum, header.data_start, progress)
+            piecewise = committed.manifest["format_version"] >= PIECEWISE_FROM_VERSION
+            _check_digests(fd, path, committed.tensors(name), file.checksum, header.data_start, piecewise, progress)
         elif progress is not None:
             progress(file.size, 0)
     finally:
@@ -116,21 +119,27 @@ def _check_tensor_file(root: str, committed: CommittedCheckpoint, name: str, dee
 
 
 def _check_digests(fd: int, path: str, tensors: dict[str, TensorEntry], checksum: str, data_start: int,
-                   progress=None) -> None:
-    """One sequential pass: the whole file's xxh3-64 and every tensor's (tensors cover the data)."""
-    whole = xxhash.xxh3_64()
-    whole.update(_read(fd, path, 0, data_start))
+                   piecewise: bool, progress=None) -> None:
+    """One sequential pass: every tensor's xxh3-64 (tensors cover the data), and the file's: of its
+    header's and tensors' digests (``piecewise``, format 3) or of its bytes (formats 1 and 2)."""
+    head = _read(fd, path, 0, data_start)
+    whole = None if piecewise else xxhash.xxh3_64(head)
     for tensor in sorted(tensors.values(), key=lambda t: (t.begin, t.end, t.name)):
         digest = xxhash.xxh3_64()
         for lo in range(tensor.begin, tensor.end, _BLOCK):
             block = _read(fd, path, lo, min(_BLOCK, tensor.end - lo))
             digest.update(block)
-            whole.update(block)
+            if whole is not None:
+                whole.update(block)
             if progress is not None:
                 progress(len(block), 0)
         if digest.hexdigest() != tensor.checksum:
             raise CheckpointError(f"{path}: checksum mismatch (xxh3-64) in tensor {tensor.name!r}: the bytes changed")
-    if whole.hexdigest() != checksum:
+    if piecewise:
+        found = tensor_file_digest(xxhash.xxh3_64_intdigest(head), ((t.begin, t.end, t.checksum) for t in tensors.values()))
+    else:
+        found = whole.hexdigest()
+    if found != checksum:
         raise CheckpointError(f"{path}: checksum mismatch (xxh3-64): the bytes changed")
 
 

@@ -218,8 +218,8 @@ class LevelStager(QueueWorker):
         stage = fjob.job.flush_stage
         held = stage.hold(2 * self.ctx.timeout_s, lambda: f"the I/O worker to copy {fjob.tensor_rel} to the shared level")
         try:
-            self._copy(fjob.tensor_rel, fjob, fjob.file_xxh3, fjob.layout.size)
-            self._copy(fjob.sidecar_rel, fjob, fjob.sidecar_xxh3, len(fjob.sidecar))
+            self._copy(fjob.tensor_rel, fjob, fjob.file_xxh3, fjob.layout.size, fjob.layout.cuts())
+            self._copy(fjob.sidecar_rel, fjob, fjob.sidecar_xxh3, len(fjob.sidecar), None)
             fjob.job.mark_durable(fjob, LEVEL_SHARED)
             self.next.durable(fjob)
         except BaseException as exc:
@@ -227,7 +227,8 @@ class LevelStager(QueueWorker):
         finally:
             stage.release(held)
 
-    def _copy(self, rel: str, fjob: FileJob, expected: str | None, size: int) -> None:
+    def _copy(self, rel: str, fjob: FileJob, expected: str | None, size: int, cuts: list[int] | None) -> None:
+        """One file from the node-local level to shared, checked against ``expected`` (in pieces at ``cuts``)."""
         src_path = os.path.join(self.ctx.directory(fjob, LEVEL_LOCAL), rel)
         root = self.ctx.directory(fjob, LEVEL_SHARED)
         dst_path = os.path.join(root, rel)
@@ -235,7 +236,7 @@ class LevelStager(QueueWorker):
         fjob.job.make_directory(directory)
         faults.before_write(LEVEL_SHARED, dst_path, 0, size)
         self._direct.attempt(root, directory, lambda direct: self.io.stage(
-            src_path, dst_path, direct, expected, self.ctx.chunk_bytes))
+            src_path, dst_path, direct, expected, self.ctx.chunk_bytes, cuts))
 
 
 def remove_files(root: str, job: FileJob) -> None:

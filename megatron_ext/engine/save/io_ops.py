@@ -9,8 +9,9 @@ too (``FileChecksums``) or ``None``; a failure in the worker comes back as a ``F
 operation is a request class and a row in the table. This module imports neither torch nor the
 save pipeline, so the worker process starts in a few tens of milliseconds.
 
-Checksums are xxh3-64 (docs/FORMAT.md): one over the whole tensor file, one per tensor, one over
-the sidecar. A run's checksums are computed on a second thread while the calling thread writes the
+Checksums are xxh3-64 (docs/FORMAT.md): one per tensor, the tensor file's made of its pieces' (its
+header's and its tensors', ``format/digest.py``: each byte is hashed once), one over the sidecar. A
+run's checksums are computed on a second thread while the calling thread writes the
 same bytes whenever the write is O_DIRECT (the device moves the bytes: the writing thread waits
 and takes no core), and for page-cache writes only where the node has cores to spare
 (``overlap``): there the write is a memory copy that needs a core of its own.
@@ -27,6 +28,7 @@ from typing import Any, Callable, ClassVar
 import xxhash
 
 from ..files import ChunkFile, atomic_write, fsync_dir, round_up, write_durable
+from ..format.digest import FileDigest, cuts_of
 from ..priority import lowest_cpu_priority
 from ..threads import name_os_thread
 
@@ -95,11 +97,12 @@ class StageRequest:
     direct: bool
     expected: str | None
     chunk_bytes: int
+    cuts: tuple[int, ...] | None = None  # a tensor file's pieces (format/digest.py); None: a plain file
 
 
 @dataclasses.dataclass(frozen=True)
 class FileChecksums:
-    """``finish``'s reply (xxh3-64, hex): the whole tensor file, each tensor in file order, the sidecar."""
+    """``finish``'s reply (xxh3-64, hex): the tensor file (of its pieces), each tensor in file order, the sidecar."""
 
     file: str
     tensors: tuple[str, ...]
@@ -130,16 +133,15 @@ class Failure:
 
 
 class _OpenFile:
-    """A tensor file being written: its descriptor and its running checksums."""
+    """A tensor file being written: its descriptor, its tensors' spans and its running checksum."""
 
-    __slots__ = ("out", "spans", "whole", "tensors", "next_span")
+    __slots__ = ("out", "spans", "digest")
 
     def __init__(self, out: ChunkFile, spans: list[int]):
         self.out = out
         self.spans = spans  # [start0, end0, start1, end1, ...]: each tensor's bytes in the file, in file order
-        self.whole = xxhash.xxh3_64()
-        self.tensors: dict[int, "xxhash.xxh3_64"] = {}
-        self.next_span = 0  # first tensor not yet checksummed to its end
+        cuts = cuts_of(spans[0], zip(spans[0::2], spans[1::2])) if spans else []
+        self.digest = FileDigest(cuts)  # its pieces are the header and the tensors: their digests too
 
 
 class FileIo:
@@ -197,10 +199,13 @@ class FileIo:
         f.out.close(size, sync_dir=False)
         write_durable(sidecar_path, sidecar)
         fsync_dir(os.path.dirname(sidecar_path))
-        count = len(f.spans) // 2
+        file_digest = f.digest.hexdigest()
+        by_start = {start: digest for start, _, digest in f.digest.pieces}
+        spans = f.spans
         return FileChecksums(
-            file=f.whole.hexdigest(),
-            tensors=tuple(f.tensors[k].hexdigest() if k in f.tensors else _EMPTY_DIGEST for k in range(count)),
+            file=file_digest,
+            tensors=tuple(f"{by_start[spans[k]]:016x}" if spans[k + 1] > spans[k] else _EMPTY_DIGEST
+                          for k in range(0, len(spans), 2)),
             sidecar=xxhash.xxh3_64_hexdigest(sidecar))
 
     def abort(self, file: int) -> None:
@@ -212,15 +217,16 @@ class FileIo:
     def atomic_write(self, path: str, data: bytes) -> None:
         atomic_write(path, data)
 
-    def stage(self, src: str, dst: str, direct: bool, expected: str | None, chunk_bytes: int) -> None:
-        """Copy ``src`` to ``dst`` durably through a bounce buffer, checksumming on the way: a
-        corrupt copy (``expected`` differs) never passes unnoticed."""
+    def stage(self, src: str, dst: str, direct: bool, expected: str | None, chunk_bytes: int,
+              cuts: list[int] | None = None) -> None:
+        """Copy ``src`` to ``dst`` durably through a bounce buffer, checksumming on the way (in
+        pieces at ``cuts`` for a tensor file): a corrupt copy (``expected`` differs) never passes unnoticed."""
         if self._bounce is None or len(self._bounce) != chunk_bytes:
             self._bounce = mmap.mmap(-1, chunk_bytes)
         view = memoryview(self._bounce)
         size = os.path.getsize(src)
         out = ChunkFile(dst, direct)
-        digest = xxhash.xxh3_64()
+        digest = FileDigest(cuts)
         try:
             with open(src, "rb", buffering=0) as source:
                 done = 0
@@ -252,23 +258,10 @@ def _checksum_thread_start(lowest_priority: bool) -> None:
 
 
 def _checksum(f: _OpenFile, data: memoryview, offset: int) -> None:
-    """Fold file bytes [offset, offset + len(data)) into the file's checksum and its tensors'."""
-    f.whole.update(data)
-    end = offset + len(data)
-    spans = f.spans
-    k = f.next_span
-    while 2 * k < len(spans) and spans[2 * k] < end:  # tensors are in file order
-        start, stop = spans[2 * k], spans[2 * k + 1]
-        lo, hi = max(start, offset), min(stop, end)
-        if hi > lo:
-            h = f.tensors.get(k)
-            if h is None:
-                h = f.tensors[k] = xxhash.xxh3_64()
-            h.update(data[lo - offset:hi - offset])
-        if stop > end:
-            break
-        k += 1
-    f.next_span = k
+    """Fold file bytes [offset, offset + len(data)) into the file's checksum (runs come in file order)."""
+    if offset != f.digest.position:
+        raise IoError(f"a run at offset {offset} of a file checksummed up to {f.digest.position}: runs out of order")
+    f.digest.update(data)
 
 
 #: Every operation, by request name: the one dispatch of ``io_worker.LocalIo`` (in this process)
@@ -279,7 +272,8 @@ OPERATIONS: dict[str, Callable[[FileIo, Any], Any]] = {
     FinishRequest.op: lambda io, r: io.finish(r.file, r.size, r.sidecar_path, r.sidecar),
     AbortRequest.op: lambda io, r: io.abort(r.file),
     AtomicWriteRequest.op: lambda io, r: io.atomic_write(r.path, r.data),
-    StageRequest.op: lambda io, r: io.stage(r.src, r.dst, r.direct, r.expected, r.chunk_bytes),
+    StageRequest.op: lambda io, r: io.stage(r.src, r.dst, r.direct, r.expected, r.chunk_bytes,
+                                            None if r.cuts is None else list(r.cuts)),
 }
 
 

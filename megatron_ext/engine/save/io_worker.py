@@ -117,8 +117,9 @@ class IoChannel:
     def atomic_write(self, path: str, data: bytes) -> None:
         self.call(AtomicWriteRequest(path, bytes(data)))
 
-    def stage(self, src: str, dst: str, direct: bool, expected: str | None, chunk_bytes: int) -> None:
-        self.call(StageRequest(src, dst, direct, expected, chunk_bytes))
+    def stage(self, src: str, dst: str, direct: bool, expected: str | None, chunk_bytes: int,
+              cuts: list[int] | None = None) -> None:
+        self.call(StageRequest(src, dst, direct, expected, chunk_bytes, None if cuts is None else tuple(cuts)))
 
 
 class LocalIo(IoChannel):

@@ -16,10 +16,10 @@ import os
 from typing import Any, Iterator
 
 import torch
-import xxhash
 
 from ..errors import CheckpointError
 from ..files import private_dir
+from ..format.digest import FileDigest, valid_cuts
 from ..format.names import valid_name
 
 
@@ -137,15 +137,18 @@ class _Source:
 
 
 class _Sink:
-    """Writes the files of an incoming bundle under ``dest`` (a private directory), checksumming on the way."""
+    """Writes the files of an incoming bundle under ``dest`` (a private directory), checksumming on the way
+    (a tensor file in the pieces its ``cuts`` name, format/digest.py)."""
 
     def __init__(self, dest: str, files: list[dict]):
         for f in files:  # names come from a peer: only <checkpoint>/<basename>, as a validated manifest has them
             parts = f["rel"].split("/") if isinstance(f.get("rel"), str) else []
             if len(parts) != 2 or not all(valid_name(p) for p in parts):
                 raise CheckpointError(f"a peer sent a replica file named {f.get('rel')!r}; refused")
+            if "cuts" in f and not valid_cuts(f["cuts"], f.get("size")):
+                raise CheckpointError(f"a peer sent replica file {f['rel']} with malformed checksum pieces; refused")
         self.dest, self.files = dest, files
-        self._hashes = [xxhash.xxh3_64() for _ in files]
+        self._hashes = [FileDigest(f.get("cuts")) for f in files]
         self._sizes = [0] * len(files)
         self._index, self._file = -1, None
         for f in files:

@@ -157,7 +157,8 @@ class PeerReplicator(QueueWorker):
         if job.error is None:  # an abandoned checkpoint still takes part, sending nothing
             files = []
             for f in job.files:
-                files.append({"rel": f.tensor_rel, "size": f.layout.size, "xxh3_64": f.file_xxh3})
+                files.append({"rel": f.tensor_rel, "size": f.layout.size, "xxh3_64": f.file_xxh3,
+                              "cuts": f.layout.cuts()})
                 files.append({"rel": f.sidecar_rel, "size": len(f.sidecar), "xxh3_64": f.sidecar_xxh3})
             meta = {"checkpoint": job.checkpoint, "version": job.version, "run_id": job.tag, "files": files}
             outgoing = Bundle(meta, self.ctx.directory(job, self.first_level))
