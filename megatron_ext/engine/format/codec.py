@@ -38,6 +38,8 @@ from ..errors import CheckpointError, EncodeError, UnsafeCheckpointError
 from .tensor_file import shape_elements
 
 TAG = "$"  # dicts whose only key starts with TAG are tagged values
+#: The types a sidecar holds as they are (a subclass, such as an ``IntEnum``, is not one of them).
+_AS_IS = frozenset((type(None), bool, str, int))
 
 #: Every ``torch.dtype`` by its short name, fixed at import: decoding never asks ``torch`` for an
 #: attribute (its lazy ``__getattr__`` can import submodules).
@@ -147,19 +149,25 @@ class Encoder:
         self._names: set[str] = set()
 
     def encode(self, value: Any, path: str = "") -> Any:
+        cls = type(value)
+        if cls in _AS_IS:
+            return value
         if isinstance(value, torch.Tensor):
             return {TAG + "t": self._add_tensor(path, value)}
-        if value is None or type(value) in (bool, str, int):
-            return value
-        if type(value) is float:
+        if cls is float:
             return value if math.isfinite(value) else {TAG + "f": repr(value)}  # nan, inf, -inf
-        cls = type(value)
+        # Plain keys and plain lists take no call per member: a Megatron rank's state has thousands of
+        # them (shard metadata) and this runs on the training thread at every save.
+        if cls is dict and all(type(k) is str and not k.startswith(TAG) for k in value):
+            return {k: v if type(v) in _AS_IS else self.encode(v, _join(path, k)) for k, v in value.items()}
         if cls in (dict, collections.OrderedDict):
             items = [[self.encode(k, path), self.encode(v, _join(path, k))] for k, v in value.items()]
             if cls is dict and all(isinstance(k, str) and not k.startswith(TAG) for k in value):
                 return {k: v for (k, _), (_, v) in zip(value.items(), items)}
             return {TAG + ("odict" if cls is collections.OrderedDict else "dict"): items}
         if cls is list:
+            if all(type(v) in _AS_IS for v in value):
+                return list(value)
             return [self.encode(v, _join(path, i)) for i, v in enumerate(value)]
         if cls is tuple:
             return {TAG + "tuple": [self.encode(v, _join(path, i)) for i, v in enumerate(value)]}
