@@ -28,6 +28,14 @@ class Color(enum.Enum):
     BLUE = "b"
 
 
+class Level(enum.IntEnum):
+    HIGH = 2
+
+
+class Key(str):
+    pass
+
+
 Point = collections.namedtuple("Point", "x y")
 
 
@@ -93,6 +101,11 @@ def test_classes_off_the_allow_list_are_refused_at_save(make_engine):
         engine.save({"pt": Point(1, 2)}, "c1")
     with pytest.raises(EncodeError, match=r"cannot store test_sidecar\.Color at 'c'"):
         engine.save({"c": Color.RED}, "c1")
+    # Subclasses of int and str are not plain values, in a list or as a key (the encoder's fast paths)
+    with pytest.raises(EncodeError, match=r"cannot store test_sidecar\.Level at 'l/1'"):
+        engine.save({"l": [1, Level.HIGH]}, "c1")
+    with pytest.raises(EncodeError, match=r"cannot store test_sidecar\.Key at 'd'"):
+        engine.save({"d": {Key("k"): 1}}, "c1")
 
 
 def test_sidecar_is_plain_json(make_engine, tmp_path):
