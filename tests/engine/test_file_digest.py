@@ -162,3 +162,27 @@ def test_a_peer_replica_is_checked_in_the_pieces_its_holder_sends(tmp_path):
     for bad in ([6000, 4096], [4096, 9001], "4096"):
         with pytest.raises(CheckpointError, match="malformed checksum pieces; refused"):
             _Sink(str(tmp_path / "in3"), [dict(files[0], cuts=bad)])
+
+
+def test_staging_a_file_checks_its_pieces_in_the_copy(tmp_path):
+    """The I/O worker's copy to the next level (``FileIo.stage``): the copy passes with the file's
+    digest of its pieces; one changed byte of the header fails it, naming the file."""
+    import mmap
+
+    from megatron_ext.engine.save.io_ops import FileIo, IoError
+
+    data = bytearray(random.Random(2).getrandbits(8) for _ in range(3 * 4096 + 100))
+    cuts = [4096, 4096 + 5000, len(data)]
+    want = combine(xxhash.xxh3_64_intdigest(bytes(data[a:b])) for a, b in ((0, 4096), (4096, 9096), (9096, len(data))))
+    src = tmp_path / "src.safetensors"
+    src.write_bytes(data)
+    io = FileIo(memoryview(mmap.mmap(-1, 4096)))
+    try:
+        io.stage(str(src), str(tmp_path / "dst.safetensors"), False, want, 4096, cuts)
+        assert (tmp_path / "dst.safetensors").read_bytes() == data
+        data[100] ^= 1
+        src.write_bytes(data)
+        with pytest.raises(IoError, match=f"checksum mismatch while staging {src}"):
+            io.stage(str(src), str(tmp_path / "dst2.safetensors"), False, want, 4096, cuts)
+    finally:
+        io.close()
