@@ -200,13 +200,16 @@ class FileIo:
         write_durable(sidecar_path, sidecar)
         fsync_dir(os.path.dirname(sidecar_path))
         file_digest = f.digest.hexdigest()
-        by_start = {start: digest for start, _, digest in f.digest.pieces}
-        spans = f.spans
-        return FileChecksums(
-            file=file_digest,
-            tensors=tuple(f"{by_start[spans[k]]:016x}" if spans[k + 1] > spans[k] else _EMPTY_DIGEST
-                          for k in range(0, len(spans), 2)),
-            sidecar=xxhash.xxh3_64_hexdigest(sidecar))
+        pieces = {(start, end): digest for start, end, digest in f.digest.pieces}
+        tensors = []
+        for start, end in zip(f.spans[0::2], f.spans[1::2]):
+            if end == start:
+                tensors.append(_EMPTY_DIGEST)
+            elif (start, end) in pieces:
+                tensors.append(f"{pieces[start, end]:016x}")
+            else:
+                raise IoError(f"{f.out.path}: finished with bytes [{start}, {end}) of a tensor not written")
+        return FileChecksums(file=file_digest, tensors=tuple(tensors), sidecar=xxhash.xxh3_64_hexdigest(sidecar))
 
     def abort(self, file: int) -> None:
         """Give up a file being written (its descriptor closed; whatever was written stays)."""
