@@ -8,36 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Callable
-
-
-def proc_cpu_seconds(stat_path: str) -> float:
-    """User + system CPU seconds in a ``/proc/<pid>[/task/<tid>]/stat`` file; 0 if it is gone (ended)."""
-    try:
-        with open(stat_path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
-def thread_cpu_seconds(named: Callable[[str], bool], skip: int | None = None) -> float:
-    """CPU seconds of this process's live threads whose OS name (``/proc/self/task/<tid>/comm``)
-    ``named`` accepts, thread ``skip`` (a native id) left out; 0 without ``/proc``."""
-    if not os.path.isdir("/proc/self/task"):
-        return 0.0
-    total = 0.0
-    for tid in os.listdir("/proc/self/task"):
-        if skip is not None and int(tid) == skip:
-            continue
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:  # it ended meanwhile
-            continue
-        if named(name):
-            total += proc_cpu_seconds(f"/proc/self/task/{tid}/stat")
-    return total
 
 
 def free_port() -> int:

@@ -30,8 +30,7 @@ from megatron_ext.arg_types import NONNEG, POSITIVE
 from megatron_ext.bench.common import (PeakRss, busy_compute, direct_write_gbps, ensure_process_group, fresh_dir,
                                        make_state, memcpy_gbps, state_bytes, working_dir)
 from megatron_ext.engine import CheckpointEngine
-from megatron_ext.engine.threads import os_thread_name
-from megatron_ext.procs import thread_cpu_seconds
+from megatron_ext.engine.threads import os_thread_name, thread_cpu_seconds
 
 NAME = "engine"
 HELP = "engine vs torch.save, DCP async_save and an O_DIRECT write"

@@ -98,7 +98,10 @@ class Telemetry:
                 self._write(line)
         rate = f", {record['gbps']:.2f} GB/s" if record.get("gbps") else ""
         took = f" in {seconds:.3f}s" if seconds is not None else ""
-        log.info("[datastates] rank %d %s %s %s: %.1f MB%s%s%s", self.rank, checkpoint, event, level,
+        cpu = ""
+        if extra.get("cpu_s_per_gb") is not None:
+            cpu = f", engine CPU {extra['cpu_s']:.3f}s ({extra['cpu_s_per_gb']:.3f} s/GB)"
+        log.info("[datastates] rank %d %s %s %s: %.1f MB%s%s%s%s", self.rank, checkpoint, event, level,
                  nbytes / 1e6, took, rate,
-                 f", training blocked {extra['blocked_s']:.4f}s" if "blocked_s" in extra else "")
+                 f", training blocked {extra['blocked_s']:.4f}s" if "blocked_s" in extra else "", cpu)
         return record

@@ -458,8 +458,7 @@ def process_cpu_seconds() -> dict[str, float]:
     """
     import resource
 
-    from megatron_ext.engine.threads import OS_PREFIX
-    from megatron_ext.procs import proc_cpu_seconds, thread_cpu_seconds
+    from megatron_ext.engine.threads import OS_PREFIX, proc_cpu_seconds, thread_cpu_seconds
 
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
     children_s = reaped.ru_utime + reaped.ru_stime

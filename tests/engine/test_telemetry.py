@@ -65,3 +65,54 @@ def test_non_zero_rank_writes_no_commit_line(make_engine, tmp_path):
     tele = tmp_path / "ckpt" / "datastates_telemetry"
     assert [r["event"] for r in _lines(tele / "rank-00001.jsonl") if r["event"] == "commit"] == []
     assert [r["event"] for r in _lines(tele / "rank-00000.jsonl") if r["event"] == "commit"] == ["commit"]
+
+
+def test_the_flush_line_carries_the_engines_cpu(make_engine, tmp_path):
+    """The last level's flush line: the engine's CPU seconds since the previous checkpoint's
+    (its named threads and its I/O worker) and per GB; the levels before it carry none."""
+    engine = make_engine(**TINY, local_dir=str(tmp_path / "local"))
+    state = {"w": torch.randn(8 << 20)}  # 32 MB: copied, hashed and written twice per checkpoint
+    for step in (1, 2, 3):
+        engine.save(state, f"s{step}", version=step)
+        engine.commit(f"s{step}")
+    engine.wait_persisted()
+    flushes = [r for r in engine.telemetry.records if r["event"] == "flush"]
+    assert all("cpu_s" not in r for r in flushes if r["level"] == "local")
+    shared = [r for r in flushes if r["level"] == "shared"]
+    assert len(shared) == 3
+    for r in shared:
+        assert r["cpu_s"] >= 0 and abs(r["cpu_s_per_gb"] - r["cpu_s"] / (r["bytes"] / 1e9)) < 1e-3
+    assert sum(r["cpu_s"] for r in shared) > 0
+
+
+def test_the_cpu_meter_counts_the_engines_live_threads_only():
+    import threading
+    import time
+
+    from megatron_ext.engine.threads import CpuMeter, EngineThread
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    meter = CpuMeter()
+    meter.since_last()
+    burned, gate = threading.Event(), threading.Event()
+
+    def work() -> None:
+        burn(0.3)
+        burned.set()
+        gate.wait(10)
+
+    worker = EngineThread(work, "datastates-test-burn")
+    worker.start()
+    outside = threading.Thread(target=burn, args=(0.3,))  # not the engine's: not counted
+    outside.start()
+    outside.join()
+    assert burned.wait(10)
+    used = meter.since_last()
+    gate.set()
+    worker.join()
+    assert 0.25 <= used <= 0.6  # /proc counts in clock ticks (10 ms)
+    assert meter.since_last() < 0.05  # an ended thread adds nothing

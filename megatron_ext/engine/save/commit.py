@@ -54,7 +54,7 @@ from ..format.names import FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, M
 from ..format.version import FORMAT_VERSION
 from ..format.validation import check_report
 from ..read.entries import CommittedManifest
-from ..threads import EngineThread
+from ..threads import CpuMeter, EngineThread
 from .context import SaveContext
 from .coordination import COMMITTED, SKIPPED, Collected, CommitChannel, DecisionTimeout, ShareDamaged
 from .jobs import CheckpointJob, CommitOutcome, JobState
@@ -153,6 +153,7 @@ class Committer:
         self.may_remove = may_remove  # whether this rank holds the lock of a root (lock.py)
         self.retention = retention  # the next stage (retention.RetentionStage), or None
         self.io = io  # writes the reports and the manifest (io_worker.py); None: on this thread
+        self._cpu = CpuMeter()  # the engine's CPU between two checkpoints' telemetry (its flush line)
         self._lock = threading.Lock()  # guards the pending list (the training thread adds)
         self._pending: list[CheckpointJob] = []
         self._manifest_bytes: dict[str, int] = {}  # rank 0, this thread: the bytes a manifest just written lists
@@ -317,11 +318,18 @@ class Committer:
         spans = [[round(start - first, 6), round(took, 6)] for start, took in blocked.spans]
         self.telemetry.emit("snapshot", job.checkpoint, LEVEL_HOST, job.nbytes, snap - first,
                             blocked_s=blocked.total_s, blocked_spans=spans, run=self.run_id)
-        for level in (LEVEL_LOCAL, LEVEL_SHARED):
-            done = [f.durable_at[level] for f in job.files if level in f.durable_at]
-            if len(done) == len(job.files):
-                self.telemetry.emit("flush", job.checkpoint, level, job.nbytes, max(done) - first,
-                                    blocked_s=blocked.total_s, run=self.run_id)
+        levels = [level for level in (LEVEL_LOCAL, LEVEL_SHARED)
+                  if all(level in f.durable_at for f in job.files)]
+        for level in levels:
+            cpu = {}
+            if level == levels[-1] and CpuMeter.available():
+                # The engine's CPU since the previous checkpoint's line (per checkpoint while they
+                # do not overlap; the first one's holds the engine's start, a restore's the restore's).
+                used = self._cpu.since_last(self.io.worker_pid if self.io is not None else None)
+                cpu = {"cpu_s": used, "cpu_s_per_gb": used / (job.nbytes / 1e9) if job.nbytes else None}
+            self.telemetry.emit("flush", job.checkpoint, level, job.nbytes,
+                                max(f.durable_at[level] for f in job.files) - first,
+                                blocked_s=blocked.total_s, run=self.run_id, **cpu)
 
     def _await_decision(self, job: CheckpointJob, key: str) -> CommitDecision:
         """Ranks other than 0: rank 0's decision on ``job``, the one verdict every rank reports.

@@ -97,6 +97,9 @@ class IoChannel:
     implementation provides.
     """
 
+    #: The I/O worker process's id while it runs; None where the operations run in this process.
+    worker_pid: int | None = None
+
     def start_early(self) -> None:
         """Get ready for requests soon to come (the worker process started in the background)."""
 
@@ -277,6 +280,10 @@ class _Channel(IoChannel):
         self.conn: multiprocessing.connection.Connection | None = None
         self._lock = threading.Lock()
         self._gone = "the I/O worker was closed (the engine shut down)"  # why ``conn`` is None once started
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self.worker.pid
 
     def start_early(self) -> None:
         self.worker.start_early()
