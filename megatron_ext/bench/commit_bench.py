@@ -21,8 +21,8 @@ Reported per configuration (medians over the checkpoints):
   are written then) become durable to the last of them seeing the commit; the other ranks have
   posted before;
 * ``metadata_ops_per_rank``: file-system calls (open, stat, listdir, mkdir, rename, unlink, ...)
-  a sampled rank other than 0 makes per checkpoint, counted by wrapping ``os``; rank 0's are
-  ``metadata_ops_rank0``;
+  a sampled rank other than 0 makes per checkpoint, counted by wrapping ``os``, those on ``/proc``
+  (the telemetry's CPU reading: no storage behind it) left out; rank 0's are ``metadata_ops_rank0``;
 * ``rank0_cpu_s``: CPU time of rank 0's committer thread per commit;
 * ``manifest_bytes``: the manifest's size; ``store_ops_per_rank``: store calls of a sampled rank
   (not a group's leader); ``store_ops_per_leader``: those of a sampled group leader other than 0
@@ -112,8 +112,10 @@ class OpCounter:
         counts = self.counts
 
         def counted(*args, **kwargs):
-            ident = threading.get_ident()
-            counts[ident] = counts.get(ident, 0) + 1
+            path = args[0] if args else None
+            if not (isinstance(path, str) and path.startswith("/proc/")):  # the kernel's, no storage
+                ident = threading.get_ident()
+                counts[ident] = counts.get(ident, 0) + 1
             return fn(*args, **kwargs)
 
         return counted
