@@ -67,9 +67,13 @@ def test_non_zero_rank_writes_no_commit_line(make_engine, tmp_path):
     assert [r["event"] for r in _lines(tele / "rank-00000.jsonl") if r["event"] == "commit"] == ["commit"]
 
 
-def test_the_flush_line_carries_the_engines_cpu(make_engine, tmp_path):
-    """The last level's flush line: the engine's CPU seconds since the previous checkpoint's
-    (its named threads and its I/O worker) and per GB; the levels before it carry none."""
+def test_the_flush_line_carries_the_engines_cpu(make_engine, tmp_path, monkeypatch):
+    """The last level's flush line: the engine's CPU seconds since the last reading (its named
+    threads and its I/O worker), the bytes since then, and per GB; the levels before it carry none.
+    Read at the first checkpoint, then at most every ``CPU_READ_INTERVAL_S`` (here: every time)."""
+    from megatron_ext.engine.save.commit import Committer
+
+    monkeypatch.setattr(Committer, "CPU_READ_INTERVAL_S", 0.0)
     engine = make_engine(**TINY, local_dir=str(tmp_path / "local"))
     state = {"w": torch.randn(8 << 20)}  # 32 MB: copied, hashed and written twice per checkpoint
     for step in (1, 2, 3):
@@ -81,8 +85,22 @@ def test_the_flush_line_carries_the_engines_cpu(make_engine, tmp_path):
     shared = [r for r in flushes if r["level"] == "shared"]
     assert len(shared) == 3
     for r in shared:
-        assert r["cpu_s"] >= 0 and abs(r["cpu_s_per_gb"] - r["cpu_s"] / (r["bytes"] / 1e9)) < 1e-3
+        assert r["cpu_s"] >= 0 and r["cpu_bytes"] == r["bytes"]
+        assert abs(r["cpu_s_per_gb"] - r["cpu_s"] / (r["bytes"] / 1e9)) < 1e-3
     assert sum(r["cpu_s"] for r in shared) > 0
+
+
+def test_the_engines_cpu_is_read_at_most_every_interval(make_engine, tmp_path):
+    """With the default interval, checkpoints in quick succession: the first line reads it, the
+    others carry none, and a later reading covers the bytes of all the checkpoints since."""
+    engine = make_engine(**TINY)
+    for step in (1, 2, 3):
+        engine.save({"w": torch.randn(1000)}, f"s{step}", version=step)
+        engine.commit(f"s{step}")
+    engine.wait_persisted()
+    flushes = [r for r in engine.telemetry.records if r["event"] == "flush"]
+    assert ["cpu_s" in r for r in flushes] == [True, False, False]
+    assert flushes[0]["cpu_bytes"] == flushes[0]["bytes"]
 
 
 def test_the_cpu_meter_counts_the_engines_live_threads_only():
