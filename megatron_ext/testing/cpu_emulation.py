@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.megatron.cpu_device import CudaToCpuMode, enable_cpu_device
+from megatron_ext.testing import low_precision_matmul
 
 __all__ = ["as_device_tensors", "enable_cpu_emulation", "is_cpu_emulation_enabled"]
 
@@ -237,6 +238,7 @@ def enable_cpu_emulation() -> bool:
         dist.reduce_scatter_tensor = _reduce_scatter_via_all_reduce
         dist._reduce_scatter_base = _reduce_scatter_via_all_reduce
         _patch_megatron()
+        low_precision_matmul.enable()  # an AVX2-only CPU: bf16 products in fp32, else nothing
         _enabled = True
         return True
 
