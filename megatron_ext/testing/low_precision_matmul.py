@@ -39,10 +39,7 @@ def native_low_precision_gemm() -> bool:
     check = getattr(getattr(torch.ops, "mkldnn", None), "_is_mkldnn_bf16_supported", None)
     if check is None or not torch.backends.mkldnn.is_available():
         return True  # not an x86 build with oneDNN: nothing known to replace
-    try:
-        return bool(check())
-    except RuntimeError:
-        return True
+    return bool(check())
 
 
 NEEDED = not native_low_precision_gemm()
@@ -63,7 +60,7 @@ class Fp32MatmulMode(TorchDispatchMode):
             if dtype is not None:
                 kwargs = dict(kwargs)
                 out = kwargs.pop("out", None)
-                result = packet.default(*_up(args), **{k: _up1(v) for k, v in kwargs.items()}).to(dtype)
+                result = packet.default(*map(_in_fp32, args), **{k: _in_fp32(v) for k, v in kwargs.items()}).to(dtype)
                 if out is None:
                     return result
                 return out.copy_(result)
@@ -81,12 +78,8 @@ def _common_low_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
     return dtype
 
 
-def _up1(value: Any) -> Any:
+def _in_fp32(value: Any) -> Any:
     return value.float() if isinstance(value, torch.Tensor) else value
-
-
-def _up(args: tuple) -> list:
-    return [_up1(a) for a in args]
 
 
 _lock = threading.Lock()
