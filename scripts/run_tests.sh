@@ -6,4 +6,4 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/bootstrap_env.sh"
 cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec "$ROOT/.venv/bin/python" -m pytest -q --durations=15 "$@" tests
+exec "$ROOT/.venv/bin/python" -m pytest -q --durations=25 "$@" tests

@@ -1,4 +1,5 @@
-"""Shared pytest options: long runs stay out of the default suite unless --run-slow is given."""
+"""Shared pytest options (long runs stay out of the default suite unless --run-slow is given) and the
+session's warm ranks."""
 
 import pytest
 
@@ -15,3 +16,64 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+_zygotes = []  # the session's warm ranks (helpers.warm_ranks), one per flavour
+
+
+def pytest_sessionstart(session):
+    """Start the session's warm ranks (``helpers.warm_ranks``): every torchrun job of the tests forks its
+    ranks from a process that imported torch, megatron-core and megatron.training (or DeepSpeed) once."""
+    import os
+    import tempfile
+
+    from helpers import warm_ranks
+
+    if session.config.option.collectonly or os.environ.get("MEGATRON_EXT_COLD_RANKS", "") not in ("", "0"):
+        return
+    from megatron_ext.testing import megatron_lm
+
+    from helpers.procs import child_env
+
+    checkout = None
+    if megatron_lm.cache_dir().is_dir():  # brought up to date with the patch series before it is imported
+        found, _ = megatron_lm.find_checkout()
+        checkout = str(found) if found else None
+    _compile_sources(checkout)
+    directory = tempfile.mkdtemp(prefix="megatron-ext-warm-ranks-")
+    _zygotes.append(warm_ranks.start_zygote(directory, "megatron", megatron_lm.environment(child_env()), checkout))
+    _zygotes.append(warm_ranks.start_zygote(directory, "deepspeed", child_env(DS_ACCELERATOR="cpu",
+                                                                             CUDA_VISIBLE_DEVICES="")))
+    os.environ[warm_ranks.ENV] = directory
+
+
+def _compile_sources(checkout):
+    """Bytecode for what the session's processes import from source: this checkout and the patched
+    Megatron-LM (site-packages has its own from pip). Where ``PYTHONDONTWRITEBYTECODE`` is set (these
+    VMs), every process would compile them again: 0.3-0.5 s of CPU for ``megatron_ext`` alone."""
+    import compileall
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    for path in (repo / "megatron_ext", repo / "tests", *([Path(checkout) / "megatron" / "training"] if checkout else [])):
+        compileall.compile_dir(str(path), quiet=2, workers=0)
+    for path in [repo / "datastates.py", *(Path(checkout).glob("*.py") if checkout else [])]:
+        compileall.compile_file(str(path), quiet=2)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import os
+    import shutil
+
+    from helpers import warm_ranks
+
+    if _zygotes:
+        for zygote in _zygotes:
+            warm_ranks.stop_zygote(zygote)
+        directory = os.environ.pop(warm_ranks.ENV)
+        if os.environ.get("MEGATRON_EXT_WARM_RANKS_LOG"):  # where the zygotes' logs of the jobs they served go
+            with open(os.environ["MEGATRON_EXT_WARM_RANKS_LOG"], "w") as out:
+                for flavour in warm_ranks.FLAVOURS:
+                    with open(os.path.join(directory, flavour, "zygote.log")) as log:
+                        out.write(log.read())
+        shutil.rmtree(directory, ignore_errors=True)

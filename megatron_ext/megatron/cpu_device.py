@@ -50,8 +50,8 @@ class CudaToCpuMode(TorchFunctionMode):
         return NotImplemented
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if is_cuda_device(kwargs.get("device")):
+        kwargs = dict(kwargs) if kwargs else {}  # the callee's own: ``answer`` may change it
+        if "device" in kwargs and is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
 
         if func is torch.Tensor.cuda:

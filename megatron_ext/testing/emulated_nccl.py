@@ -97,22 +97,50 @@ def _requested_device(func: Callable, args: tuple, kwargs: dict) -> str | None:
     return "host" if isinstance(device, str) else "unknown"
 
 
+# The calls whose device ``_requested_device`` reads from the function itself, not only from ``device=``.
+_DEVICE_FUNCS = frozenset((torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.pin_memory))
+
+
+def _host_inputs(values: Any) -> tuple[bool, bool]:
+    """(any tensor among ``values``, all of them host tensors), ``_tensors``' walk stopping at the
+    first tensor that is not a host one: most calls of a training step take device tensors, and
+    this runs on every torch call."""
+    seen = False
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if not getattr(value, _MARK, False):
+                return True, False
+            seen = True
+        elif isinstance(value, (list, tuple)):
+            found, host = _host_inputs(value)
+            if found and not host:
+                return True, False
+            seen = seen or found
+    return seen, seen
+
+
 class HostTensorMode(TorchFunctionMode):
     """Marks the tensors that would be in host memory on a GPU node (see the module docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        wanted = _requested_device(func, args, kwargs)
-        inputs = _tensors(args) + _tensors(list(kwargs.values()))
-        result = func(*args, **kwargs)
+        wanted = _requested_device(func, args, kwargs) if func in _DEVICE_FUNCS or "device" in kwargs else None
         if wanted == "cuda":
+            inputs = _tensors(args) + _tensors(list(kwargs.values()))
+            result = func(*args, **kwargs)
             # On a GPU node moving a host tensor to the GPU makes a new tensor; here the device
             # mode below hands back the same one, so give the copy that NCCL would see.
             if any(result is t and is_host_tensor(t) for t in inputs):
                 result = result.clone()  # dispatched to the modes below this one
             return result
-        if wanted == "host" or (wanted is None and func in _FACTORIES and not inputs) or (
-                inputs and all(is_host_tensor(t) for t in inputs) and func not in _FACTORIES):
+        if wanted == "host":
+            mark = True
+        else:
+            found, host = _host_inputs((*args, *kwargs.values()))
+            mark = (not found) if func in _FACTORIES else host
+            mark = mark and (wanted is None or func not in _FACTORIES)
+        result = func(*args, **kwargs)
+        if mark:
             for tensor in _tensors(result):
                 mark_host(tensor)
         return result

@@ -6,32 +6,36 @@ fall back to a scalar loop that is 5-70 times slower than fp32 (AMD EPYC, torch 
 CPU ranks then spends nearly all its time there: the reference trainer's bench model took 55 s an
 iteration instead of 0.6 s, and the test suite outgrew its time.
 
-``Fp32MatmulMode`` computes those products in fp32 and rounds the result to the tensors' dtype
-once, as oneDNN and a GPU's tensor cores do (fp32 accumulation, one rounding); only the order of the
-sums differs from the scalar loop. It is deterministic, so two runs on one machine stay
-bit-identical, which is what every comparison in the tests needs (none compares values across
-machines). It is a dispatch mode, below autograd: forward and backward products alike (megatron's
-linear layers compute their gradients in a Python ``backward``, which no function mode sees), and
-the autograd graph is the one torch builds for bf16.
+``Fp32Products`` computes those products in fp32 and rounds the result to the tensors' dtype once,
+as oneDNN and a GPU's tensor cores do (fp32 accumulation, one rounding); only the order of the sums
+differs from the scalar loop. It is deterministic, so two runs on one machine stay bit-identical,
+which is what every comparison in the tests needs (none compares values across machines).
 
-``enable()`` pushes it for the rest of the process on the calling thread (the training thread), and
-only where ``NEEDED``: on a CPU with a native GEMM nothing changes.
+It replaces the CPU kernels of the products themselves (``torch.library``), below autograd: forward
+and backward products alike (megatron's linear layers compute their gradients in a Python
+``backward``), with the autograd graph torch builds for bf16. Every other op keeps its C++ path: a
+dispatch mode, as before, sent each of them through Python, and its garbage (a quarter of a rank's
+time went to the collector) cost more than the products it saved. Each product calls the same
+kernel's ``out=`` form, which keeps its own kernel: for fp32, float64, integer and mixed-dtype
+calls (refused as without the emulation) that is the call torch would have made. The products'
+``out=`` forms themselves stay torch's: the training loops never call them.
+
+``enable()`` registers the kernels for the rest of the process, in every thread, and only where
+``NEEDED``: on a CPU with a native GEMM nothing changes.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["NEEDED", "Fp32MatmulMode", "enable", "native_low_precision_gemm"]
+__all__ = ["NEEDED", "PRODUCTS", "Fp32Products", "enable", "native_low_precision_gemm"]
 
 _LOW = (torch.bfloat16, torch.float16)
 _aten = torch.ops.aten
 # The products autograd and the composite ops (linear, matmul, einsum) come down to.
-_PRODUCTS = frozenset({_aten.mm, _aten.bmm, _aten.addmm, _aten.baddbmm, _aten.addbmm, _aten.mv, _aten.addmv})
+PRODUCTS = ("mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv")
 
 
 def native_low_precision_gemm() -> bool:
@@ -45,57 +49,55 @@ def native_low_precision_gemm() -> bool:
 NEEDED = not native_low_precision_gemm()
 
 
-class Fp32MatmulMode(TorchDispatchMode):
-    """Products of bf16 or fp16 tensors computed in fp32 and rounded once; every other op untouched.
+def _low_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
+    """The one bf16/fp16 dtype every operand has, else None."""
+    dtype = tensors[0].dtype
+    return dtype if dtype in _LOW and all(t.dtype == dtype for t in tensors[1:]) else None
 
-    Only calls whose tensors all share one low-precision dtype are taken: a mixed call is left to
-    torch, which refuses it as a GPU would. An ``out=`` overload gets the rounded result.
+
+def _kernel(name: str):
+    """The CPU kernel of product ``name``: its ``out=`` form, on fp32 copies when the operands are low precision."""
+    out_form = getattr(_aten, name).out
+
+    def product(*args, **kwargs):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        dtype = _low_dtype(*tensors)
+        if dtype is None:
+            return out_form(*args, **kwargs, out=tensors[-1].new_empty((0,)))
+        fp32 = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
+        return out_form(*fp32, **kwargs, out=tensors[-1].new_empty((0,), dtype=torch.float32)).to(dtype)
+
+    product.__name__ = f"fp32_{name}"
+    return product
+
+
+class Fp32Products:
+    """While entered, the CPU products of bf16 or fp16 tensors are computed in fp32 and rounded once.
+
+    Process-wide (a kernel registration), not per thread. Only calls whose tensors all share one
+    low-precision dtype are taken: a mixed call is refused by the kernel, as a GPU refuses it.
     """
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        packet = func.overloadpacket
-        if packet in _PRODUCTS:
-            dtype = _common_low_dtype(args, kwargs)
-            if dtype is not None:
-                kwargs = dict(kwargs)
-                out = kwargs.pop("out", None)
-                result = packet.default(*map(_in_fp32, args), **{k: _in_fp32(v) for k, v in kwargs.items()}).to(dtype)
-                if out is None:
-                    return result
-                return out.copy_(result)
-        return func(*args, **kwargs)
+    def __enter__(self) -> Fp32Products:
+        self._library = torch.library.Library("aten", "IMPL")
+        for name in PRODUCTS:
+            self._library.impl(name, _kernel(name), "CPU")
+        return self
 
-
-def _common_low_dtype(args: tuple, kwargs: dict) -> torch.dtype | None:
-    """The one bf16/fp16 dtype every tensor argument (``out`` aside) has, else None."""
-    dtype = None
-    for a in (*args, *(v for k, v in kwargs.items() if k != "out")):
-        if isinstance(a, torch.Tensor):
-            if a.dtype not in _LOW or (dtype is not None and a.dtype != dtype):
-                return None
-            dtype = a.dtype
-    return dtype
-
-
-def _in_fp32(value: Any) -> Any:
-    return value.float() if isinstance(value, torch.Tensor) else value
+    def __exit__(self, *exc: object) -> None:
+        self._library._destroy()
 
 
 _lock = threading.Lock()
-_pushed = False
+_registered: Fp32Products | None = None
 
 
 def enable() -> bool:
-    """Push ``Fp32MatmulMode`` for the rest of the process where ``NEEDED``; True when it is active.
-
-    Idempotent. Dispatch modes are per thread: call it on the thread that trains.
-    """
-    global _pushed
+    """Register ``Fp32Products`` for the rest of the process where ``NEEDED``; True when it is active. Idempotent."""
+    global _registered
     if not NEEDED:
         return False
     with _lock:
-        if not _pushed:
-            Fp32MatmulMode().__enter__()
-            _pushed = True
+        if _registered is None:
+            _registered = Fp32Products().__enter__()
     return True

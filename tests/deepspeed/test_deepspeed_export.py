@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from helpers.procs import REPO, child_env
+from helpers.procs import REPO, child_env, python_command
 from test_deepspeed_resume import run_harness
 
 pytest.importorskip("deepspeed")
@@ -25,7 +24,7 @@ STEPS = 2
 
 
 def _export(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_ext", "export", *args], cwd=REPO, env=child_env(),
+    return subprocess.run(python_command("-m", "megatron_ext", "export", *args), cwd=REPO, env=child_env(),
                           capture_output=True, text=True, timeout=300)
 
 
@@ -84,7 +83,7 @@ def test_export_equals_deepspeeds_own_zero_to_fp32(tmp_path, stage):
     # The pointer files DeepSpeed globs for say where the weights come from.
     pointer = json.loads(next((ours / tag).glob("*_model_states.pt")).read_text())
     assert "megatron-ext export" in pointer["note"]
-    rows = json.loads(subprocess.run([sys.executable, "-m", "megatron_ext", "inspect", str(ours), "--json"], cwd=REPO,
+    rows = json.loads(subprocess.run(python_command("-m", "megatron_ext", "inspect", str(ours), "--json"), cwd=REPO,
                                      env=child_env(), capture_output=True, text=True, timeout=120).stdout)
     assert [(r["checkpoint"], r["kind"], r["version"]) for r in rows if r["committed"]][-1] == (
         tag, "deepspeed", int(tag.removeprefix("global_step")))

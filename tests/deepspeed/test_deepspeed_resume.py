@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from helpers.procs import REPO, child_env, torchrun_command
+from helpers.procs import REPO, child_env, python_command, torchrun_command
 
 RUN_TIMEOUT_S = 240
 STEPS, KILL_AT = 6, 3
@@ -52,7 +51,7 @@ def _assert_latest_is_committed(save_dir: Path) -> None:
     """``latest`` names a tag whose manifest exists and whose files verify."""
     tag = (save_dir / "latest").read_text().strip()
     assert (save_dir / tag / "manifest.json").exists()
-    verify = subprocess.run([sys.executable, "-m", "megatron_ext", "verify", str(save_dir), "--checkpoint", tag],
+    verify = subprocess.run(python_command("-m", "megatron_ext", "verify", str(save_dir), "--checkpoint", tag),
                             capture_output=True, text=True, timeout=120)
     assert verify.returncode == 0, verify.stdout
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from helpers.procs import REPO, child_env
+from helpers.procs import REPO, child_env, python_command
 from megatron_ext.engine import CheckpointEngine, CheckpointError
 
 README = (REPO / "README.md").read_text()
@@ -56,7 +56,7 @@ def test_load_into_another_model_says_the_template_is_not_the_saved_model(tmp_pa
 
 def test_demo_says_what_it_trained_and_where_the_checkpoints_are(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "megatron_ext", "demo", "--out", str(out), "--steps", "6"], cwd=REPO,
+    proc = subprocess.run(python_command("-m", "megatron_ext", "demo", "--out", str(out), "--steps", "6"), cwd=REPO,
                           env=child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = proc.stdout

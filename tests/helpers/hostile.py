@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any, Iterator
@@ -20,7 +19,7 @@ import xxhash
 from megatron_ext.engine import CheckpointEngine
 from megatron_ext.engine.format.digest import PIECEWISE_FROM_VERSION, FileDigest, cuts_of
 
-from helpers.procs import REPO, child_env
+from helpers.procs import REPO, child_env, python_command
 
 SMALL = {"host_cache_size": 0.001, "chunk_size_mb": 0.004, "snapshot_timeout_s": 30.0, "persist_timeout_s": 30.0}
 SPAWN_EVENTS = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
@@ -141,7 +140,7 @@ def rewrite_sidecar(root: Path, checkpoint: str, change) -> None:
 
 
 def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_ext", *args], capture_output=True, text=True,
+    return subprocess.run(python_command("-m", "megatron_ext", *args), capture_output=True, text=True,
                           timeout=timeout, cwd=str(REPO), env=child_env())
 
 

@@ -23,6 +23,8 @@ import torch
 from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE
 from megatron_ext.testing import megatron_lm
 
+from helpers.procs import warm_command
+
 RUN_TIMEOUT_S = 600
 DATASTATES = ["--use-datastates", "--datastates-host-cache-size", "0.05"]
 NATIVE = ["--ckpt-format", "torch_dist"]
@@ -70,10 +72,11 @@ def run(checkout: Path, nproc: int, args: list[str], workdir: Path, name: str, k
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / f"{name}.jsonl"
     record.unlink(missing_ok=True)
-    cmd = megatron_lm.torchrun_command(nproc, [*model, *args], checkout, record=str(record),
-                                       kill_at=kill_at, sigterm_at=sigterm_at, expire_at=expire_at,
-                                       late_copies=late_copies, committed_before_kill=committed_before_kill,
-                                       script=script, exit_at=exit_at)
+    cmd = warm_command(megatron_lm.torchrun_command(nproc, [*model, *args], checkout, record=str(record),
+                                                    kill_at=kill_at, sigterm_at=sigterm_at, expire_at=expire_at,
+                                                    late_copies=late_copies,
+                                                    committed_before_kill=committed_before_kill, script=script,
+                                                    exit_at=exit_at))
     log_path = workdir / f"{name}.log"
     returncode = run_to_completion(cmd, megatron_lm.environment(), log_path, RUN_TIMEOUT_S)
     log = log_path.read_text(errors="replace")

@@ -1,6 +1,7 @@
 """Child processes of the tests: where the repository is, the environment children get, and the
 one way to start torchrun (``megatron_ext.procs.torchrun_command``, what the main job and the
-benchmarks use too) with its free rendezvous port."""
+benchmarks use too) with its free rendezvous port, through the session's warm ranks
+(``helpers.warm_ranks``) when they run."""
 
 from __future__ import annotations
 
@@ -11,12 +12,63 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from megatron_ext.procs import free_port, torchrun_command
+from megatron_ext.procs import free_port
+from megatron_ext.procs import torchrun_command as cold_torchrun_command
 
-__all__ = ["REPO", "TESTS", "alive", "child_env", "free_port", "run_worker", "torchrun_command", "wait_until"]
+from helpers import warm_ranks
+
+__all__ = ["REPO", "TESTS", "alive", "child_env", "free_port", "job_ranks", "job_tree", "run_worker",
+           "python_command", "torchrun_command", "wait_until", "warm_command"]
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
+
+
+def torchrun_command(nproc: int, *target: str) -> list[str]:
+    """torchrun on one node with ``nproc`` ranks running ``target``, warm when the session's zygote runs."""
+    return warm_command(cold_torchrun_command(nproc, *target))
+
+
+def python_command(*args: str) -> list[str]:
+    """``python ARGS`` (``-m megatron_ext convert ...``), forked from the session's zygote when one runs:
+    for the command line tools the tests call, whose imports (torch, megatron-core) cost more than
+    their work. Not for a command whose process tree is measured (``process_watch``)."""
+    if os.environ.get(warm_ranks.ENV):
+        return [sys.executable, warm_ranks.__file__, "run", *args]
+    return [sys.executable, *args]
+
+
+def warm_command(cmd: list[str]) -> list[str]:
+    """A torchrun command line (``megatron_ext.procs.torchrun_command``'s) through ``helpers.warm_ranks``
+    when this session has a zygote; the launcher itself falls back to torchrun for what it cannot serve."""
+    if os.environ.get(warm_ranks.ENV) and cmd[1:3] == ["-m", "torch.distributed.run"]:
+        return [cmd[0], warm_ranks.__file__, "launch", *cmd[3:]]
+    return cmd
+
+
+def job_ranks(pid: int) -> list:
+    """The rank processes (``psutil.Process``es, in rank order) of the torchrun job launched as ``pid``:
+    the zygote's forks for a warm job, torchrun's children for a cold one."""
+    import psutil
+
+    warm = warm_ranks.job_ranks(pid)
+    return [psutil.Process(p) for p in warm] if warm else psutil.Process(pid).children()
+
+
+def job_tree(pid: int) -> list:
+    """Every process of the torchrun job launched as ``pid`` (``psutil.Process``es, ``pid`` itself not
+    among them): its descendants, and for a warm job its ranks, which the session's zygote forked,
+    and theirs. What a test SIGKILLs to crash a whole job at once, as a node failure would."""
+    import psutil
+
+    tree = psutil.Process(pid).children(recursive=True)
+    for rank in warm_ranks.job_ranks(pid):
+        try:
+            process = psutil.Process(rank)
+            tree += [process, *process.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    return tree
 
 
 def child_env(**extra: str) -> dict[str, str]:

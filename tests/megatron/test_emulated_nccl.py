@@ -4,7 +4,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from megatron_ext.procs import torchrun_command
+from helpers.procs import torchrun_command
 from megatron_ext.testing.megatron_lm import environment
 
 WORKER = Path(__file__).with_name("emulated_nccl_worker.py")

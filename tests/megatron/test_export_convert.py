@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("megatron.core")
 
-from helpers.procs import torchrun_command  # noqa: E402
+from helpers.procs import python_command, torchrun_command  # noqa: E402
 from helpers.torch_dist_compare import SAME_TENSORS  # noqa: E402
 from helpers.trainer_runs import REPO, RUN_TIMEOUT_S, run_trainer, trainer_env  # noqa: E402
 
@@ -36,7 +35,7 @@ LOGITS_ATOL = 1e-5
 
 
 def cli(*args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "megatron_ext", *args], cwd=REPO, env=trainer_env(),
+    proc = subprocess.run(python_command("-m", "megatron_ext", *args), cwd=REPO, env=trainer_env(),
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     if expect_ok:
         assert proc.returncode == 0, f"megatron-ext {' '.join(args)}\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}"
@@ -161,7 +160,7 @@ def test_convert_to_torch_dist_and_back_resumes_bit_exact(tmp_path):
     # And once more to torch_dist (bucket-space optimizer this time): the same tensors as the trainer wrote.
     again = tmp_path / "again"
     cli("convert", str(back), "--iteration", "3", "--to", "torch_dist", str(again))
-    proc = subprocess.run([sys.executable, "-c", SAME_TENSORS, str(td / "iter_0000003"), str(again / "iter_0000003")],
+    proc = subprocess.run(python_command("-c", SAME_TENSORS, str(td / "iter_0000003"), str(again / "iter_0000003")),
                           cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
@@ -210,7 +209,7 @@ def test_convert_other_megatron_core_optimizer_formats_both_ways(tmp_path, fmt):
         "assert sorted(a) == sorted(b) and len(a) > 10, (sorted(a), sorted(b))\n"
         "assert all(torch.equal(a[k], b[k]) for k in a)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", compare, str(td / "iter_0000002"), str(again / "iter_0000002"), fmt],
+    proc = subprocess.run(python_command("-c", compare, str(td / "iter_0000002"), str(again / "iter_0000002"), fmt),
                           cwd=REPO, env=trainer_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     if fmt == "fully_reshardable":  # megatron-core's own loader takes it back (the trainer's torch_dist path)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_ext.procs import torchrun_command
+from helpers.procs import torchrun_command
 from megatron_ext.testing.megatron_lm import environment
 
 pytest.importorskip("megatron.core")

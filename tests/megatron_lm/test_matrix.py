@@ -12,7 +12,6 @@ import dataclasses
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import torch
 from helpers.megatron_lm_runs import (DATASTATES, NATIVE, STEP_FIELDS, Phase, assert_same_saved_tensors,
                                       assert_same_trajectory, copy_checkpoints, read_tracker, run, run_scenario,
                                       saved_tensor, trajectory, without_flags)
+from helpers.procs import python_command
 from megatron_ext.testing.megatron_lm import LLAMA_STYLE, TINY_GPT
 
 pytestmark = pytest.mark.slow
@@ -199,7 +199,7 @@ def test_load_into_another_tensor_parallel_layout(checkout, tmp_path):
 
 
 def _convert(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "megatron_ext", "convert", *args, "--json"], capture_output=True,
+    proc = subprocess.run(python_command("-m", "megatron_ext", "convert", *args, "--json"), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(proc.stdout)

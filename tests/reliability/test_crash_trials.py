@@ -14,13 +14,13 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from helpers.procs import job_tree, python_command
 from helpers.trainer_runs import COMMON, REPO, run_trainer, trainer_command, trainer_env
 
 pytest.importorskip("megatron.core")
@@ -49,8 +49,9 @@ def _killed_run(tmp: Path, rng: random.Random) -> float:
         time.sleep(0.05)
     delay = rng.uniform(0.0, 2.0)
     time.sleep(delay)
-    # torchrun starts its workers in sessions of their own: kill the whole tree, workers first.
-    tree = psutil.Process(proc.pid).children(recursive=True)
+    # torchrun starts its workers in sessions of their own (the warm ones are not even its children):
+    # kill the whole job, workers first.
+    tree = job_tree(proc.pid)
     for child in tree:
         child.send_signal(signal.SIGKILL)
     proc.send_signal(signal.SIGKILL)
@@ -65,8 +66,8 @@ def _trial(tmp: Path, reference: dict[int, str], rng: random.Random) -> dict:
     tracker = tmp / "shared" / "latest_checkpointed_iteration.txt"
     committed = int(tracker.read_text()) if tracker.exists() else 0
     if committed:
-        verify = subprocess.run([sys.executable, "-m", "megatron_ext", "verify", str(tmp / "shared"),
-                                 "--iteration", str(committed)], capture_output=True, text=True, timeout=120)
+        verify = subprocess.run(python_command("-m", "megatron_ext", "verify", str(tmp / "shared"),
+                                                "--iteration", str(committed)), capture_output=True, text=True, timeout=120)
         assert verify.returncode == 0, verify.stdout
     resumed = run_trainer(4, [*PARALLEL, *_datastates(tmp), "--load", str(tmp / "shared")], tmp / "resumed.jsonl")
     losses = {r["iteration"]: r["loss"] for r in resumed}

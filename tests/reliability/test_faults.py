@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megatron_ext.engine import CheckpointEngine
-from megatron_ext.procs import torchrun_command
+from helpers.procs import torchrun_command
 
 HERE = Path(__file__).parent
 TIMEOUT_S = 6  # what the rank that never reports waits out

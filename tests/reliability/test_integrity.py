@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from megatron_ext.engine import CheckpointEngine, CheckpointError
 
 from helpers.damage import cut_tail, flip_bits
+from helpers.procs import python_command
 
 WORLD = 2
 
@@ -38,7 +38,7 @@ def _save(root: Path, checkpoints: list[int], **config) -> None:
 
 
 def _verify(root: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_ext", "verify", str(root), *args],
+    return subprocess.run(python_command("-m", "megatron_ext", "verify", str(root), *args),
                           capture_output=True, text=True, timeout=120)
 
 

@@ -8,10 +8,10 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from helpers.damage import overwrite
+from helpers.procs import job_ranks
 from helpers.trainer_runs import COMMON, REPO, run_trainer, trainer_command, trainer_env
 
 pytest.importorskip("megatron.core")
@@ -33,8 +33,7 @@ def test_sigusr1_checkpoints_commits_and_exits(tmp_path):
     while not (log.exists() and log.read_text().count("\n") >= 3):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
-    workers = psutil.Process(proc.pid).children(recursive=True)
-    workers[-1].send_signal(signal.SIGUSR1)  # one rank is signalled; all stop at the same iteration
+    job_ranks(proc.pid)[-1].send_signal(signal.SIGUSR1)  # one rank is signalled; all stop at the same iteration
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     last = max(json.loads(line)["iteration"] for line in log.read_text().splitlines())
