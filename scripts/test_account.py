@@ -130,7 +130,7 @@ def report(out: Path) -> str:
         jobs = [line for line in zlog.read_text(errors="replace").splitlines() if re.match(r"\[warm_ranks\] \d\d:", line)]
         warm = [j for j in jobs if j.endswith(": warm")]
         ranks = sum(int(re.search(r"\] \S+ (\d+) x", j).group(1)) for j in warm)
-        cold = collections.Counter(j.split(": cold, ", 1)[1] for j in jobs if ": cold, " in j)
+        cold = collections.Counter(j.split(" because ", 1)[1] for j in jobs if " cold start of " in j)
         lines += ["", f"torchrun jobs through the zygote: {len(warm)} warm ({ranks} ranks forked), "
                       f"{sum(cold.values())} cold"]
         lines += [f"- cold: {n} x {why}" for why, n in cold.most_common()]

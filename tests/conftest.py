@@ -19,6 +19,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 _zygotes = []  # the session's warm ranks (helpers.warm_ranks), one per flavour
+_summary = []  # what the zygotes served, for the terminal summary
 
 
 def pytest_sessionstart(session):
@@ -71,9 +72,24 @@ def pytest_sessionfinish(session, exitstatus):
         for zygote in _zygotes:
             warm_ranks.stop_zygote(zygote)
         directory = os.environ.pop(warm_ranks.ENV)
+        logs = [os.path.join(directory, flavour, "zygote.log") for flavour in warm_ranks.FLAVOURS]
+        logs.append(os.path.join(directory, warm_ranks.COLD_LOG_NAME))
+        lines = []
+        for path in logs:
+            if os.path.exists(path):
+                with open(path) as log:
+                    lines += log.read().splitlines()
         if os.environ.get("MEGATRON_EXT_WARM_RANKS_LOG"):  # where the zygotes' logs of the jobs they served go
             with open(os.environ["MEGATRON_EXT_WARM_RANKS_LOG"], "w") as out:
-                for flavour in warm_ranks.FLAVOURS:
-                    with open(os.path.join(directory, flavour, "zygote.log")) as log:
-                        out.write(log.read())
+                out.writelines(line + "\n" for line in lines)
+        warm = sum(line.endswith(": warm") for line in lines)
+        cold = [line for line in lines if " cold start of " in line]
+        _summary.append(f"warm ranks: {warm} jobs forked from the session's zygotes, {len(cold)} started cold")
+        _summary.extend(cold)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many jobs ran warm, and every cold start with its reason: a CI log shows what the run paid."""
+    for line in _summary:
+        terminalreporter.write_line(line)

@@ -61,6 +61,7 @@ ENV = "MEGATRON_EXT_WARM_RANKS"  # the zygotes' directory (one folder each), set
 FLAVOURS = ("megatron", "deepspeed")
 SOCKET_NAME = "zygote.sock"
 PID_NAME = "zygote.pid"
+COLD_LOG_NAME = "cold.log"  # in the zygotes' directory: every job that started cold, and why
 READY_TIMEOUT_S = 300.0  # the zygote's imports: 15-40 s on the 2-core VMs
 CLOSE_TIMEOUT_S = 30.0  # torchrun's grace between SIGTERM and SIGKILL when it stops its workers
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE
@@ -72,6 +73,9 @@ HARNESS = "megatron_ext.testing.megatron_lm"
 IMPORT_ENV_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GLOO_", "NVTE_", "DS_", "PYTHON")
 IMPORT_ENV_EXEMPT = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "PYTHONPATH", "PYTHONUNBUFFERED",
                      "PYTORCH_NVML_BASED_CUDA_CHECK")
+# Read only by a function that writes the value back each time it reads it (inductor's cache_dir()):
+# when the zygote's imports left it unset, they never read it, and a rank reads the job's value.
+WRITTEN_BACK_WHEN_READ = ("TORCHINDUCTOR_CACHE_DIR",)
 
 
 # ---------------------------------------------------------------------------- the test session's zygote
@@ -132,8 +136,15 @@ def _parse_run(argv: list[str]) -> dict | None:
 
 
 def _cold(argv: list[str], why: str | None, single: bool = False) -> None:
-    if why:
-        print(f"[warm_ranks] cold start ({why})", file=sys.stderr, flush=True)
+    """Run the job as it is written. Why goes to the session's log of cold starts, not to the job's
+    stderr: tests read that stream, and a cold start must not change what they see."""
+    directory = os.environ.get(ENV)
+    if why and directory:
+        try:
+            with open(os.path.join(directory, COLD_LOG_NAME), "a") as log:
+                log.write(f"[warm_ranks] {time.strftime('%H:%M:%S')} cold start of {' '.join(argv)[:160]} because {why}\n")
+        except OSError:
+            pass  # the session ended under a job still starting: nothing to account it to
     os.execv(sys.executable, [sys.executable, *([] if single else ["-m", "torch.distributed.run"]), *argv])
 
 
@@ -182,8 +193,10 @@ def launch(argv: list[str], single: bool = False) -> int:
     """Run one job through the session's zygote (or cold): torchrun's exit code, or the one process's."""
     job = _parse_run(argv) if single else _parse_launch(argv)
     directory = os.environ.get(ENV)
-    if job is None or not directory or os.environ.get("MEGATRON_EXT_COLD_RANKS", "") not in ("", "0"):
+    if not directory or os.environ.get("MEGATRON_EXT_COLD_RANKS", "") not in ("", "0"):
         _cold(argv, None, single)
+    if job is None:
+        _cold(argv, "not a command line the zygote serves", single)
     connected = _connect(os.path.join(directory, flavour_of(os.environ)))
     if isinstance(connected, str):
         _cold(argv, connected, single)
@@ -293,7 +306,8 @@ def _refusal(job: dict, gpu: bool, zygote_env: dict, set_by_imports: dict) -> st
     env = job["env"]
     keys = {k for k in (*env, *zygote_env) if k.startswith(IMPORT_ENV_PREFIXES) and not k.startswith(IMPORT_ENV_EXEMPT)}
     differ = sorted(k for k in keys if env.get(k) != zygote_env.get(k)
-                    and not (k in set_by_imports and env.get(k) == set_by_imports[k]))
+                    and not (k in set_by_imports and env.get(k) == set_by_imports[k])
+                    and not (k in WRITTEN_BACK_WHEN_READ and k not in zygote_env and k not in set_by_imports))
     if differ:
         return f"the job sets {', '.join(differ)} unlike the zygote, whose imports read them"
     return None
