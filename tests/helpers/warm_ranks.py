@@ -4,7 +4,7 @@ A cold rank of Megatron-LM's loop spends 13-17 s of CPU importing torch, megatro
 megatron.training before its first instruction (2-core VM, 2026-12-02; docs/TESTING.md), and the
 default test run starts hundreds of ranks. Here a *zygote* per test session imports them once,
 and each job's ranks are forked from it: one for torch, megatron-core and the patched Megatron-LM,
-one for DeepSpeed (a job whose environment names ``DS_ACCELERATOR``), whose import picks its
+one for DeepSpeed (a job whose module or script names DeepSpeed), whose import picks its
 accelerator and sets the environment the other ranks must not inherit.
 
     python tests/helpers/warm_ranks.py serve DIR megatron [CHECKOUT]        a zygote (tests/conftest.py)
@@ -32,7 +32,8 @@ What a warm rank keeps of a cold one, and how:
   of too; a signal to the launcher goes to the process, which decides what it does.
 * the interpreter's: the job's stdin, stdout, stderr (unbuffered, as torchrun's ``-u``), working
   directory, environment, ``sys.argv`` and ``sys.path`` (the target's directory, then the job's
-  ``PYTHONPATH``); the target runs as ``__main__`` through ``runpy``; the exit is the
+  ``PYTHONPATH``); the target runs as ``__main__`` (kept in ``sys.modules`` until the exit, as the
+  interpreter keeps it); the exit is the
   interpreter's own (``atexit`` hooks, non-daemon threads joined), with its exit code; an uncaught
   exception is printed by the interpreter and exits 1.
 * the zygote imports only third-party modules (no ``megatron_ext``: its modules read the
@@ -44,7 +45,9 @@ What a warm rank keeps of a cold one, and how:
 What differs from cold ranks: the ranks of a session share the zygote's string-hash seed
 (``PYTHONHASHSEED``), so a set of strings iterates in the same order on every rank, where cold
 ranks would each draw their own; and ``/proc/<pid>/cmdline`` shows the zygote's command line.
-``MEGATRON_EXT_COLD_RANKS=1`` runs the whole suite cold.
+``MEGATRON_EXT_COLD_RANKS=1`` runs the whole suite cold. Every cold start of a session is logged
+with its reason in the zygotes' directory (never on the job's stderr, which tests read) and counted
+in pytest's terminal summary.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ CLOSE_TIMEOUT_S = 30.0  # torchrun's grace between SIGTERM and SIGKILL when it s
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # torchrun's TORCHELASTIC_SIGNALS_TO_HANDLE
 HARNESS = "megatron_ext.testing.megatron_lm"
 # Environment the zygote's imports may have read: a job that sets any of these otherwise runs cold.
-# PYTHON*: what the interpreter reads at start-up. Exempt: what torchrun sets per worker, what a rank
+# PYTHON*: what the interpreter reads at start-up; DS_*: DeepSpeed's, where the zygote imported it. Exempt: what torchrun sets per worker, what a rank
 # sets up itself (its sys.path, its unbuffered output), and torch's CUDA detection, read at each call
 # (DeepSpeed sets it at import in the test process; a zygote never serves a machine with a GPU).
 IMPORT_ENV_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "GLOO_", "NVTE_", "DS_", "PYTHON")
@@ -79,9 +82,11 @@ WRITTEN_BACK_WHEN_READ = ("TORCHINDUCTOR_CACHE_DIR",)
 
 
 # ---------------------------------------------------------------------------- the test session's zygote
-def flavour_of(env: dict) -> str:
-    """Which zygote serves a job: DeepSpeed's for a job that names its accelerator."""
-    return "deepspeed" if env.get("DS_ACCELERATOR") else "megatron"
+def flavour_of(target: list[str]) -> str:
+    """Which zygote serves a job: DeepSpeed's for a DeepSpeed harness or worker (its module or script
+    names DeepSpeed). Not the environment: a test process that imported DeepSpeed, or a test module
+    that set ``DS_ACCELERATOR`` for one, passes it on to every job it launches."""
+    return "deepspeed" if any("deepspeed" in part for part in target[:2]) else "megatron"
 
 
 def start_zygote(directory: str, flavour: str, env: dict, checkout: str | None = None):
@@ -197,7 +202,7 @@ def launch(argv: list[str], single: bool = False) -> int:
         _cold(argv, None, single)
     if job is None:
         _cold(argv, "not a command line the zygote serves", single)
-    connected = _connect(os.path.join(directory, flavour_of(os.environ)))
+    connected = _connect(os.path.join(directory, flavour_of(job["target"])))
     if isinstance(connected, str):
         _cold(argv, connected, single)
     channel = _Lines(connected)
@@ -304,7 +309,8 @@ def _refusal(job: dict, gpu: bool, zygote_env: dict, set_by_imports: dict) -> st
     if _threads() != 1:
         return f"the zygote runs {_threads()} threads: a fork would copy their locks"
     env = job["env"]
-    keys = {k for k in (*env, *zygote_env) if k.startswith(IMPORT_ENV_PREFIXES) and not k.startswith(IMPORT_ENV_EXEMPT)}
+    prefixes = IMPORT_ENV_PREFIXES if "deepspeed" in sys.modules else tuple(p for p in IMPORT_ENV_PREFIXES if p != "DS_")
+    keys = {k for k in (*env, *zygote_env) if k.startswith(prefixes) and not k.startswith(IMPORT_ENV_EXEMPT)}
     differ = sorted(k for k in keys if env.get(k) != zygote_env.get(k)
                     and not (k in set_by_imports and env.get(k) == set_by_imports[k])
                     and not (k in WRITTEN_BACK_WHEN_READ and k not in zygote_env and k not in set_by_imports))
