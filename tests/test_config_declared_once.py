@@ -1,8 +1,9 @@
 """``EngineConfig`` is the one declaration of the configuration: every field has a flag and a
-DeepSpeed key made from it, the flags' help states the field's default and unit, and README's two
-tables are rendered from the fields, so README cannot drift from the code.
+DeepSpeed key made from it, the flags' help states the field's default and unit, and the two
+generated tables of the docs (the keys in docs/ENGINE.md, the flags in docs/MEGATRON.md) are rendered
+from the fields, so the docs cannot drift from the code.
 
-``python tests/test_config_declared_once.py`` rewrites README's generated tables.
+``python tests/test_config_declared_once.py`` rewrites the generated tables.
 """
 
 from __future__ import annotations
@@ -23,15 +24,17 @@ from megatron_ext.engine.config import (  # noqa: E402
     FLAG_ELSEWHERE, NO_FLAG, UNIT, EngineConfig, default_text, engine_flags, flag_name)
 from megatron_ext.megatron.args import add_datastates_args, engine_config_from_args, flag_table_markdown  # noqa: E402
 
-README = REPO / "README.md"
+ENGINE_DOC = REPO / "docs" / "ENGINE.md"
+MEGATRON_DOC = REPO / "docs" / "MEGATRON.md"
 FIELDS = dataclasses.fields(EngineConfig)
 
 
-def _tables() -> dict[str, str]:
-    """README's generated tables by marker name, as the code renders them now."""
+def _tables() -> dict[Path, dict[str, str]]:
+    """Each document's generated tables by marker name, as the code renders them now."""
     from megatron_ext.engine.config import config_table_markdown
 
-    return {"engine config keys": config_table_markdown(), "megatron flags": flag_table_markdown()}
+    return {ENGINE_DOC: {"engine config keys": config_table_markdown()},
+            MEGATRON_DOC: {"megatron flags": flag_table_markdown()}}
 
 
 def _begin(name: str) -> str:
@@ -41,21 +44,22 @@ def _begin(name: str) -> str:
 _END = "<!-- end of generated table -->"
 
 
-def _render(text: str) -> str:
-    """``text`` with each generated table replaced by what the code renders now."""
-    for name, table in _tables().items():
+def _render(doc: Path, text: str) -> str:
+    """``text`` (of ``doc``) with each generated table replaced by what the code renders now."""
+    for name, table in _tables()[doc].items():
         begin = _begin(name)
-        assert text.count(begin) == 1 and begin in text, f"README lacks the marker {begin.strip()}"
+        assert text.count(begin) == 1, f"{doc.name} lacks the marker {begin.strip()}"
         head, rest = text.split(begin, 1)
-        assert _END in rest, f"README's generated table {name!r} has no end marker {_END}"
+        assert _END in rest, f"{doc.name}'s generated table {name!r} has no end marker {_END}"
         text = head + begin + table + _END + rest.split(_END, 1)[1]
     return text
 
 
-def test_readme_tables_are_rendered_from_the_fields():
-    text = README.read_text()
-    assert _render(text) == text, ("README's configuration or flag table differs from EngineConfig's fields; "
-                                   "run `python tests/test_config_declared_once.py` to render them again")
+@pytest.mark.parametrize("doc", [ENGINE_DOC, MEGATRON_DOC], ids=lambda d: d.name)
+def test_doc_tables_are_rendered_from_the_fields(doc):
+    text = doc.read_text()
+    assert _render(doc, text) == text, (f"{doc.name}'s generated table differs from EngineConfig's fields; "
+                                        "run `python tests/test_config_declared_once.py` to render it again")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -123,5 +127,6 @@ def test_constructing_reads_nothing_and_check_node_does(monkeypatch):
 
 
 if __name__ == "__main__":
-    README.write_text(_render(README.read_text()))
-    print(f"rendered {', '.join(_tables())} into {README}")
+    for doc, tables in _tables().items():
+        doc.write_text(_render(doc, doc.read_text()))
+        print(f"rendered {', '.join(tables)} into {doc}")

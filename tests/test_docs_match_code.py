@@ -2,8 +2,8 @@
 in the document that states it, so a change to one side that forgets the other fails here.
 
 The facts are the ones readers act on: which module holds which concern (docs/ARCHITECTURE.md),
-the commit store's keys (docs/FORMAT.md), the patch series' hook points and the replica
-directory's default (README.md), and every ``module.name`` a document or docstring points to.
+the commit store's keys (docs/FORMAT.md), the patch series' hook points (docs/MEGATRON.md) and the replica
+directory's default (docs/ENGINE.md), and every ``module.name`` a document or docstring points to.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "megatron_ext"
-README = (REPO / "README.md").read_text()
+MEGATRON_DOC = (REPO / "docs" / "MEGATRON.md").read_text()
+ENGINE_DOC = (REPO / "docs" / "ENGINE.md").read_text()
 ARCHITECTURE = (REPO / "docs" / "ARCHITECTURE.md").read_text()
 FORMAT = (REPO / "docs" / "FORMAT.md").read_text()
 
@@ -64,25 +65,25 @@ def test_format_names_exactly_the_commit_store_keys():
     assert store_words <= used, f"docs/FORMAT.md names store keys the code does not use: {sorted(store_words - used)}"
 
 
-def test_readme_lists_one_hook_point_per_patch():
+def test_megatron_doc_lists_one_hook_point_per_patch():
     patches = sorted((REPO / "patches").glob("000*.patch"))
-    after = README.split("The series (`patches/000N-*.patch`, one hook point each)", 1)[1]
+    after = MEGATRON_DOC.split("The series (`patches/000N-*.patch`, one hook point each)", 1)[1]
     series = after.split("\n\n", 1)[1].split("\n\n", 1)[0]
     items = re.findall(r"^(\d+)\. `", series, flags=re.M)
     assert [int(i) for i in items] == list(range(1, len(patches) + 1)), (
-        f"README lists hook points {items} for {len(patches)} patches")
+        f"docs/MEGATRON.md lists hook points {items} for {len(patches)} patches")
     for patch in patches:
         touched = {Path(f).name for f in re.findall(r"^diff --git a/(\S+)", patch.read_text(), flags=re.M)}
-        assert any(f"`{name}`" in series for name in touched), f"README's series does not name what {patch.name} touches"
+        assert any(f"`{name}`" in series for name in touched), f"docs/MEGATRON.md's series does not name what {patch.name} touches"
 
 
 def test_replica_directory_default_is_stated_as_the_code_makes_it():
     source = (PACKAGE / "engine" / "save" / "replica.py").read_text()
     assert 'f"megatron_ext-{os.geteuid()}", f"replicas-{key}"' in source, "the default replica directory changed"
-    stated = re.findall(r"/dev/shm/megatron_ext-[^`)\s]*", README)
-    assert stated, "README states no default replica directory"
+    stated = re.findall(r"/dev/shm/megatron_ext-[^`)\s]*", ENGINE_DOC)
+    assert stated, "docs/ENGINE.md states no default replica directory"
     wrong = [s for s in stated if not s.startswith("/dev/shm/megatron_ext-<uid>/replicas-")]
-    assert not wrong, f"README states replica directory defaults {wrong}; the code makes /dev/shm/megatron_ext-<uid>/replicas-<hash>"
+    assert not wrong, f"docs/ENGINE.md states replica directory defaults {wrong}; the code makes /dev/shm/megatron_ext-<uid>/replicas-<hash>"
 
 
 _FILE_SUFFIXES = {"py", "json", "md", "txt", "pt", "sh", "patch", "safetensors", "tmp"}

@@ -2,7 +2,7 @@
 
 A superset of DeepSpeed's ``"datastates_ckpt"`` section: DeepSpeed users pass that dict as is,
 Megatron users get the same keys from command-line flags. Each field is the one declaration of its
-knob (``_knob``): the flags (``engine_flags``) and README's table (``config_table_markdown``) are
+knob (``_knob``): the flags (``engine_flags``) and docs/ENGINE.md's table (``config_table_markdown``) are
 made from it. Every problem is reported at start-up, never in the middle of a run.
 """
 
@@ -49,7 +49,7 @@ _MAX_TIMEOUT_S = 1e7  # about 116 days
 
 
 #: Metadata keys of an ``EngineConfig`` field (``_knob``): its one declaration, from which the
-#: ``--datastates-*`` flags (``engine_flags``), the README's table (``config_table_markdown``) and
+#: ``--datastates-*`` flags (``engine_flags``), docs/ENGINE.md's table (``config_table_markdown``) and
 #: the DeepSpeed ``"datastates_ckpt"`` keys (the field names, ``from_dict``) are made.
 HELP, UNIT, NONE_MEANS, OLD_FLAGS, OFF_FLAGS, FLAG_ELSEWHERE, NO_FLAG, METAVAR = (
     "help", "unit", "none_means", "old_flags", "off_flags", "flag_elsewhere", "no_flag", "metavar")
@@ -59,7 +59,7 @@ FLAG_PREFIX = "--datastates-"
 def _knob(default: Any, help: str, *, unit: str | None = None, none_means: str | None = None,
           old_flags: tuple[str, ...] = (), off_flags: tuple[str, ...] = (), flag_elsewhere: str | None = None,
           no_flag: str | None = None, metavar: str | None = None) -> Any:
-    """One field with its metadata: ``help`` (markdown: the README's meaning), ``unit`` (GiB, MiB,
+    """One field with its metadata: ``help`` (markdown: the meaning in docs/ENGINE.md's table), ``unit`` (GiB, MiB,
     seconds), ``none_means`` (what a None default stands for), ``old_flags`` (earlier spellings of
     its flag, still accepted), ``off_flags`` (earlier flags that set a boolean to false),
     ``flag_elsewhere`` (the framework's own flag sets it) or ``no_flag`` (why there is none)."""
@@ -490,7 +490,7 @@ def engine_flags(dest_prefix: str = "datastates_") -> list[EngineFlag]:
 
 
 def config_table_markdown() -> str:
-    """The README's table of configuration keys, made from the fields (tests/test_config_declared_once.py)."""
+    """docs/ENGINE.md's table of configuration keys, made from the fields (tests/test_config_declared_once.py)."""
     rows = ["| key | default | unit | meaning |", "|---|---|---|---|"]
     for field in dataclasses.fields(EngineConfig):
         meaning = field.metadata[HELP]

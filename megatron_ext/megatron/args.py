@@ -62,7 +62,7 @@ def add_datastates_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def flag_table_markdown() -> str:
-    """README's table of the ``--datastates-*`` flags, made from the parser ``add_datastates_args`` builds
+    """docs/MEGATRON.md's table of the ``--datastates-*`` flags, made from the parser ``add_datastates_args`` builds
     (tests/test_config_declared_once.py): an engine key's flag points to the key's row in the configuration
     table, the adapter's own flags carry their help."""
     keys = {field.name for field in dataclasses.fields(EngineConfig)}

@@ -149,11 +149,12 @@ class FileIo:
 
     An O_DIRECT run is checksummed on a second thread while it is written: the write waits for the
     device, so hashing meanwhile costs no core and the run takes max(checksum, write) instead of
-    their sum (the flush kept up with the O_DIRECT write only this way, docs/BENCHMARKS.md); without
-    ``overlap`` that thread runs at the lowest priority, so it only takes a core nobody else wants. A
-    page-cache write is a copy on the writing thread's core: with ``overlap`` it is checksummed
-    alongside too; without, one after the other, which keeps one core busy instead of two (on a
-    node with few cores per rank the training thread would wait for the other).
+    their sum (the flush kept up with the O_DIRECT write only this way;
+    docs/history/BENCHMARKS-to-2026-12.md, "bench engine"); without ``overlap`` that thread runs at
+    the lowest priority, so it only takes a core nobody else wants. A page-cache write is a copy on
+    the writing thread's core: with ``overlap`` it is checksummed alongside too; without, one after
+    the other, which keeps one core busy instead of two (on a node with few cores per rank the
+    training thread would wait for the other).
     """
 
     def __init__(self, buffer: memoryview, overlap: bool = True):
@@ -182,7 +183,8 @@ class FileIo:
             import concurrent.futures  # only here: the worker process starts faster without it
 
             # Without a core to spare (``overlap`` off) the checksum only fills the write's wait: at
-            # the lowest priority it never takes the core of the training thread (docs/BENCHMARKS.md).
+            # the lowest priority it never takes the core of the training thread
+            # (docs/history/BENCHMARKS-to-2026-12.md, "bench python-loop").
             self._checksums = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix="datastates-io-checksum",
                 initializer=_checksum_thread_start, initargs=(not self.overlap_buffered,))

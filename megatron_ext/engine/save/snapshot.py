@@ -176,7 +176,7 @@ class SnapshotScheduler(QueueWorker):
 #: A run of slots is at most this many bytes: the flush starts once the first run is copied and ends
 #: one run's write after the last copy, so runs are short next to a checkpoint (a 12 GB rank: about
 #: a hundred runs, a few GIL takes each); at 1 GiB the first write waited for half a 1 GB state's
-#: copy and the flush ran at 0.6 of the O_DIRECT write (docs/BENCHMARKS.md).
+#: copy and the flush ran at 0.6 of the O_DIRECT write (docs/history/BENCHMARKS-to-2026-12.md, "bench engine").
 MAX_RUN_BYTES = 128 << 20
 
 
