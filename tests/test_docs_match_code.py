@@ -42,7 +42,9 @@ def _defined_names(path: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("folder", ["engine", "engine/save", "engine/read", "engine/format", "megatron"])
+@pytest.mark.parametrize("folder", ["engine", "engine/save", "engine/save/job", "engine/save/flow", "engine/save/commit",
+                                    "engine/save/lifecycle", "engine/save/replicas", "engine/read", "engine/format",
+                                    "megatron"])
 def test_architecture_names_every_module(folder):
     """ARCHITECTURE's tables are how a newcomer finds a concern's module: none may be missing."""
     missing = [p.name for p in _modules(PACKAGE / folder)
@@ -54,9 +56,9 @@ def test_architecture_names_every_module(folder):
 def test_format_names_exactly_the_commit_store_keys():
     """FORMAT.md's commit protocol lists the keys a rank posts under; a key it names that the code
     never uses (such as a ``durable`` key) misleads whoever debugs a stuck commit from the store."""
-    from megatron_ext.engine.save import coordination
+    from megatron_ext.engine.save.commit import coordination
 
-    source = (PACKAGE / "engine" / "save" / "coordination.py").read_text()
+    source = (PACKAGE / "engine" / "save" / "commit" / "coordination.py").read_text()
     used = set(coordination._KEYS) | {"skip"} | {f"share.{m}" for m in re.findall(r'"share\.(\w+)"', source)}
     status = FORMAT.split("3. **Status.**", 1)[1].split("5. **Decision.**", 1)[0]
     named = set(re.findall(r"`((?:share\.)?[a-z]+)`", status))
@@ -78,7 +80,7 @@ def test_megatron_doc_lists_one_hook_point_per_patch():
 
 
 def test_replica_directory_default_is_stated_as_the_code_makes_it():
-    source = (PACKAGE / "engine" / "save" / "replica.py").read_text()
+    source = (PACKAGE / "engine" / "save" / "replicas" / "replica.py").read_text()
     assert 'f"megatron_ext-{os.geteuid()}", f"replicas-{key}"' in source, "the default replica directory changed"
     stated = re.findall(r"/dev/shm/megatron_ext-[^`)\s]*", ENGINE_DOC)
     assert stated, "docs/ENGINE.md states no default replica directory"

@@ -148,6 +148,34 @@ def test_no_import_cycles_in_the_save_pipeline_even_for_type_checking():
     assert _cycles(graph) == []
 
 
+#: The save side's rooms, each above the ones before it: a room imports only rooms earlier in this
+#: list (annotations included), so control flows one way, from the training thread's calls down to
+#: the job. ``pipeline`` and ``offline_writer`` assemble the rooms; nothing below imports them.
+SAVE_ROOMS = ["job", "context", "flow", "replicas", "lifecycle", "commit", "overload", "pipeline", "offline_writer"]
+
+
+def _save_room(module: str) -> str | None:
+    prefix = "megatron_ext.engine.save."
+    return module[len(prefix):].split(".")[0] if module.startswith(prefix) else None
+
+
+def test_the_save_rooms_import_only_the_rooms_below_them():
+    """``flow`` knows neither ``commit`` nor ``overload``; ``job`` imports nothing else of save/; a
+    stage reaches the one above it only through what it was handed at construction (a callable, or
+    a ``Protocol`` such as ``flow.snapshot.SkipSettling``)."""
+    rooms = {p.stem if p.parent.name == "save" else p.parent.name for p in (PACKAGE / "engine" / "save").rglob("*.py")
+             if p.name != "__init__.py" or p.parent.name != "save"}
+    assert rooms == set(SAVE_ROOMS), f"save/ has rooms {sorted(rooms)}; SAVE_ROOMS names {SAVE_ROOMS}"
+    back = []
+    for p in (PACKAGE / "engine" / "save").rglob("*.py"):
+        here = _save_room(_module_name(p))
+        for dep in _imports(p, type_checking=True):
+            there = _save_room(dep)
+            if here and there and there != here and SAVE_ROOMS.index(there) > SAVE_ROOMS.index(here):
+                back.append(f"{_module_name(p)} ({here}) imports {dep} ({there})")
+    assert back == []
+
+
 def test_importing_the_read_path_loads_no_save_module():
     """What ``python -X importtime`` would list: the read side, the Megatron load and the offline
     tools import the engine's read room, never its save pipeline."""

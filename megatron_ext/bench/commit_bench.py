@@ -54,11 +54,12 @@ from megatron_ext.bench.common import working_dir
 from megatron_ext.engine.format.catalog import read_manifest
 from megatron_ext.engine.format.manifest import MANIFEST_SHARES, encode_json, summarize_heads
 from megatron_ext.engine.format.names import LEVEL_SHARED, REPORTS, report_name
-from megatron_ext.engine.save.commit import Committer, durable_status, job_key, rank_report
+from megatron_ext.engine.format.report import durable_share
+from megatron_ext.engine.save.commit.committer import Committer, job_key, job_report
+from megatron_ext.engine.save.commit.coordination import CommitChannel, CommitGroups
 from megatron_ext.engine.save.context import SaveContext
-from megatron_ext.engine.save.coordination import CommitChannel, CommitGroups
-from megatron_ext.engine.save.jobs import CheckpointJob
-from megatron_ext.engine.save.signal import CommitSignal
+from megatron_ext.engine.save.job.jobs import CheckpointJob
+from megatron_ext.engine.save.job.signal import CommitSignal
 from megatron_ext.engine.telemetry import Telemetry
 
 NAME = "commit"
@@ -200,11 +201,11 @@ def _one_configuration(root: str, ranks: int, tensors: int, checkpoints: int, sa
             key = job_key(jobs[0])
             for r in range(len(real), ranks):  # the ranks without a thread post what a real one would
                 light.rank = r
-                report = rank_report(CheckpointJob(checkpoint=checkpoint, root=root, version=i, tag=run_id,
+                report = job_report(CheckpointJob(checkpoint=checkpoint, root=root, version=i, tag=run_id,
                                                    files=[SimulatedFile(checkpoint, r, run_id, tensors)]), r, ranks)
                 data = encode_json(report)
                 rel = f"{checkpoint}/{REPORTS}/{report_name(r, run_id)}"
-                light.post_durable(key, *durable_status(report, data, rel))
+                light.post_durable(key, *durable_share(report, data, rel))
             for g in light_groups:  # in parallel on a cluster, before rank 0's own group is complete
                 light.rank = groups.ranks(g).start
                 if not light.forward(key, timeout_s, MANIFEST_SHARES, functools.partial(summarize_heads, checkpoint)):

@@ -122,7 +122,7 @@ def _thread_cpu() -> dict[str, float]:
 def _switch_off(stage: str | None) -> None:
     """For the GIL account: run the engine with its copies doing nothing (the checkpoint is then not valid)."""
     if stage == "copy":
-        from megatron_ext.engine.save import copier
+        from megatron_ext.engine.save.flow import copier
 
         copier.CpuCopier.copy_many = lambda self, parts: None
     elif stage not in (None, "commit", "worker"):

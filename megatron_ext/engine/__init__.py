@@ -22,7 +22,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _PUBLIC = {
-    "CheckpointEngine": "engine", "CheckpointError": "errors", "ConfigError": "errors", "CopyGate": "save.copy_gate",
+    "CheckpointEngine": "engine", "CheckpointError": "errors", "ConfigError": "errors", "CopyGate": "save.flow.copy_gate",
     "EncodeError": "errors", "EngineConfig": "config", "OnFailure": "config", "OverloadPolicy": "config",
     "UnsafeCheckpointError": "errors", "add_safe_classes": "format.codec", "list_committed": "format.catalog",
     "open_committed": "read.committed", "read_manifest": "format.catalog", "safe_classes": "format.codec",
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .format.catalog import list_committed, read_manifest
     from .format.codec import add_safe_classes, safe_classes
     from .read.committed import open_committed
-    from .save.copy_gate import CopyGate
+    from .save.flow.copy_gate import CopyGate
 
 
 def __getattr__(name: str) -> Any:

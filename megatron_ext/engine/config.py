@@ -295,7 +295,7 @@ class EngineConfig:
 
         ``full_ok``: a probe that fails only for want of space (ENOSPC, EDQUOT) is returned as
         ``(what, path)`` instead of refused: the engine removes what crashed saves left there
-        before it probes again (save/space.py); a crashed save's partial files must not block
+        before it probes again (save/lifecycle/space.py); a crashed save's partial files must not block
         the restart that frees them."""
         full: list[tuple[str, str]] | None = [] if full_ok else None
         for name in ("save_dir", "local_dir"):

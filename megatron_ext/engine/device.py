@@ -97,7 +97,7 @@ def stream_marks(tensors: Iterable[Any]) -> list[StreamMark]:
 
 
 class CudaStreams:
-    """The stream calls of the save's copy path (``save/copier.py``), in one place so the CPU tests can
+    """The stream calls of the save's copy path (``save/flow/copier.py``), in one place so the CPU tests can
     replace them with a stand-in whose queued work runs only when waited for."""
 
     @staticmethod

@@ -3,8 +3,7 @@
 The public calls live here: ``save`` (bookkeeping only, on the caller's thread), ``commit``,
 ``wait_snapshot`` (called right before the training loop mutates the saved tensors, and nothing
 else), ``wait_persisted``, the loads and ``shutdown``. The save stages are built once by
-``save.pipeline.SavePipeline``; the overload decisions are in save/skips.py (the training
-thread's) and save/skip_settle.py (the snapshot thread's), the read side in read/committed.py.
+``save.pipeline.SavePipeline``; the overload decisions are in save/overload.py, the read side in read/committed.py.
 
 The engine knows nothing of Megatron or DeepSpeed: nested states of tensors in, files out.
 """
@@ -29,13 +28,13 @@ from .format.catalog import list_committed
 from .format.names import RUN_ID
 from .host_cache import HostCache
 from .read.committed import CommittedCheckpoint, ReadOptions, open_committed
-from .save.copy_gate import CopyGate
-from .save.file_plan import PlannedFile, check_names
-from .save.job_table import JobTable
-from .save.jobs import CheckpointJob, FileJob
-from .save.ownership import DirectoryOwnership
+from .save.flow.copy_gate import CopyGate
+from .save.flow.file_plan import PlannedFile, check_names
+from .save.job.table import JobTable
+from .save.job.jobs import CheckpointJob, FileJob
+from .save.lifecycle.ownership import DirectoryOwnership
 from .save.pipeline import SavePipeline
-from .save.space import recheck_full
+from .save.lifecycle.space import recheck_full
 from .telemetry import Telemetry
 
 log = logging.getLogger("megatron_ext.engine")
@@ -124,7 +123,7 @@ class CheckpointEngine:
         """Record ``state`` for checkpoint ``checkpoint``; returns at once, copies run in the background.
 
         The tensors must not be modified until ``wait_snapshot`` returns. Non-tensor values are
-        encoded now (save/file_plan.py). ``extra`` (JSON-able)
+        encoded now (save/flow/file_plan.py). ``extra`` (JSON-able)
         is copied into this file's manifest entry, for adapters that index what each file holds.
         ``gate``: the copies wait until it opens (tensors a collective is still filling in).
         """
@@ -146,10 +145,9 @@ class CheckpointEngine:
         if job is None:
             job = self.skips.new_job(root, checkpoint, version, tag)  # its policy under a full cache
             self.committer.track(self.jobs.add(job))
-        fjob = planned.file_job(job, self.scheduler.copier, gate, extra)
+        fjob = planned.file_job(job, self.scheduler.copier, faults.held(gate), extra)
         job.add_file(fjob)
         self._files.append(fjob)
-        faults.saved()
         self.scheduler.submit(fjob)
         took = time.monotonic() - started
         job.add_blocked(started, took)
@@ -211,7 +209,6 @@ class CheckpointEngine:
         timeout = self.config.snapshot_timeout_s if timeout is None else timeout
         pending = [f for f in self._files if not f.snapshot_done.is_set()]
         _open_gates(pending)
-        faults.waiting()
         self.skips.await_snapshots(pending, started + timeout)
         self.failures.check()
         blocked = time.monotonic() - started
@@ -227,7 +224,6 @@ class CheckpointEngine:
         """Block until saved files are durable on every level (peer replicas included) and commits are done."""
         deadline = time.monotonic() + (self.config.persist_timeout_s if timeout is None else timeout)
         _open_gates(self._files)
-        faults.waiting()  # a test's copy gate: waiting for durability waits for the copies too
         if checkpoint is not None:
             key = (self._root(root), checkpoint)
             if key not in self.jobs.open:
@@ -279,16 +275,6 @@ class CheckpointEngine:
                                           classes=self.classes, peers=self.replicas)
         return open_committed(self._root(root), checkpoint, options)
 
-    def agree_load_level(self, committed: "CommittedCheckpoint") -> str:
-        """Collective over all ranks: read node-local only if every rank's own files are complete there.
-
-        One all_reduce (MIN) of "my files are on my node-local level"; returns the level chosen
-        ("local" or "shared") and makes ``committed``'s readers use it.
-        """
-        level = committed.agree_level(self.rank, self.world_size)
-        log.info("[datastates] rank %d reads %s from the %s level", self.rank, committed.checkpoint, level)
-        return level
-
     # ------------------------------------------------------------------ shutdown
     def shutdown(self, timeout: float | None = None, *, normal_end: bool = True,
                  gate_collectives: bool = False) -> None:
@@ -310,7 +296,6 @@ class CheckpointEngine:
                     log.log(logging.WARNING if done == "cancelled" else logging.INFO,
                             "[datastates] rank %d: %s's copies held for %s at the end: %s", self.rank,
                             fjob.job.checkpoint, fjob.gate.what, _GATE_AT_END[done])
-        faults.waiting()
         timeout = self.config.persist_timeout_s if timeout is None else timeout
         clean = False
         try:
@@ -361,12 +346,7 @@ class CheckpointEngine:
         """This node's ``local_dir`` lock (None without a node-local level)."""
         return self.ownership.local_lock
 
-    @property
-    def deleter(self):
-        """Retention's background deleter (None until retention first deletes something)."""
-        return self.retention.deleter
-
-    # Overload counts (save/skips.py), for benchmarks and tests.
+    # Overload counts (save/overload.py), for benchmarks and tests.
     @property
     def backpressure_waits(self) -> int:
         """Calls of ``wait_snapshot`` that waited for the flush to free cache space."""

@@ -1,10 +1,11 @@
-"""Fault-injection hooks for tests: armed callables run before every storage write, and a copy gate.
+"""Fault-injection hooks for tests: armed callables run before every storage write, and a hold on copies.
 
-Production code pays one empty-list check per chunk and one ``None`` check per file. Tests arm a
+Production code pays one empty-list check per chunk and one flag check per save. Tests arm a
 hook to raise ``OSError`` (no space, I/O error), sleep (a slow file system) or kill the process at
 a chosen moment, and ``hold_copies_until_wait`` makes every snapshot copy as late as the lazy
 contract allows (when the training thread calls ``wait_snapshot``), so a tensor the trainer
-changes before its optimizer step is caught every time instead of by a lucky race.
+changes before its optimizer step is caught every time instead of by a lucky race; the hold is a
+``CopyGate`` per save (``held``), the same gate a framework's collective holds copies with.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .save.flow.copy_gate import CopyGate
 
 WriteHook = Callable[[str, str, int, int], None]  # (level, path, offset, nbytes)
 
@@ -47,37 +51,24 @@ def before_write(level: str, path: str, offset: int, nbytes: int) -> None:
             hook(level, path, offset, nbytes)
 
 
-_copy_gate: threading.Event | None = None
-GATE_TIMEOUT_S = 300.0  # a gate is never a hang: copies go ahead after this long
+_holding = False
 
 
 def hold_copies_until_wait() -> None:
-    """From now on a file's copies start only once the training thread calls ``wait_snapshot``."""
-    global _copy_gate
-    _copy_gate = threading.Event()
+    """From now on a file's copies start only once the training thread waits for them (``held``)."""
+    global _holding
+    _holding = True
 
 
-def release_copies() -> None:
-    global _copy_gate
-    gate, _copy_gate = _copy_gate, None
-    if gate is not None:
-        gate.set()
+def held(gate: "CopyGate | None") -> "CopyGate | None":
+    """The gate a new save's copies wait behind: ``gate`` itself, or with ``hold_copies_until_wait``
+    one that only the training thread's next wait opens (``wait_snapshot`` settles every gate still
+    shut), settling ``gate`` first if the caller passed one. The engine's one copy gate serves both."""
+    if not _holding:
+        return gate
+    from .save.flow.copy_gate import CopyGate
 
-
-def saved() -> None:
-    """The engine recorded a save: its copies wait for the next ``waiting()``."""
-    if _copy_gate is not None:
-        _copy_gate.clear()
-
-
-def waiting() -> None:
-    """The training thread waits for the snapshots: the copies may run."""
-    if _copy_gate is not None:
-        _copy_gate.set()
-
-
-def before_copy() -> None:
-    """The snapshot thread is about to copy a file."""
-    gate = _copy_gate
-    if gate is not None:
-        gate.wait(GATE_TIMEOUT_S)
+    if gate is None:
+        return CopyGate(settle=lambda: None, what="the copies held until the wait (faults.hold_copies_until_wait)",
+                        ready=lambda: True)
+    return CopyGate(settle=gate.settle_and_open, what=gate.what, ready=gate.ready)

@@ -5,7 +5,7 @@ waits (backpressure), so host memory never grows past the buffer, and a tensor b
 whole cache simply streams through it slot by slot.
 
 The buffer is shared memory (a memfd, mapped here and by the I/O worker process, which checksums
-and writes the slots: save/io_worker.py). Faulting its pages in happens on a background thread so
+and writes the slots: save/flow/io_worker.py). Faulting its pages in happens on a background thread so
 constructing the engine never stalls training. On CPU the thread touches every page and hands
 slots out as soon as they are touched, so the first snapshot starts copying after the first slot
 instead of after the whole buffer. It touches one byte per page (the kernel zero-fills the page)

@@ -156,9 +156,6 @@ class InterleavedUpdate:
             self._host_grads = [torch.empty(n, dtype=torch.float32, pin_memory=self.pin) for n in numels]
         return self.subgroups
 
-    def release_staging(self) -> None:
-        self._staging = _Staging()
-
     def _stage(self, keys: tuple[str, ...], numel: int) -> list[dict[str, torch.Tensor]]:
         staging = self._staging
         if staging.numel < numel or not staging.buffers or set(staging.buffers[0]) != {"master", *keys}:

@@ -43,7 +43,7 @@ def main() -> None:
             shutil.rmtree(os.path.join(local, "iter_0000001"))
         ckpt = engine.open_checkpoint("iter_0000001")
         own_complete = ckpt.local_copy_complete(rank)
-        level = engine.agree_load_level(ckpt)
+        level = ckpt.agree_level(rank, dist.get_world_size())
         loaded = ckpt.reader(f"rank{rank}").state()
         want = rank_state(rank)
         exact = all(torch.equal(loaded[k], want[k]) for k in ("w", "ids")) and loaded["rank"] == rank

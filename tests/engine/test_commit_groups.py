@@ -24,7 +24,7 @@ from megatron_ext.engine.format.manifest import (
     summarize_heads,
 )
 from megatron_ext.engine.format.validation import validate_manifest
-from megatron_ext.engine.save.coordination import CommitChannel, CommitGroups, ShareDamaged
+from megatron_ext.engine.save.commit.coordination import CommitChannel, CommitGroups, ShareDamaged
 
 from helpers.states import FAST, TINY
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from megatron_ext.bench.commit_bench import OpCounter
 from megatron_ext.engine import CheckpointEngine, CheckpointError, read_manifest
-from megatron_ext.engine.save.commit import job_key
-from megatron_ext.engine.save.coordination import CommitChannel
+from megatron_ext.engine.save.commit.committer import job_key
+from megatron_ext.engine.save.commit.coordination import CommitChannel
 
 from helpers.states import FAST, TINY
 

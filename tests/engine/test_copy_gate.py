@@ -117,3 +117,32 @@ def test_finish_at_the_end():
     assert failed.finish(collectives_ok=True) == "cancelled" and "peer gone" in failed.cancel_reason
     with pytest.raises(CheckpointError, match="peer gone"):
         failed.wait(0.0, lambda: None)
+
+
+def test_the_tests_hold_on_copies_is_a_gate_only_the_wait_opens(make_engine, monkeypatch):
+    """``faults.hold_copies_until_wait`` (the Megatron-LM harness's ``late_copies``): every save's copies
+    wait behind a ``CopyGate`` until the training thread's wait, so a change made before it is in the
+    checkpoint; a caller's own gate is settled by that wait too, and shutdown opens what no wait did."""
+    from megatron_ext.engine import faults
+
+    monkeypatch.setattr(faults, "_holding", True)
+    engine = make_engine()
+    state = {"w": torch.zeros(2048)}
+    fjob = engine.save(state, "c1", version=1)
+    engine.commit("c1")
+    assert not fjob.snapshot_done.wait(0.3)  # held: nothing copied before the wait
+    state["w"].fill_(1.0)  # e.g. finalize_model_grads updating a router's bias before the step
+    engine.wait_snapshot()
+    state["w"].fill_(-1.0)
+    settled = []
+    own = CopyGate(settle=lambda: (state["w"].fill_(2.0), settled.append(True)))
+    engine.save(state, "c2", version=2, gate=own)
+    engine.commit("c2")
+    engine.wait_snapshot()
+    assert settled == [True]
+    later = engine.save({"x": torch.ones(8)}, "c3", version=3)
+    engine.commit("c3")
+    engine.wait_persisted()
+    assert later.snapshot_done.is_set()
+    assert torch.equal(engine.load("c1")["w"], torch.ones(2048))
+    assert torch.equal(engine.load("c2")["w"], torch.full((2048,), 2.0))

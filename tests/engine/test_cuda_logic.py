@@ -20,7 +20,7 @@ from megatron_ext.engine import host_cache
 from megatron_ext.engine.errors import CacheError
 from megatron_ext.engine.read import fast_read, read_plan, staged_read
 from megatron_ext.engine.save import pipeline
-from megatron_ext.engine.save.copier import CpuCopier, CudaCopier, byte_source
+from megatron_ext.engine.save.flow.copier import CpuCopier, CudaCopier, byte_source
 
 
 class RecordingCudart:

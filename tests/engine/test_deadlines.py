@@ -1,4 +1,4 @@
-"""One source per timeout (save/deadlines.py): when the training thread's wait and a background
+"""One source per timeout (save/job/deadlines.py): when the training thread's wait and a background
 stage's wait cover the same checkpoint, the stage's verdict, naming what is missing, is the error.
 
 The races are made deterministic by delaying one rank's write (a fault hook), so that its
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError
-from megatron_ext.engine.save import commit as commit_module
-from megatron_ext.engine.save.deadlines import MARGIN_S, StageDeadline
+from megatron_ext.engine.save.commit import committer as commit_module
+from megatron_ext.engine.save.job.deadlines import MARGIN_S, StageDeadline
 
 from helpers.states import TINY
 

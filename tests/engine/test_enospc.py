@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers.procs import TESTS, child_env
-from megatron_ext.engine.save.retention import remove_partial
+from megatron_ext.engine.save.lifecycle.retention import remove_partial
 
 WORKER = TESTS / "engine" / "_enospc_worker.py"
 

@@ -145,7 +145,7 @@ def test_a_format_2_checkpoint_still_loads_and_verifies(make_engine, tmp_path):
 
 def test_a_peer_replica_is_checked_in_the_pieces_its_holder_sends(tmp_path):
     """The receiving side of a replica (peer_link): the cuts travel with the file; bad cuts are refused."""
-    from megatron_ext.engine.save.peer_link import _Sink, mismatch
+    from megatron_ext.engine.save.replicas.peer_link import _Sink, mismatch
 
     data = bytes(random.Random(1).getrandbits(8) for _ in range(9000))
     cuts = [4096, 6000, 9000]
@@ -169,7 +169,7 @@ def test_staging_a_file_checks_its_pieces_in_the_copy(tmp_path):
     digest of its pieces; one changed byte of the header fails it, naming the file."""
     import mmap
 
-    from megatron_ext.engine.save.io_ops import FileIo, IoError
+    from megatron_ext.engine.save.flow.io_ops import FileIo, IoError
 
     data = bytearray(random.Random(2).getrandbits(8) for _ in range(3 * 4096 + 100))
     cuts = [4096, 4096 + 5000, len(data)]

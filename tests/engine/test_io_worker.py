@@ -1,4 +1,4 @@
-"""The I/O worker process (save/io_worker.py) and the operations it runs (save/io_ops.py).
+"""The I/O worker process (save/flow/io_worker.py) and the operations it runs (save/flow/io_ops.py).
 
 The worker checksums and writes what the training process put in the shared host cache. What it
 must get right: the same bytes and checksums as before, with or without the overlap of checksum
@@ -26,12 +26,27 @@ import xxhash
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, open_committed, read_manifest
 from megatron_ext.engine.files import supports_o_direct
-from megatron_ext.engine.save.io_ops import OPERATIONS, FileIo
 from megatron_ext.engine.format.digest import combine
-from megatron_ext.engine.save.io_worker import IoWorker, LocalIo
+from megatron_ext.engine.save.flow.io_ops import OPERATIONS, FileIo
+from megatron_ext.engine.save.flow.io_worker import IoWorker, LocalIo
 
 from helpers.procs import alive, child_env, wait_until
 from helpers.states import FAST, TINY, assert_same, committed_names, seeded_state
+
+
+def test_the_private_multiprocessing_pieces_the_worker_start_leans_on_are_as_it_expects():
+    """``io_worker._WorkerPopen`` overrides spawn's launch (its docstring says why): a Python release
+    that renames or reshapes one of these pieces fails here, not as a worker that never starts."""
+    import inspect
+    from multiprocessing import context as mp_context, popen_spawn_posix, spawn, util
+
+    assert list(inspect.signature(popen_spawn_posix.Popen._launch).parameters) == ["self", "process_obj"]
+    assert "self._fds" in inspect.getsource(popen_spawn_posix.Popen)  # the fds a DupFd passes to the child
+    assert callable(mp_context.set_spawning_popen) and callable(util.spawnv_passfds)
+    assert "pipe_handle" in inspect.signature(spawn.spawn_main).parameters
+    assert isinstance(util._args_from_interpreter_flags(), list)
+    prepare = inspect.getsource(spawn.prepare)  # the keys _launch hands the child, as the child reads them
+    assert all(f"'{key}' in data" in prepare for key in ("name", "authkey", "sys_path", "dir", "orig_dir"))
 
 
 @pytest.mark.parametrize("direct", [False, True], ids=["page_cache", "o_direct"])
@@ -306,7 +321,7 @@ def test_a_dead_worker_is_an_error_at_once_and_a_silent_one_after_the_timeout(sh
 _MAIN = """
 import os, sys
 open(os.environ["TRAIN_MARKS"], "a").write(f"{os.getpid()}\\n")  # a training script's top level: the trainer only
-from megatron_ext.engine.save.io_worker import IoWorker
+from megatron_ext.engine.save.flow.io_worker import IoWorker
 if __name__ == "__main__":
     fd = os.memfd_create("cache"); os.ftruncate(fd, 4096)
     worker = IoWorker(fd, 4096, timeout_s=30)
@@ -331,7 +346,7 @@ def test_the_worker_does_not_run_the_training_script_again(tmp_path):
 
 _LEFT_RUNNING = """
 import os
-from megatron_ext.engine.save.io_worker import IoWorker
+from megatron_ext.engine.save.flow.io_worker import IoWorker
 fd = os.memfd_create("cache"); os.ftruncate(fd, 4096)
 worker = IoWorker(fd, 4096, timeout_s=30)
 worker.channel("writer").abort(1)

@@ -3,8 +3,9 @@ the job's own lock (a skip after the report is refused, a late peer skip after t
 
 from __future__ import annotations
 
-from megatron_ext.engine.save.jobs import CheckpointJob, JobState
-from megatron_ext.engine.save.records import SkipRecord
+from megatron_ext.engine.save.commit.records import RankStatus
+from megatron_ext.engine.save.job.jobs import CheckpointJob, JobState
+from megatron_ext.engine.save.job.skip import SkipRecord
 
 OWN_SKIP = frozenset({JobState.OPEN, JobState.FLUSHING})
 PEER_SKIP = frozenset({JobState.OPEN, JobState.FLUSHING, JobState.REPORTED})
@@ -53,7 +54,7 @@ def test_a_wait_is_told_when_the_writer_publishes_durability_and_the_committer_s
     import types
 
     from megatron_ext.engine.format.names import LEVEL_SHARED
-    from megatron_ext.engine.save.jobs import RECHECK_S
+    from megatron_ext.engine.save.job.jobs import RECHECK_S
 
     job = _job()
     fjob = types.SimpleNamespace(durable_at={}, nbytes=0, sidecar=b"")
@@ -96,7 +97,7 @@ def test_a_failure_wakes_a_wait_and_is_raised_on_the_waiting_thread():
 
 
 def test_the_work_queue_takes_back_what_the_predicate_accepts_in_order():
-    from megatron_ext.engine.save.worker import WorkQueue
+    from megatron_ext.engine.save.flow.worker import WorkQueue
 
     q = WorkQueue()
     for item in range(6):
@@ -106,7 +107,7 @@ def test_the_work_queue_takes_back_what_the_predicate_accepts_in_order():
 
 
 def test_the_commit_decision_and_skip_status_keep_the_store_json():
-    from megatron_ext.engine.save.records import CommitDecision
+    from megatron_ext.engine.save.commit.records import CommitDecision
 
     skipped = CommitDecision.skipped({"rank": 2, "reason": "superseded"}, "checkpoint A skipped by rank 2: superseded")
     assert skipped.wire() == {"state": "skipped", "report": {"rank": 2, "reason": "superseded"},
@@ -115,9 +116,14 @@ def test_the_commit_decision_and_skip_status_keep_the_store_json():
     assert CommitDecision.failed("boom").wire() == {"state": "failed", "error": "boom"}
     assert CommitDecision.from_wire({"state": "committed", "manifest": {"run_id": "r"}}).manifest == {"run_id": "r"}
     record = SkipRecord.from_peer({"rank": 3, "reason": "no_cache_space", "superseded_by": None})
-    assert record.by_rank == 3 and record.status() == {
+    assert record.by_rank == 3 and RankStatus.skipped(record).wire() == {
         "state": "skipped", "reason": "skipped by rank 3: no_cache_space", "skipped_by": 3,
         "superseded_by": None, "superseded_by_version": None}
+    collected = RankStatus.from_wire({**RankStatus.skipped(record).wire(), "rank": 3, "from": "a newer build"})
+    assert collected.rank == 3 and collected.skip_report() == {
+        "rank": 3, "reason": "skipped by rank 3: no_cache_space", "superseded_by": None, "superseded_by_version": None}
+    assert RankStatus.from_wire({"state": "failed", "rank": 1, "error": "boom"}) == RankStatus("failed", 1, error="boom")
+    assert RankStatus.from_wire({"state": "?", "rank": 2}).state == "failed"  # any state but skipped fails it
 
 
 def test_a_committed_manifest_reads_the_disk_only_when_loaded(tmp_path):

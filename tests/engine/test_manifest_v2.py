@@ -14,12 +14,13 @@ import torch
 import xxhash
 
 from megatron_ext.engine import CheckpointError, read_manifest
-from megatron_ext.engine.format.manifest import TensorIndex, build_manifest, encode_json, file_tensors, summarize_report
-from megatron_ext.engine.format.version import FORMAT_VERSION
+from megatron_ext.engine.format.manifest import TensorIndex, encode_json
 from megatron_ext.engine.format.validation import validate_manifest
+from megatron_ext.engine.format.version import FORMAT_VERSION
 from megatron_ext.engine.read.inspect import describe
 from megatron_ext.engine.read.verify import verify_checkpoint
 
+from helpers.manifests import build_manifest, file_tensors, summarize_report
 from helpers.states import TINY, assert_same
 
 

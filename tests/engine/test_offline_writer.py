@@ -25,7 +25,7 @@ from megatron_ext.engine import CheckpointEngine, CheckpointError
 from megatron_ext.engine.format.names import MANIFEST
 from megatron_ext.engine.read.committed import open_committed
 from megatron_ext.engine.read.verify import verify_checkpoint
-from megatron_ext.engine.save.lock import LOCK_FILE
+from megatron_ext.engine.save.lifecycle.lock import LOCK_FILE
 from megatron_ext.engine.save.offline_writer import OfflineWriter
 
 from helpers.states import FAST, TINY, assert_same

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from megatron_ext.engine import ConfigError, EngineConfig, read_manifest
-from megatron_ext.engine.save.replica import holder_of, resolve_ranks_per_node, source_of
-from megatron_ext.engine.save.replica_store import ReplicaStore
+from megatron_ext.engine.save.replicas.replica import holder_of, resolve_ranks_per_node, source_of
+from megatron_ext.engine.save.replicas.replica_store import ReplicaStore
 
 from helpers.procs import REPO, child_env, torchrun_command
 from helpers.states import TINY

@@ -17,8 +17,8 @@ import torch
 from megatron_ext.engine import faults
 from megatron_ext.engine.errors import CacheError
 from megatron_ext.engine.host_cache import HostCache
-from megatron_ext.engine.save import copier
-from megatron_ext.engine.save.snapshot import run_slots
+from megatron_ext.engine.save.flow import copier
+from megatron_ext.engine.save.flow.snapshot import run_slots
 
 from helpers.states import assert_same, clone_state
 
@@ -73,7 +73,7 @@ def test_run_memory_spans_neighbouring_slots():
 
 
 def test_run_slots_is_half_the_cache_at_most_max_run_bytes_and_at_least_one():
-    from megatron_ext.engine.save.snapshot import MAX_RUN_BYTES
+    from megatron_ext.engine.save.flow.snapshot import MAX_RUN_BYTES
 
     assert run_slots(_cache(1)) == 1
     assert run_slots(_cache(16)) == 8

@@ -71,7 +71,7 @@ def test_the_flush_line_carries_the_engines_cpu(make_engine, tmp_path, monkeypat
     """The last level's flush line: the engine's CPU seconds since the last reading (its named
     threads and its I/O worker), the bytes since then, and per GB; the levels before it carry none.
     Read at the first checkpoint, then at most every ``CPU_READ_INTERVAL_S`` (here: every time)."""
-    from megatron_ext.engine.save.commit import Committer
+    from megatron_ext.engine.save.commit.committer import Committer
 
     monkeypatch.setattr(Committer, "CPU_READ_INTERVAL_S", 0.0)
     engine = make_engine(**TINY, local_dir=str(tmp_path / "local"))

@@ -4,7 +4,7 @@ docs/ARCHITECTURE.md ("What no test here executes") lists them: ``CudaCopier`` (
 compute stream, private copy stream, ``.contiguous()`` temporaries kept until synchronised, the
 stream synchronised for an abandoned copy), the pinned host cache, pinned restore buffers and
 ``non_blocking`` host-to-GPU copies in ``fast_read``, ``staged_read.read_into`` of GPU tensors through pinned
-slots, ``restore._wants_cuda``, the NCCL branch of ``engine.agree_load_level``, and (two GPUs)
+slots, ``restore._wants_cuda``, the NCCL branch of ``CommittedCheckpoint.agree_level``, and (two GPUs)
 the engine's threads bound to the rank's device rather than GPU 0 (``device.py``). The scenarios
 are shared with the CPU suite (``helpers.device_scenarios``). Issue 40's cases (portable pinning
 and a checked unregister on the cache's device, restore readers ordered after the caller's side
@@ -26,7 +26,7 @@ import torch
 from megatron_ext.engine import host_cache
 from megatron_ext.engine.read import fast_read, read_plan, staged_read
 from megatron_ext.engine.read import file_reader as restore
-from megatron_ext.engine.save.copier import CudaCopier, CudaMark
+from megatron_ext.engine.save.flow.copier import CudaCopier, CudaMark
 from megatron_ext.procs import torchrun_command
 
 from helpers import device_scenarios
@@ -96,7 +96,7 @@ def test_bench_engine_on_cuda_prints_the_cpu_keys(tmp_path):
 
 
 def test_one_nccl_rank_runs_the_engines_collectives_on_the_gpu(tmp_path):
-    """One GPU, one NCCL rank: ``all_reduce_int`` and ``agree_load_level`` on the default group take
+    """One GPU, one NCCL rank: ``all_reduce_int`` and ``CommittedCheckpoint.agree_level`` on the default group take
     the device rule's CUDA tensor, and NCCL refuses a host tensor (what the rule is for)."""
     out = tmp_path / "out"
     out.mkdir()

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import ClassVar
 
-from megatron_ext.engine.save.io_ops import OPERATIONS, FileIo
+from megatron_ext.engine.save.flow.io_ops import OPERATIONS, FileIo
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,8 @@ from megatron_ext.engine.format.manifest import (
     summarize_heads,
 )
 from megatron_ext.engine.format.validation import validate_manifest
-from megatron_ext.engine.save import coordination
-from megatron_ext.engine.save.coordination import RECORD, CommitChannel, ShareDamaged
+from megatron_ext.engine.save.commit import coordination
+from megatron_ext.engine.save.commit.coordination import RECORD, CommitChannel, ShareDamaged
 
 from helpers.hostile import C1, C2, SMALL, genuine_state
 

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, ConfigError, list_committed
-from megatron_ext.engine.save import commit as commit_module
+from megatron_ext.engine.format import report as report_module
+from megatron_ext.engine.save.commit import committer as commit_module
 
 from helpers.hostile import C1, C2, SMALL, genuine_state, name_of
 
@@ -87,7 +88,7 @@ def _second_checkpoint_fails_on_both_ranks(root, damage_from_now_on, error: str)
 @pytest.mark.parametrize("damage", [_escaping_path, _malformed, _claims_another_rank, _absurd_size],
                          ids=lambda f: f.__name__.strip("_"))
 def test_a_bad_share_fails_the_checkpoint_on_every_rank_and_deletes_nothing(tmp_path, monkeypatch, damage):
-    real = commit_module.manifest_part
+    real = report_module.manifest_part  # what each rank's durable share is made with
 
     def damaged(summary):
         head, shares = real(summary)
@@ -96,12 +97,12 @@ def test_a_bad_share_fails_the_checkpoint_on_every_rank_and_deletes_nothing(tmp_
         return head, shares
 
     _second_checkpoint_fails_on_both_ranks(tmp_path / "ckpt", lambda: monkeypatch.setattr(
-        commit_module, "manifest_part", damaged), rf"checkpoint {C2}.*rank 1")
+        report_module, "manifest_part", damaged), rf"checkpoint {C2}.*rank 1")
 
 
 def test_a_rank_report_that_would_not_load_fails_its_commit(tmp_path, monkeypatch):
     """Each rank holds its own report (the tensor index rank 0 never reads) to the loader's rules."""
-    real = commit_module.rank_report
+    real = commit_module.job_report
 
     def past_the_end(job, rank, world_size):
         report = real(job, rank, world_size)
@@ -111,7 +112,7 @@ def test_a_rank_report_that_would_not_load_fails_its_commit(tmp_path, monkeypatc
         return report
 
     _second_checkpoint_fails_on_both_ranks(tmp_path / "ckpt", lambda: monkeypatch.setattr(
-        commit_module, "rank_report", past_the_end), rf"checkpoint {C2}.*rank 1.*lie outside the file")
+        commit_module, "job_report", past_the_end), rf"checkpoint {C2}.*rank 1.*lie outside the file")
 
 
 def test_an_unversioned_checkpoint_is_never_the_newest(tmp_path):

@@ -21,9 +21,9 @@ import pytest
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, ConfigError, EngineConfig
 from megatron_ext.engine.files import private_dir
-from megatron_ext.engine.save import lock as dir_lock
-from megatron_ext.engine.save.replica import default_replica_dir
-from megatron_ext.engine.save.replica_store import ReplicaStore
+from megatron_ext.engine.save.lifecycle import lock as dir_lock
+from megatron_ext.engine.save.replicas.replica import default_replica_dir
+from megatron_ext.engine.save.replicas.replica_store import ReplicaStore
 
 from helpers.hostile import SMALL
 

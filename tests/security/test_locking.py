@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, list_committed
-from megatron_ext.engine.save import lock as dir_lock
+from megatron_ext.engine.save.lifecycle import lock as dir_lock
 
 from helpers.hostile import SMALL
 from helpers.procs import REPO, child_env, torchrun_command
@@ -223,7 +223,7 @@ def test_a_forked_child_does_not_keep_the_lock_after_the_engine_releases_it(tmp_
     the parent closes the other pipe: no sleep decides the order."""
     import select
 
-    from megatron_ext.engine.save import lock as dir_lock
+    from megatron_ext.engine.save.lifecycle import lock as dir_lock
 
     first = dir_lock.acquire(str(tmp_path), "aaaaaaaaaaaa", "save_dir")
     up_r, up_w = os.pipe()

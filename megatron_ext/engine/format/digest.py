@@ -13,6 +13,7 @@ Only xxhash here: the I/O worker process imports it (io_ops.py).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from typing import Iterable, Sequence
 
 import xxhash
@@ -96,4 +97,14 @@ def valid_cuts(cuts, size: int) -> bool:
     return True
 
 
-__all__ = ["PIECEWISE_FROM_VERSION", "FileDigest", "combine", "cuts_of", "tensor_file_digest", "valid_cuts"]
+@dataclasses.dataclass(frozen=True)
+class FileChecksums:
+    """A written file's checksums (xxh3-64, hex), as its rank report records them: the tensor file
+    (of its pieces), each tensor in file order, the sidecar (the I/O worker's ``finish`` reply)."""
+
+    file: str
+    tensors: tuple[str, ...]
+    sidecar: str
+
+
+__all__ = ["PIECEWISE_FROM_VERSION", "FileChecksums", "FileDigest", "combine", "cuts_of", "tensor_file_digest", "valid_cuts"]

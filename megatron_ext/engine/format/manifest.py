@@ -2,7 +2,7 @@
 
 Each rank encodes its share of it (``manifest_part``) and holds those exact bytes to the rules a
 loader applies (``check_share``) before posting them; rank 0 joins the shares that arrived intact
-(save/coordination.py) and checks what spans ranks (``assemble_manifest``) before it commits.
+(save/commit/coordination.py) and checks what spans ranks (``assemble_manifest``) before it commits.
 Every reader trusts a manifest only after validation (format/validation.py, docs/FORMAT.md).
 
 Format 2 keeps rank 0's work independent of the number of tensors: the manifest lists each rank's
@@ -24,7 +24,7 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointError
-from .names import FORMAT_NAME, MANIFEST, REPORTS, report_name
+from .names import FORMAT_NAME, REPORTS, report_name
 from .tensor_file import INT64_MAX
 from .version import FORMAT_VERSION
 from .strict_json import parse_json as strict_json
@@ -62,11 +62,6 @@ def summary_of(report: dict, data: bytes, rel: str) -> dict:
     return {"rank": report.get("rank"), "version": report.get("version"),
             "report": {"file": rel, "size": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)},
             "files": files}
-
-
-def summarize_report(report_bytes: bytes, rel: str) -> dict:
-    """``summary_of`` a serialized report (read back from disk)."""
-    return summary_of(parse_json(report_bytes, rel), report_bytes, rel)
 
 
 #: The parts of a manifest each rank encodes for itself (``manifest_part``) and rank 0 joins.
@@ -131,7 +126,7 @@ def check_share(checkpoint: str, run_id: str, rank: int, world_size: int, head: 
                               f"{exc}") from None
 
 
-#: Bytes that frame shares in the commit store (save/coordination.py). Strict JSON never holds one:
+#: Bytes that frame shares in the commit store (save/commit/coordination.py). Strict JSON never holds one:
 #: inside strings control characters are escaped, outside them they are not whitespace.
 FRAMING_BYTES = (b"\x1e", b"\x1f")
 
@@ -158,7 +153,7 @@ def summarize_heads(checkpoint: str, heads: list[list], ranks: range) -> list:
     """What rank 0 checks across the ranks ``ranks``, condensed from their heads ``[rank, version,
     bytes, *names]`` (``manifest_part``, in rank order): ``[bytes, versions, *names]``, the versions
     (distinct, in no order) of the ranks that saved files. A group's leader forwards this for its
-    group (save/coordination.py), so rank 0 handles one summary per group, not per rank."""
+    group (save/commit/coordination.py), so rank 0 handles one summary per group, not per rank."""
     got = list(map(itemgetter(0), heads))  # C-speed passes: this runs over every rank each commit
     if got != list(ranks):
         if len(got) != len(ranks):
@@ -197,7 +192,7 @@ def assemble_manifest(checkpoint: str, run_id: str, version: int | None, world_s
 
     What only rank 0 can check is checked here: names unique across ranks, one version, its own
     header by the loader's rules, the size bound. With shares that each passed ``check_share`` and
-    arrived intact (save/coordination.py), that is every rule ``read_manifest`` applies
+    arrived intact (save/commit/coordination.py), that is every rule ``read_manifest`` applies
     (docs/FORMAT.md, "Manifest validation").
     """
     names = summary[2:]
@@ -247,20 +242,6 @@ def _owners(files: bytes, name: str) -> list:
         return [dict(entry).get("rank", "?") for key, entry in pairs if key == name]
     except (ValueError, TypeError):
         return ["?", "?"]
-
-
-def build_manifest(checkpoint: str, run_id: str, version: int | None, world_size: int, summaries: list[dict],
-                   attempt_of: str | None = None) -> dict:
-    """The manifest ``assemble_manifest`` writes for these summaries, as a dict (for tools and tests)."""
-    heads, shares = [], {name: [] for name in MANIFEST_SHARES}
-    for summary in summaries:
-        head, share = manifest_part(summary)
-        heads.append([summary["rank"], *head])
-        for name in MANIFEST_SHARES:
-            shares[name].append(share[name])
-    summary = summarize_heads(checkpoint, heads, range(world_size))
-    _, data = assemble_manifest(checkpoint, run_id, version, world_size, summary, shares, attempt_of)
-    return parse_json(data, f"{checkpoint}/{MANIFEST}")
 
 
 class TensorIndex:
@@ -317,12 +298,3 @@ class TensorIndex:
             return validate_report(report, m, rank)
         except FormatViolation as exc:
             raise CheckpointError(f"{path}: {exc}") from None
-
-
-def file_tensors(checkpoint_dir: str, manifest: dict, name: str) -> dict:
-    """File ``name``'s tensor index from a validated manifest of either format.
-
-    One-off: each call reads the rank's report again; callers that read several files keep a ``TensorIndex``.
-    """
-    return TensorIndex(checkpoint_dir, manifest).tensors(name)
-

@@ -37,9 +37,19 @@ def valid_name(name: Any) -> bool:
     return 0 < size <= 255 and "/" not in name and "\0" not in name and not name.startswith(".")
 
 
+#: What ends the name of a failure report and of a skip report in ``.reports`` (beside the rank reports).
+ERROR_REPORT_SUFFIX = ".error.json"
+SKIP_REPORT_SUFFIX = ".skipped.json"
+
+
 def report_name(rank: int, run_id: str, error: bool = False) -> str:
-    """A rank report's file name (``.error`` for a failure report)."""
-    return f"rank-{rank:05d}.{run_id}{'.error' if error else ''}.json"
+    """A rank report's file name (``ERROR_REPORT_SUFFIX`` for a failure report)."""
+    return f"rank-{rank:05d}.{run_id}{ERROR_REPORT_SUFFIX if error else '.json'}"
+
+
+def skip_report_name(rank: int, run_id: str) -> str:
+    """The skip report a rank that skipped a checkpoint leaves in its ``.reports`` (for ``inspect``)."""
+    return f"rank-{rank:05d}.{run_id}{SKIP_REPORT_SUFFIX}"
 
 
 LEVEL_HOST = "host"

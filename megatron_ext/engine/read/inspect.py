@@ -13,7 +13,7 @@ from typing import Callable
 from ..errors import CheckpointError
 from ..files import tree_bytes
 from ..format.catalog import commit_order, read_manifest
-from ..format.names import MANIFEST, REPORTS
+from ..format.names import ERROR_REPORT_SUFFIX, MANIFEST, REPORTS, SKIP_REPORT_SUFFIX
 from .committed import CommittedCheckpoint, ReadOptions, open_committed
 from .entries import FileEntry
 
@@ -72,9 +72,9 @@ def describe(root: str, local_dir: str | None = None, only: str | None = None,
             row["levels"] = levels
         else:
             reports = os.listdir(os.path.join(path, REPORTS)) if os.path.isdir(os.path.join(path, REPORTS)) else []
-            row["rank_reports"] = len([r for r in reports if not r.endswith((".error.json", ".skipped.json"))])
-            row["error_reports"] = len([r for r in reports if r.endswith(".error.json")])
-            row["skip_reports"] = len([r for r in reports if r.endswith(".skipped.json")])
+            row["rank_reports"] = len([r for r in reports if not r.endswith((ERROR_REPORT_SUFFIX, SKIP_REPORT_SUFFIX))])
+            row["error_reports"] = len([r for r in reports if r.endswith(ERROR_REPORT_SUFFIX)])
+            row["skip_reports"] = len([r for r in reports if r.endswith(SKIP_REPORT_SUFFIX)])
         rows.append(row)
         if progress is not None:
             progress(row.get("bytes", 0), 1)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from ..format.names import LEVEL_LOCAL, LEVEL_SHARED
 from ..telemetry import Telemetry
-from .jobs import CheckpointJob, FileJob
+from .job.jobs import CheckpointJob, FileJob
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

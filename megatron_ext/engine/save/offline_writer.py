@@ -8,7 +8,7 @@ buffer of ``chunk_bytes``, so its memory does not grow with N or with the checkp
 
 What it writes is what the engine writes for the same states, byte for byte: the same planned
 files (``file_plan.PlannedFile``: sidecar, safetensors layout), the same checksums
-(``io_ops.FileIo``, also the I/O worker's), the same rank reports (``commit.rank_report``) and the
+(``io_ops.FileIo``, also the I/O worker's), the same rank reports (``format.report``) and the
 manifest assembled and checked by the same functions as rank 0's; the save directory's lock is
 taken for the run as the engine's rank 0 takes it. Not written: telemetry (nothing trains here),
 a node-local level, peer replicas. The checkpoint directory must be new (no earlier attempt's
@@ -28,17 +28,16 @@ import torch
 from ..config import EngineConfig, check_writable_dir
 from ..errors import CheckpointError, ConfigError
 from ..files import atomic_write
-from ..format.manifest import MANIFEST_SHARES, assemble_manifest, encode_json, summarize_heads
+from ..format.manifest import MANIFEST_SHARES, assemble_manifest, summarize_heads
 from ..format.names import MANIFEST, REPORTS, RUN_ID, report_name, valid_name
-from ..format.validation import check_report
 from ..read.entries import CommittedManifest
-from . import lock as dir_lock
-from .commit import durable_status, rank_report
-from .copier import CpuCopier
-from .file_plan import PlannedFile, check_names
-from .flush import DirectChoice
-from .io_ops import FileIo
-from .jobs import CheckpointJob, FileJob
+from .commit.committer import checked_report
+from .flow.copier import CpuCopier
+from .flow.file_plan import PlannedFile, check_names
+from .flow.flush import DirectChoice
+from .flow.io_ops import FileIo
+from .job.jobs import CheckpointJob, FileJob
+from .lifecycle import lock as dir_lock
 
 
 class OfflineWriter:
@@ -127,12 +126,7 @@ class OfflineWriter:
                 end = min(start + chunk, layout.size)
                 head = layout.header_in(start, end)
                 self._buffer[:len(head)] = head
-                found, seg = layout.spans_in(start, end, seg)
-                parts = []
-                for k, lo, hi in found:
-                    s = layout.spans[k]
-                    parts.append((s.tensor, lo - s.start, hi - s.start, self._bytes[lo - start:hi - start]))
-                self._copier.copy_many(parts)
+                seg = self._copier.copy_range(layout, start, end, self._bytes, seg, lambda k: layout.spans[k].tensor)
                 self._run(number, start, end - start, path, directory, spans if start == 0 else None)
             sums = self._io.finish(number, layout.size, os.path.join(self.root, fjob.sidecar_rel), fjob.sidecar)
         except OSError as exc:
@@ -166,17 +160,14 @@ class OfflineWriter:
         for rank in range(self.world_size):
             job = self._job(rank)
             job.make_directory(reports_dir)
-            report = rank_report(job, rank, self.world_size)
-            check_report(report, rank)  # what a loader will ask of it, before it counts
-            data = encode_json(report)
+            data, (head, share) = checked_report(job, rank, self.world_size)
             atomic_write(os.path.join(reports_dir, report_name(rank, self.run_id)), data)
-            head, share = durable_status(report, data, f"{self.checkpoint}/{REPORTS}/{report_name(rank, self.run_id)}")
             heads.append([rank, *head])
             for part in MANIFEST_SHARES:
                 shares[part].append(share[part])
         summary = summarize_heads(self.checkpoint, heads, range(self.world_size))
         header, data = assemble_manifest(self.checkpoint, self.run_id, self.version, self.world_size, summary, shares)
-        # Each share was held to the loader's rules as it was made (``durable_status``), the rules
+        # Each share was held to the loader's rules as it was made (``durable_share``), the rules
         # that span ranks by ``assemble_manifest``: what the engine's ranks and rank 0 check.
         atomic_write(os.path.join(self.checkpoint_dir, MANIFEST), data)
         self._committed = CommittedManifest(header, self.checkpoint_dir)

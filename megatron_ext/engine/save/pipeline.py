@@ -26,21 +26,20 @@ from typing import Any
 from ..config import EngineConfig
 from ..host_cache import HostCache
 from ..telemetry import Telemetry
-from .commit import Committer
+from .commit.committer import Committer
+from .commit.coordination import CommitChannel, CommitGroups, open_stores
+from .commit.failure import FailureHandler
 from .context import SaveContext
-from .coordination import CommitChannel, CommitGroups, open_stores
-from .copier import make_copier
-from .failure import FailureHandler
-from .flush import LevelStager, RankWriter
-from .io_worker import IoWorker, LocalIo
-from .job_table import JobTable
-from .ownership import DirectoryOwnership
-from .replica import PeerReplicas, default_replica_dir
-from .retention import RetentionStage
-from .signal import CommitSignal
-from .skip_settle import SkipSettler
-from .skips import Skips
-from .snapshot import SnapshotScheduler
+from .flow.copier import make_copier
+from .flow.flush import LevelStager, RankWriter
+from .flow.io_worker import IoWorker, LocalIo
+from .flow.snapshot import SnapshotScheduler
+from .job.signal import CommitSignal
+from .job.table import JobTable
+from .lifecycle.ownership import DirectoryOwnership
+from .lifecycle.retention import RetentionStage
+from .overload import PeerSkips, SkipSettler, Skips
+from .replicas.replica import PeerReplicas, default_replica_dir
 
 
 @dataclasses.dataclass(eq=False)
@@ -86,7 +85,8 @@ class SavePipeline:
             replica_dir = config.replica_dir or default_replica_dir(config.save_dir)
             replicas = PeerReplicas(ctx, config.ranks_per_node, replica_dir)
         retention = RetentionStage(config, ownership, jobs, replicas)
-        committer = Committer(ctx, channel=channel, signal=signal, settle_skipped=scheduler.settle_later,
+        peer_skips = PeerSkips(telemetry, scheduler, signal)
+        committer = Committer(ctx, channel=channel, signal=signal, peer_skipped=peer_skips.abandon,
                               may_remove=ownership.holds, retention=retention, io=io.channel("committer"))
         skips = Skips(ctx, config, jobs, cache, scheduler, channel, signal, lambda: committer.newest_committed)
         return cls(ctx, channel, signal, failures, io, stager, writer, scheduler, replicas, retention,

@@ -15,11 +15,11 @@ import logging
 import os
 import uuid
 
-from ..collectives import all_reduce_int
-from ..config import EngineConfig
-from ..errors import CheckpointError
 from . import lock as dir_lock
 from . import retention
+from ...collectives import all_reduce_int
+from ...config import EngineConfig
+from ...errors import CheckpointError
 
 log = logging.getLogger("megatron_ext.engine")
 

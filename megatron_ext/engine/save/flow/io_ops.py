@@ -27,10 +27,10 @@ from typing import Any, Callable, ClassVar
 
 import xxhash
 
-from ..files import ChunkFile, atomic_write, fsync_dir, round_up, write_durable
-from ..format.digest import FileDigest, cuts_of
-from ..priority import lowest_cpu_priority
-from ..threads import name_os_thread
+from ...files import ChunkFile, atomic_write, fsync_dir, round_up, write_durable
+from ...format.digest import FileChecksums, FileDigest, cuts_of
+from ...priority import lowest_cpu_priority
+from ...threads import name_os_thread
 
 
 class IoError(Exception):
@@ -98,15 +98,6 @@ class StageRequest:
     expected: str | None
     chunk_bytes: int
     cuts: tuple[int, ...] | None = None  # a tensor file's pieces (format/digest.py); None: a plain file
-
-
-@dataclasses.dataclass(frozen=True)
-class FileChecksums:
-    """``finish``'s reply (xxh3-64, hex): the tensor file (of its pieces), each tensor in file order, the sidecar."""
-
-    file: str
-    tensors: tuple[str, ...]
-    sidecar: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,4 +282,4 @@ def perform(io: FileIo, request: Any) -> Any:
 
 
 __all__ = ["FileIo", "IoError", "OPERATIONS", "perform", "RunRequest", "FinishRequest", "AbortRequest",
-           "AtomicWriteRequest", "StageRequest", "FileChecksums", "Failure"]
+           "AtomicWriteRequest", "StageRequest", "Failure"]

@@ -24,20 +24,20 @@ import itertools
 import os
 from typing import TYPE_CHECKING, Callable
 
-from .. import faults
-from ..device import bind_thread
-from ..errors import CheckpointError
-from ..files import supports_o_direct
-from ..format.names import LEVEL_LOCAL, LEVEL_SHARED
-from ..host_cache import HostCache
-from .context import SaveContext
+from ... import faults
+from ...device import bind_thread
+from ...errors import CheckpointError
+from ...files import supports_o_direct
+from ...format.names import LEVEL_LOCAL, LEVEL_SHARED
+from ...host_cache import HostCache
+from ..context import SaveContext
+from ..job.jobs import CheckpointJob, FileJob
+from ..job.messages import Chunk, Discard
 from .io_worker import IoChannel
-from .jobs import CheckpointJob, FileJob
-from .messages import Chunk, Discard
 from .worker import QueueWorker
 
 if TYPE_CHECKING:
-    from .signal import CommitSignal
+    from ..job.signal import CommitSignal
 
 
 def _use_direct(setting, directory: str) -> bool:

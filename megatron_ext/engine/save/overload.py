@@ -6,34 +6,54 @@ decides posts ``skipped`` to the commit store (and leaves a skip report for ``in
 decides ``skipped``, and every other rank abandons the same checkpoint. The durable-age
 bound (``max_durable_age``) turns a save back to "wait" when the newest durable one is too old.
 
-Each thread has its own part, so no module is called from three threads: ``Skips`` here is the
-training thread's (a new checkpoint's policy, ``wait_snapshot``'s wait, the skips decided then);
-the snapshot thread's is ``SkipSettler`` (skip_settle.py: superseding when the cache is full,
-the notice, the report and the file removal); the committer's is a peer's skip that rank 0
-decided (commit.py). A skip decided here is handed to the snapshot thread to settle
-(``SnapshotScheduler.settle_later``).
+This module is the only caller of ``CheckpointJob.skip`` and the only writer of the "skipped"
+telemetry (``_record``). Each thread has its own part, so no part is called from two threads:
+``Skips`` is the training thread's (a new checkpoint's policy, ``wait_snapshot``'s wait, the skips
+decided then); ``SkipSettler`` the snapshot thread's (superseding when the cache is full, the notice,
+the report and the file removal); ``PeerSkips`` the committer's (a peer's skip that rank 0 decided).
+A skip decided on the training thread or the committer is handed to the snapshot thread to settle
+(``SnapshotScheduler.settle_later``), so the notice, the report and the ``Discard`` behind the
+checkpoint's last chunk are made in one place, in queue order, and never cost the training thread a
+store call or a file write.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
 from ..config import EngineConfig, OverloadPolicy
 from ..errors import CheckpointError
+from ..files import atomic_write_json
+from ..format.names import REPORTS, skip_report_name
 from ..host_cache import HostCache
+from ..telemetry import Telemetry
+from .commit.coordination import CommitChannel
+from .commit.records import job_key
 from .context import SaveContext
-from .coordination import CommitChannel
-from .job_table import JobTable
-from .jobs import CheckpointJob, FileJob, JobState
-from .records import SkipRecord, job_key
-from .signal import CommitSignal
-from .snapshot import SnapshotScheduler
+from .flow.flush import RankWriter
+from .flow.snapshot import SnapshotScheduler
+from .job.jobs import CheckpointJob, FileJob, JobState
+from .job.messages import Discard
+from .job.signal import CommitSignal
+from .job.skip import SkipRecord
+from .job.table import JobTable
 
+#: Where the snapshot thread may still supersede a checkpoint: before its flush started.
+UNFLUSHED = frozenset({JobState.OPEN})
 #: Where this rank may still decide a skip itself: before it reports.
-_UNREPORTED = frozenset({JobState.OPEN, JobState.FLUSHING})
+UNREPORTED = frozenset({JobState.OPEN, JobState.FLUSHING})
 #: Where a peer's skip still abandons it here: anything short of committed.
-_UNCOMMITTED = frozenset({JobState.OPEN, JobState.FLUSHING, JobState.REPORTED})
+UNCOMMITTED = frozenset({JobState.OPEN, JobState.FLUSHING, JobState.REPORTED})
+
+
+def _record(telemetry: Telemetry, job: CheckpointJob, record: SkipRecord, allowed_from: frozenset[JobState]) -> bool:
+    """The skip, if ``job`` is still in one of ``allowed_from``: its state, then its telemetry line."""
+    if not job.skip(record, allowed_from=allowed_from):
+        return False
+    telemetry.emit("skipped", job.checkpoint, "all", job.nbytes, version=job.version, **record.fields())
+    return True
 
 
 class Skips:
@@ -147,9 +167,9 @@ class Skips:
         """Drop in-flight checkpoints another rank skipped, so their flush does not delay newer ones."""
         for job in self.jobs.jobs():
             if not job.abandoned and not job.settled.is_set():
-                detail = self.channel.peer_skip(job_key(job))
-                if detail is not None and detail.get("rank") != self.rank:
-                    self._record(job, SkipRecord.from_peer(detail), _UNCOMMITTED)
+                record = self.channel.peer_skip(job_key(job))
+                if record is not None:
+                    self._record(job, record, UNCOMMITTED)
 
     def _skip(self, job: CheckpointJob, reason: str, superseded_by: CheckpointJob | None = None) -> bool:
         """Decide here to abandon ``job`` (never committed, files removed); False if too late for that.
@@ -159,16 +179,70 @@ class Skips:
         """
         record = SkipRecord(reason, self.rank, superseded_by.checkpoint if superseded_by else None,
                             superseded_by.version if superseded_by else None)
-        return self._record(job, record, _UNREPORTED)
+        return self._record(job, record, UNREPORTED)
 
     def _record(self, job: CheckpointJob, record: SkipRecord, allowed_from: frozenset[JobState]) -> bool:
-        """The skip, if still allowed: telemetry, then the snapshot thread settles it, and the committer is told."""
-        if not job.skip(record, allowed_from=allowed_from):
+        """The skip, if still allowed; then the snapshot thread settles it, and the committer is told."""
+        if not _record(self.ctx.telemetry, job, record, allowed_from):
             return False
-        self.ctx.telemetry.emit("skipped", job.checkpoint, "all", job.nbytes, version=job.version, **record.fields())
         self.scheduler.settle_later(job)
         self.signal.notify()
         return True
 
 
-__all__ = ["Skips"]
+class SkipSettler:
+    """Supersedes and settles skipped checkpoints, on the snapshot thread (see the module docstring)."""
+
+    def __init__(self, ctx: SaveContext, jobs: JobTable, writer: RankWriter, channel: CommitChannel,
+                 signal: CommitSignal):
+        self.ctx = ctx
+        self.rank = ctx.rank
+        self.jobs = jobs
+        self.writer = writer  # removes a skipped checkpoint's files, behind its chunks (``Discard``)
+        self.channel = channel  # the skip notice: the other ranks drop it before rank 0's decision
+        self.signal = signal  # the committer: a skipped checkpoint is settled without waiting for its files
+
+    def supersede_older(self, newer: CheckpointJob) -> None:
+        """Cache full under "supersede": drop older checkpoints whose flush has not started."""
+        for job in self.jobs.jobs():
+            if job is newer:
+                return
+            if job.settled.is_set() or not all(f.snapshot_done.is_set() for f in job.files):
+                continue
+            record = SkipRecord("superseded", self.rank, newer.checkpoint, newer.version)
+            if _record(self.ctx.telemetry, job, record, UNFLUSHED):
+                self.writer.take_back(job)
+                self.settle(job)
+                self.signal.notify()
+
+    def settle(self, job: CheckpointJob) -> None:
+        """Once every file of a skipped checkpoint is done with: tell the peers, leave the report, drop its files."""
+        if job.skipped is None or not all(f.snapshot_done.is_set() for f in job.files):
+            return
+        if not job.advance(JobState.DISCARDED):
+            return  # settled already
+        if job.skipped.by_rank == self.rank:
+            self.channel.notify_skip(job_key(job), job.skipped)  # the others drop it before the decision
+            reports = os.path.join(job.root, job.checkpoint, REPORTS)  # the record, for inspect
+            os.makedirs(reports, exist_ok=True)
+            atomic_write_json(os.path.join(reports, skip_report_name(self.rank, job.tag)),
+                              job.skipped.report(self.rank, job.tag, job.version))
+        self.writer.submit(Discard(job))  # behind the checkpoint's last chunk: removes its files
+
+
+class PeerSkips:
+    """The committer's part: rank 0 decided that another rank skipped a checkpoint."""
+
+    def __init__(self, telemetry: Telemetry, scheduler: SnapshotScheduler, signal: CommitSignal):
+        self.telemetry = telemetry
+        self.scheduler = scheduler  # removes this rank's files of it (``settle_later``)
+        self.signal = signal
+
+    def abandon(self, job: CheckpointJob, report: dict) -> None:
+        """Drop ``job`` here as well (``report``: the skipping rank's, from rank 0's decision), short of committed."""
+        if _record(self.telemetry, job, SkipRecord.from_peer(report), UNCOMMITTED):
+            self.scheduler.settle_later(job)
+            self.signal.notify()
+
+
+__all__ = ["PeerSkips", "SkipSettler", "Skips", "UNCOMMITTED", "UNFLUSHED", "UNREPORTED"]

@@ -36,7 +36,7 @@ import stat
 import time
 import weakref
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 LOCK_FILE = ".datastates.lock"
 #: Runs remembered as former holders (retention may remove their checkpoints).

@@ -38,36 +38,26 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
-from ..errors import CheckpointError, CheckpointSkipped
-from ..files import atomic_write
-from ..format.manifest import (
-    MANIFEST_SHARES,
-    assemble_manifest,
-    check_share,
-    encode_json,
-    manifest_part,
-    merge_summaries,
-    summarize_heads,
-    summary_of,
-)
-from ..format.names import FORMAT_NAME, LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, MANIFEST, REPORTS, report_name
-from ..format.version import FORMAT_VERSION
-from ..format.validation import check_report
-from ..read.entries import CommittedManifest
-from ..threads import CpuMeter, EngineThread
-from .context import SaveContext
+from ...errors import CheckpointError, CheckpointSkipped
+from ...files import atomic_write
+from ...format.manifest import MANIFEST_SHARES, assemble_manifest, check_share, encode_json, merge_summaries, summarize_heads
+from ...format.names import LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, MANIFEST, REPORTS, report_name
+from ...format.report import durable_share, rank_report
+from ...format.validation import check_report
+from ...read.entries import CommittedManifest
+from ...threads import CpuMeter, EngineThread
+from ..context import SaveContext
+from ..job.jobs import CheckpointJob, CommitOutcome, JobState
+from ..job.signal import CommitSignal
+from ..lifecycle.retention import remove_unlisted
 from .coordination import COMMITTED, SKIPPED, Collected, CommitChannel, DecisionTimeout, ShareDamaged
-from .jobs import CheckpointJob, CommitOutcome, JobState
-from .records import CommitDecision, FailedStatus, SkipRecord, job_key
-from .retention import remove_unlisted
-from .signal import CommitSignal
+from .records import CommitDecision, RankStatus, job_key
 
 if TYPE_CHECKING:
-    from .io_worker import IoChannel
-    from .retention import RetentionStage
+    from ..flow.io_worker import IoChannel
+    from ..lifecycle.retention import RetentionStage
 
 #: Where a peer's skip still abandons a checkpoint here: anything short of committed.
-UNCOMMITTED = frozenset({JobState.OPEN, JobState.FLUSHING, JobState.REPORTED})
 
 #: Ranks other than 0 wait this much longer than rank 0 for the decision, so that when a rank is
 #: missing, rank 0's timeout (which names it) comes first and reaches everyone. Rank 0's clock
@@ -79,17 +69,22 @@ DECISION_GRACE_S = 30.0
 def abandoned_status(job: CheckpointJob) -> dict:
     """What a rank posts for a checkpoint it will not commit (skipped or failed here)."""
     if job.skipped is not None:
-        return job.skipped.status()
-    return FailedStatus(f"{type(job.error).__name__}: {job.error}").wire()
+        return RankStatus.skipped(job.skipped).wire()
+    return RankStatus.failed(f"{type(job.error).__name__}: {job.error}").wire()
 
 
-def rank_report(job: CheckpointJob, rank: int, world_size: int) -> dict:
-    """The record of one rank's files of a checkpoint (``.reports/rank-RRRRR.<tag>.json``)."""
-    return {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "run_id": job.tag,
-        "rank": rank, "world_size": world_size, "checkpoint": job.checkpoint,
-        "version": job.version, "files": [f.report() for f in job.files],
-    }
+def job_report(job: CheckpointJob, rank: int, world_size: int) -> dict:
+    """``job``'s rank report (``format.report.rank_report``) of this rank's files."""
+    return rank_report(job.tag, rank, world_size, job.checkpoint, job.version, [f.report() for f in job.files])
+
+
+def checked_report(job: CheckpointJob, rank: int, world_size: int) -> tuple[bytes, tuple[list, dict[str, bytes]]]:
+    """``rank``'s report of ``job`` as its file's bytes, held to a loader's rules before it counts, and
+    the durable share made of them: the one way the live commit and ``OfflineWriter`` report a rank."""
+    report = job_report(job, rank, world_size)
+    check_report(report, rank)
+    data = encode_json(report)
+    return data, durable_share(report, data, f"{job.checkpoint}/{REPORTS}/{report_name(rank, job.tag)}")
 
 
 @contextlib.contextmanager
@@ -109,32 +104,19 @@ def gc_paused():
             gc.enable()
 
 
-def durable_status(report: dict, data: bytes, rel: str) -> tuple[list, dict[str, bytes]]:
-    """What a rank posts once its files are durable: a small head and its share of the manifest,
-    encoded here (``manifest_part``) and held, as the exact bytes posted, to the loader's rules
-    (``check_share``), so rank 0 joins the N shares without decoding or validating them.
-
-    Never the tensor index: that stays in the report file, so the store and rank 0 handle O(files)
-    bytes per rank, not O(tensors).
-    """
-    head, shares = manifest_part(summary_of(report, data, rel))
-    check_share(report["checkpoint"], report["run_id"], report["rank"], report["world_size"], head, shares)
-    return head, shares
-
-
 class Committer:
     """Background thread: rank reports and statuses, and on rank 0 the manifest and the decision.
 
     It sleeps on ``signal`` (signal.py), which the flush stages notify when a file is durable and
     the engine, the skips and the failure handler when anything else it waits for changed.
 
-    A peer's skip that rank 0 decided is recorded here, on this thread (``_abandon_for_peer``);
-    ``settle_skipped`` (the snapshot scheduler's) then removes this rank's files of it.
+    A peer's skip that rank 0 decided goes to ``peer_skipped`` (``overload.PeerSkips.abandon``), on
+    this thread; None (the commit bench's committers, which never skip) only settles the job.
     ``newest_committed`` is this thread's alone: the newest version committed in this run.
     """
 
     def __init__(self, ctx: SaveContext, *, channel: CommitChannel, signal: CommitSignal,
-                 settle_skipped: Callable[[CheckpointJob], None] | None = None,
+                 peer_skipped: Callable[[CheckpointJob, dict], None] | None = None,
                  may_remove: Callable[[str], bool] = lambda root: False,
                  retention: "RetentionStage | None" = None, io: "IoChannel | None" = None):
         self.ctx = ctx
@@ -148,7 +130,7 @@ class Committer:
         self.check = ctx.check
         self.channel = channel
         self.signal = signal
-        self.settle_skipped = settle_skipped  # a peer skipped a checkpoint: drop its files here too
+        self.peer_skipped = peer_skipped  # a peer skipped a checkpoint: drop it here too
         self.newest_committed: int | None = None  # newest version committed in this run (durable-age bound)
         self.may_remove = may_remove  # whether this rank holds the lock of a root (lock.py)
         self.retention = retention  # the next stage (retention.RetentionStage), or None
@@ -213,7 +195,8 @@ class Committer:
                     self._commit(job)
                 job.settle()
             except CheckpointSkipped as exc:
-                self._abandon_for_peer(job, exc)
+                if self.peer_skipped is not None:
+                    self.peer_skipped(job, exc.report)
                 job.settle()
             except BaseException as exc:
                 if self.rank == 0:  # the others wait for a decision: make sure there is one
@@ -226,15 +209,6 @@ class Committer:
                 job.settle()  # waiters wake up and see the error
                 if fatal:
                     return
-
-    def _abandon_for_peer(self, job: CheckpointJob, exc: CheckpointSkipped) -> None:
-        """Rank 0 decided that another rank skipped ``job``: drop it here as well, short of committed."""
-        record = SkipRecord.from_peer(exc.report)
-        if job.skip(record, allowed_from=UNCOMMITTED):
-            self.telemetry.emit("skipped", job.checkpoint, "all", job.nbytes, version=job.version, **record.fields())
-            if self.settle_skipped is not None:
-                self.settle_skipped(job)
-            self.signal.notify()
 
     def _commit(self, job: CheckpointJob) -> None:
         """Report, post, decide (rank 0) or learn the decision; the caller then settles the job."""
@@ -254,7 +228,7 @@ class Committer:
             status, shares = self._write_reports(job)
         except BaseException as exc:
             if post:  # the others learn it now, not when rank 0's wait runs out
-                self.channel.post(key, FailedStatus(f"{type(exc).__name__}: {exc}").wire())
+                self.channel.post(key, RankStatus.failed(f"{type(exc).__name__}: {exc}").wire())
             self._forward(job, key)
             raise
         self._emit_levels(job)
@@ -289,10 +263,7 @@ class Committer:
 
     def _write_reports(self, job: CheckpointJob) -> tuple[list, dict[str, bytes]]:
         """This rank's report, durable on the shared level (and the local one); returns its durable status."""
-        report = rank_report(job, self.rank, self.world_size)
-        check_report(report, self.rank)  # what a loader will ask of it, before it counts
-        data = encode_json(report)
-        status = durable_status(report, data, f"{job.checkpoint}/{REPORTS}/{report_name(self.rank, job.tag)}")
+        data, status = checked_report(job, self.rank, self.world_size)
         reports_dir = os.path.join(job.root, job.checkpoint, REPORTS)
         job.make_directory(reports_dir)
         self._atomic_write(os.path.join(reports_dir, report_name(self.rank, job.tag)), data)
@@ -392,18 +363,17 @@ class Committer:
             return self._settle(job, key, collected)
 
     def _settle(self, job: CheckpointJob, key: str, collected: Collected) -> CommitDecision:
-        skipped = [s for s in collected.others if s["state"] == SKIPPED]
-        failed = [s for s in collected.others if s["state"] != SKIPPED]
+        others = [RankStatus.from_wire(s) for s in collected.others]
+        skipped = [s for s in others if s.state == SKIPPED]
+        failed = [s for s in others if s.state != SKIPPED]
         missing = collected.missing
         if skipped:
             first = skipped[0]
-            detail = {"rank": first["rank"], "reason": first.get("reason"), "superseded_by": first.get("superseded_by"),
-                      "superseded_by_version": first.get("superseded_by_version")}
             decision = CommitDecision.skipped(
-                detail, f"checkpoint {job.checkpoint} skipped by rank {first['rank']}: {first.get('reason')}")
+                first.skip_report(), f"checkpoint {job.checkpoint} skipped by rank {first.rank}: {first.reason}")
         elif failed:
-            decision = CommitDecision.failed(f"checkpoint {job.checkpoint} failed on rank {failed[0]['rank']}: "
-                                             f"{failed[0].get('error')}")
+            decision = CommitDecision.failed(f"checkpoint {job.checkpoint} failed on rank {failed[0].rank}: "
+                                             f"{failed[0].error}")
         elif missing:
             decision = CommitDecision.failed(f"checkpoint {job.checkpoint}: not every rank reported its files "
                                              f"durable within {self.timeout_s:.0f}s (missing ranks: "

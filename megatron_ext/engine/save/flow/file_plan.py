@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from ..format import codec
-from ..format import tensor_file
-from ..format.names import valid_name
-from ..format.sidecar import check_sidecar_volume
+from ...format import codec
+from ...format import tensor_file
+from ...format.names import valid_name
+from ...format.sidecar import check_sidecar_volume
+from ..job.jobs import CheckpointJob, FileJob
 from .copier import CpuCopier, byte_source
-from .jobs import CheckpointJob, FileJob
 
 
 def check_names(checkpoint: str, name: str) -> None:
@@ -63,7 +63,7 @@ class PlannedFile:
                        tensor_rel=base + ".safetensors", sidecar_rel=base + ".state.json",
                        extra=json.loads(json.dumps(extra)) if extra is not None else None, gate=gate)
         if gate is not None:
-            gate.bind(lambda: setattr(fjob, "cuda_mark", copier.mark(tensors)))
+            gate.bind(lambda: fjob.gate_opened(copier.mark(tensors)))
         return fjob
 
 

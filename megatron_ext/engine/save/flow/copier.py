@@ -28,11 +28,14 @@ dropped once its last are queued: never all of a file's at once.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..device import CudaStreams, StreamMark, thread_device
+from ...device import CudaStreams, StreamMark, thread_device
+
+if TYPE_CHECKING:
+    from ...format.tensor_file import FileLayout
 
 
 def _noop() -> None:
@@ -96,14 +99,6 @@ def byte_pairs(src: torch.Tensor, lo: int, hi: int, dst: torch.Tensor,
     element_pairs(src, lo // size, hi // size, dst.view(src.dtype), out)
 
 
-def copy_elements(src: torch.Tensor, first: int, last: int, dst: torch.Tensor) -> None:
-    """Copy elements [first, last) of ``src`` in row-major order into the flat ``dst``."""
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-    element_pairs(src, first, last, dst, pairs)
-    for d, s in pairs:
-        d.copy_(s, non_blocking=True)
-
-
 def copy_bytes(src: torch.Tensor, lo: int, hi: int, dst: torch.Tensor) -> None:
     """Copy bytes [lo, hi) of ``src``'s row-major image into the uint8 tensor ``dst``."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -148,6 +143,19 @@ class CpuCopier:
     def copy_many(self, parts: list[Part]) -> None:
         """Every part in one ``torch._foreach_copy_`` call: the GIL is released once for all of them."""
         copy_parts(parts, non_blocking=False)
+
+    def copy_range(self, layout: "FileLayout", start: int, end: int, dst: torch.Tensor, first: int,
+                   source: Callable[[int], torch.Tensor]) -> int:
+        """The tensor bytes of file range [start, end) of ``layout`` into ``dst`` (its bytes, at offset
+        0), in one batched copy; ``source(k)`` is what tensor ``k`` is copied from. ``first`` and the
+        return value: the first tensor this range and the next may overlap (``FileLayout.spans_in``).
+        The live snapshot and ``OfflineWriter`` both fill their buffers through it; the header's
+        bytes are the caller's (``FileLayout.header_in``)."""
+        found, first = layout.spans_in(start, end, first)
+        spans = layout.spans
+        self.copy_many([(source(k), lo - spans[k].start, hi - spans[k].start, dst[lo - start:hi - start])
+                        for k, lo, hi in found])
+        return first
 
     def chunk_ready(self) -> Callable[[], None]:
         return _noop

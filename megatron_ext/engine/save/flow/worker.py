@@ -6,7 +6,7 @@ import collections
 import threading
 from typing import Any, Callable
 
-from ..threads import EngineThread
+from ...threads import EngineThread
 
 _STOP = object()
 

@@ -30,15 +30,15 @@ import shutil
 import threading
 import time
 
-from ..config import check_writable_dir
-from ..errors import CheckpointError, ConfigError
-from ..files import private_dir
-from .context import SaveContext
-from .deadlines import StageDeadline
-from .jobs import RECHECK_S, CheckpointJob
+from ...config import check_writable_dir
+from ...errors import CheckpointError, ConfigError
+from ...files import private_dir
+from ..context import SaveContext
+from ..flow.worker import QueueWorker
+from ..job.deadlines import StageDeadline
+from ..job.jobs import RECHECK_S, CheckpointJob
 from .peer_link import Bundle, PeerLink, mismatch
 from .replica_store import ReplicaStore, expected_files
-from .worker import QueueWorker
 
 log = logging.getLogger("megatron_ext.engine")
 

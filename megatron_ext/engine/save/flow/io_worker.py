@@ -43,10 +43,11 @@ from io import BytesIO
 from multiprocessing import context as mp_context, popen_spawn_posix, process, reduction, spawn
 from typing import Any
 
-from ..errors import CheckpointError
-from ..threads import EngineThread
-from .io_ops import (AbortRequest, AtomicWriteRequest, Failure, FileChecksums, FileIo, FinishRequest, IoError,
-                     RunRequest, StageRequest, perform)
+from ...errors import CheckpointError
+from ...format.digest import FileChecksums
+from ...threads import EngineThread
+from .io_ops import (AbortRequest, AtomicWriteRequest, Failure, FileIo, FinishRequest, IoError, RunRequest,
+                     StageRequest, perform)
 
 #: The stages that talk to the worker, each on its own channel (a request in flight each).
 CHANNELS = ("writer", "stager", "committer")
@@ -339,7 +340,13 @@ class _InheritedFd:
 class _WorkerPopen(popen_spawn_posix.Popen):
     """multiprocessing's spawn launch, with what the worker does not need left out: the training
     script's ``__main__`` (run again, it would import torch and megatron), the resource tracker
-    process and ``site`` (the trainer's import path is handed over, this package's root first)."""
+    process and ``site`` (the trainer's import path is handed over, this package's root first).
+
+    Why a private override: multiprocessing's public API has no spawn that leaves ``__main__`` and
+    the resource tracker out, and re-running a Megatron-LM script's imports costs seconds and a CUDA
+    context per rank. The private pieces it leans on (``Popen._launch``, ``set_spawning_popen``,
+    ``spawn_main(pipe_handle=)``, ``util._args_from_interpreter_flags``, ``util.spawnv_passfds``) are
+    checked by tests/engine/test_io_worker.py, which fails when a Python release changes them."""
 
     def _launch(self, process_obj) -> None:
         # What ``spawn.prepare`` sets in the child before it unpickles the process: no main module
@@ -383,7 +390,7 @@ class _WorkerProcess(mp_context.SpawnProcess):
 
 
 #: The directory holding this copy of the package: first on the worker's import path.
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["megatron_ext"].__file__)))
 
 
 # ------------------------------------------------------------------------------------------ the worker

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Callable
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 log = logging.getLogger("megatron_ext.engine")
 
@@ -48,10 +48,6 @@ class CopyGate:
         if self._bound:
             raise CheckpointError("a CopyGate holds the copies of one save only")
         self._on_open, self._bound = on_open, True
-
-    @property
-    def is_open(self) -> bool:
-        return self._opened.is_set()
 
     def open(self) -> None:
         """The tensors hold their final values (in stream order, on a device): copy them."""

@@ -14,9 +14,9 @@ import errno
 import logging
 import os
 
-from ..config import EngineConfig
-from ..errors import CheckpointError, ConfigError
-from ..format.catalog import list_committed
+from ...config import EngineConfig
+from ...errors import CheckpointError, ConfigError
+from ...format.catalog import list_committed
 
 log = logging.getLogger("megatron_ext.engine")
 

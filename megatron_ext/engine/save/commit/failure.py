@@ -13,17 +13,17 @@ import logging
 import os
 import threading
 
-from ..config import OnFailure
-from ..errors import CheckpointError
-from ..files import atomic_write_json
-from ..format.names import REPORTS, report_name
-from ..telemetry import Telemetry
+from ...config import OnFailure
+from ...errors import CheckpointError
+from ...files import atomic_write_json
+from ...format.names import REPORTS, report_name
+from ...telemetry import Telemetry
+from ..job.jobs import CheckpointJob
+from ..job.signal import CommitSignal
+from ..job.table import JobTable
+from ..lifecycle.space import shortfall_note
 from .coordination import CommitChannel
-from .job_table import JobTable
-from .jobs import CheckpointJob
-from .records import CommitDecision, FailedStatus, job_key
-from .signal import CommitSignal
-from .space import shortfall_note
+from .records import CommitDecision, RankStatus, job_key
 
 log = logging.getLogger("megatron_ext.engine")
 
@@ -81,9 +81,9 @@ class FailureHandler:
         """
         key = job_key(job)
         if job.claim_status():
-            self.channel.post(key, FailedStatus(message).wire(), from_committer=False)
+            self.channel.post(key, RankStatus.failed(message).wire(), from_committer=False)
         if self.channel.leads and job.claim_forward():  # this rank's group would wait for its committer
-            self.channel.forward_failed(key, FailedStatus(message).wire())
+            self.channel.forward_failed(key, RankStatus.failed(message).wire())
         if self.rank == 0:
             self.channel.settle(key, CommitDecision.failed(f"checkpoint {job.checkpoint} failed on rank 0: {message}").wire())
 

@@ -37,7 +37,7 @@ class Discard:
 
 @dataclasses.dataclass(eq=False)
 class SettleSkip:
-    """Sent to the snapshot thread when another thread skipped ``job``: settle it there (skip_settle.py)."""
+    """Sent to the snapshot thread when another thread skipped ``job``: settle it there (overload.SkipSettler)."""
 
     job: CheckpointJob
 

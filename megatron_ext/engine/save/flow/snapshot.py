@@ -9,32 +9,41 @@ taken back once per run rather than once per tensor and chunk. When a file's las
 copied its tensors are released and ``snapshot_done`` is set, and the job's waiters are told
 (``FileJob.snapshot_finished``); ``wait_snapshot`` waits on those.
 
-Under ``overload_policy="supersede"`` a copy that finds the cache full first lets the
-``SkipSettler`` (skip_settle.py) drop older checkpoints whose flush has not started, and a copy
-whose checkpoint was skipped meanwhile stops at its next slot, releases the tensors, and the
-settler sends a ``Discard`` behind its chunks. Skips decided on other threads reach this one as
+Under ``overload_policy="supersede"`` a copy that finds the cache full first lets the settler
+(``overload.SkipSettler``, seen here as ``SkipSettling``) drop older checkpoints whose flush has not
+started, and a copy whose checkpoint was skipped meanwhile stops at its next slot, releases the
+tensors, and the settler sends a ``Discard`` behind its chunks. Skips decided on other threads reach this one as
 a ``SettleSkip`` (``settle_later``): this thread alone settles skips.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from .. import faults
-from ..config import OverloadPolicy
-from ..device import bind_thread
-from ..host_cache import HostCache
-from .context import SaveContext
+from ...config import OverloadPolicy
+from ...device import bind_thread
+from ...host_cache import HostCache
+from ..context import SaveContext
+from ..job.deadlines import StageDeadline
+from ..job.jobs import CheckpointJob, FileJob
+from ..job.messages import Chunk, SettleSkip
 from .copier import CpuCopier
-from .deadlines import StageDeadline
-from .jobs import CheckpointJob, FileJob
-from .messages import Chunk, SettleSkip
 from .worker import QueueWorker
 
 if TYPE_CHECKING:
     from .flush import RankWriter
-    from .skip_settle import SkipSettler
+
+
+class SkipSettling(Protocol):
+    """What the snapshot thread asks of overload handling (``overload.SkipSettler``), which sits above
+    this stage: the flow knows only these two calls."""
+
+    def settle(self, job: CheckpointJob) -> None:
+        """``job`` was skipped: once none of its copies is left, tell the peers and drop its files."""
+
+    def supersede_older(self, newer: CheckpointJob) -> None:
+        """The cache is full under "supersede": drop older checkpoints whose flush has not started."""
 
 
 class _Abandoned(Exception):
@@ -49,7 +58,7 @@ class SnapshotScheduler(QueueWorker):
     """
 
     def __init__(self, ctx: SaveContext, cache: HostCache, copier: CpuCopier, writer: "RankWriter",
-                 settler: "SkipSettler"):
+                 settler: SkipSettling):
         self.ctx = ctx
         self.cache = cache
         self.copier = copier
@@ -89,7 +98,6 @@ class SnapshotScheduler(QueueWorker):
                 raise _Abandoned()
             if fjob.gate is not None:  # values still being filled in by the caller (copy_gate.py)
                 fjob.gate.wait(time.monotonic() + self.ctx.timeout_s, self.ctx.check)
-            faults.before_copy()
             self.writer.expect_writes()
             self._copy_file(fjob)
         except _Abandoned:
@@ -141,6 +149,12 @@ class SnapshotScheduler(QueueWorker):
         # What each tensor is copied from (a CUDA temporary for a strided one), made when its first
         # bytes are copied and dropped once its last are queued: a file's temporaries never all at once.
         sources: dict[int, object] = {}
+
+        def source(k: int):
+            if k not in sources:
+                sources[k] = self.copier.prepare(layout.spans[k].tensor)
+            return sources[k]
+
         seg = 0  # first tensor that may overlap the current run (tensors are in file order)
         count = fjob.num_chunks(chunk)
         most = run_slots(self.cache)
@@ -152,16 +166,7 @@ class SnapshotScheduler(QueueWorker):
             head = layout.header_in(start, end)
             if head:
                 self.cache.memory(slot, len(head))[:] = head
-            dst = self.cache.run_view(slot, taken)
-            found, seg = layout.spans_in(start, end, seg)
-            parts = []
-            for k, lo, hi in found:
-                s = layout.spans[k]
-                if k not in sources:
-                    sources[k] = self.copier.prepare(s.tensor)
-                parts.append((sources[k], lo - s.start, hi - s.start, dst[lo - start:hi - start]))
-            self.copier.copy_many(parts)
-            del parts
+            seg = self.copier.copy_range(layout, start, end, self.cache.run_view(slot, taken), seg, source)
             for done in [k for k in sources if layout.spans[k].end <= end]:
                 del sources[done]
             index += taken
@@ -169,8 +174,7 @@ class SnapshotScheduler(QueueWorker):
                                      self.copier.chunk_ready(), taken))
         self.copier.finish()
         self._release(fjob)
-        fjob.snapshot_at = time.monotonic()
-        fjob.snapshot_finished()
+        fjob.snapshot_finished(copied=True)
 
 
 #: A run of slots is at most this many bytes: the flush starts once the first run is copied and ends

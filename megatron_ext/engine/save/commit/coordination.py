@@ -65,7 +65,8 @@ from typing import Any, Callable, Mapping
 
 import xxhash
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
+from ..job.skip import SkipRecord
 
 #: What a rank says about a checkpoint it will not commit (else it posts a durable head), and what
 #: rank 0 decides.
@@ -239,15 +240,18 @@ class CommitChannel:
         if store.add(f"{point.key}/count", 1) == len(point.members):
             store.set(f"{point.key}/all", b"1")
 
-    def notify_skip(self, key: str, detail: dict) -> None:
+    def notify_skip(self, key: str, record: SkipRecord) -> None:
         """Tell the other ranks early that this rank skips ``key`` (the first skipper's reason stays)."""
-        self.notices.compare_set(f"{key}/skip", "", json.dumps(dict(detail, rank=self.rank)))
+        self.notices.compare_set(f"{key}/skip", "", json.dumps(dict(record.fields(), rank=self.rank)))
 
-    def peer_skip(self, key: str) -> dict | None:
-        """The reason another rank gave for skipping ``key``, if one did (one ``check``, no wait)."""
+    def peer_skip(self, key: str) -> SkipRecord | None:
+        """Another rank's skip of ``key``, as this rank records it, if one did (one ``check``, no wait)."""
         if not self.notices.check([f"{key}/skip"]):
             return None
-        return _loads(self.notices.get(f"{key}/skip"), f"{key}/skip")
+        notice = _loads(self.notices.get(f"{key}/skip"), f"{key}/skip")
+        if type(notice) is not dict:
+            raise CheckpointError(f"the commit store's {key}/skip is not a skip notice")
+        return SkipRecord.from_peer(notice) if notice.get("rank") != self.rank else None
 
     def await_decision(self, key: str, timeout_s: float) -> dict:
         """Rank 0's decision on ``key``; ``DecisionTimeout`` if none comes within ``timeout_s``."""

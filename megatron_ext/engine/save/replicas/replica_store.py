@@ -12,9 +12,9 @@ import os
 import shutil
 import time
 
-from ..errors import CheckpointError
-from ..files import atomic_write_json, private_dir
-from ..format.catalog import read_manifest
+from ...errors import CheckpointError
+from ...files import atomic_write_json, private_dir
+from ...format.catalog import read_manifest
 from .peer_link import Bundle
 
 REPLICA_META = "replica.json"

@@ -17,10 +17,10 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import CheckpointError
-from ..files import private_dir
-from ..format.digest import FileDigest, valid_cuts
-from ..format.names import valid_name
+from ...errors import CheckpointError
+from ...files import private_dir
+from ...format.digest import FileDigest, valid_cuts
+from ...format.names import valid_name
 
 
 @dataclasses.dataclass

@@ -25,16 +25,16 @@ import os
 import shutil
 from typing import TYPE_CHECKING
 
-from ..errors import CheckpointError
-from ..files import tree_bytes
-from ..format.catalog import list_committed, read_manifest, remember_committed, run_of
-from ..format.names import MANIFEST, REPORTS, RUN_FILE
-from .job_table import JobTable
-from .jobs import CheckpointJob
-from .worker import QueueWorker
+from ...errors import CheckpointError
+from ...files import tree_bytes
+from ...format.catalog import list_committed, read_manifest, remember_committed, run_of
+from ...format.names import MANIFEST, REPORTS, RUN_FILE
+from ..flow.worker import QueueWorker
+from ..job.jobs import CheckpointJob
+from ..job.table import JobTable
 
 if TYPE_CHECKING:
-    from .replica import PeerReplicas
+    from ..replicas.replica import PeerReplicas
 
 log = logging.getLogger("megatron_ext.engine")
 

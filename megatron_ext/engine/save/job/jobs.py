@@ -22,16 +22,17 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..config import OverloadPolicy
-from ..errors import CheckpointError
-from ..format.names import LEVEL_SHARED
-from ..format.tensor_file import FileLayout
+from ...config import OverloadPolicy
+from ...errors import CheckpointError
+from ...format.names import LEVEL_SHARED
+from ...format.report import file_entry
+from ...format.tensor_file import FileLayout
 from .deadlines import StageDeadline
-from .records import SkipRecord
+from .skip import SkipRecord
 
 if TYPE_CHECKING:
-    from ..read.entries import CommittedManifest
-    from .io_ops import FileChecksums
+    from ...format.digest import FileChecksums
+    from ...read.entries import CommittedManifest
 
 #: The longest a notified wait sleeps before it re-checks on its own: every change and every
 #: background failure notifies, so this only bounds what a missed notification could cost.
@@ -71,16 +72,17 @@ class FileJob:
     name: str
     layout: FileLayout
     sidecar: bytes
-    cuda_mark: Any  # the copier's stream point (CUDA) the copies follow; a gated save's is set when its gate opens
+    cuda_mark: Any  # the copier's stream point (CUDA) the copies follow; a gated save's: ``gate_opened``
     tensor_rel: str  # paths relative to the level's root directory
     sidecar_rel: str
     extra: dict | None = None  # caller's JSON-able index, copied into the report and manifest
     gate: Any = None  # a CopyGate (copy_gate.py): copies start once it opens; None: at once
     submitted_at: float = dataclasses.field(default_factory=time.monotonic)
-    snapshot_at: float | None = None  # the snapshot thread's, before ``snapshot_done``
+    snapshot_at: float | None = None  # when its copy finished: ``snapshot_finished``
     #: Level -> when it became durable there: written only through ``CheckpointJob.mark_durable``
     #: (the writer its first level, the stager the shared one), read under the job's lock.
     durable_at: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: Written once, by ``take_checksums`` under the job's lock, before the file counts as durable.
     file_xxh3: str | None = None
     sidecar_xxh3: str | None = None
     tensor_xxh3: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -95,39 +97,33 @@ class FileJob:
         """Its checkpoint's shared root directory."""
         return self.job.root
 
-    def snapshot_finished(self) -> None:
-        """The snapshot thread is done with this file (copied, or given up): ``wait_snapshot`` is told."""
+    def gate_opened(self, mark: Any) -> None:
+        """A gated file's copies follow ``mark`` (taken on the thread that opened the gate)."""
+        with self.job.locked():
+            self.cuda_mark = mark
+
+    def snapshot_finished(self, copied: bool = False) -> None:
+        """The snapshot thread is done with this file (``copied``, or given up): ``wait_snapshot`` is told."""
+        if copied:
+            with self.job.locked():
+                self.snapshot_at = time.monotonic()
         self.snapshot_done.set()
         self.job.wake()
 
     def take_checksums(self, sums: "FileChecksums") -> None:
         """The checksums ``io_ops.FileIo.finish`` returned for this file (hex): file, tensors in file order, sidecar."""
-        self.file_xxh3 = sums.file
-        self.tensor_xxh3 = {s.name: digest for s, digest in zip(self.layout.spans, sums.tensors)}
-        self.sidecar_xxh3 = sums.sidecar
+        tensors = {s.name: digest for s, digest in zip(self.layout.spans, sums.tensors)}
+        with self.job.locked():
+            self.file_xxh3, self.tensor_xxh3, self.sidecar_xxh3 = sums.file, tensors, sums.sidecar
 
     def num_chunks(self, chunk_bytes: int) -> int:
         return -(-self.layout.size // chunk_bytes)
 
     def report(self) -> dict:
-        """This file's entry in the rank report and the manifest."""
-        entry = {
-            "name": self.name,
-            "tensor_file": self.tensor_rel,
-            "state_file": self.sidecar_rel,
-            "size": self.layout.size,
-            "state_size": len(self.sidecar),
-            "xxh3_64": self.file_xxh3,
-            "state_xxh3_64": self.sidecar_xxh3,
-            "tensors": {
-                s.name: {"dtype": s.dtype, "shape": s.shape, "offsets": [s.start, s.end],
-                         "xxh3_64": self.tensor_xxh3.get(s.name)}
-                for s in self.layout.spans
-            },
-        }
-        if self.extra is not None:
-            entry["extra"] = self.extra
-        return entry
+        """This file's entry in the rank report and the manifest (``format.report.file_entry``)."""
+        with self.job.locked():
+            sums = self.file_xxh3, self.sidecar_xxh3, self.tensor_xxh3
+        return file_entry(self.name, self.tensor_rel, self.sidecar_rel, self.layout, len(self.sidecar), *sums, self.extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,6 +201,10 @@ class CheckpointJob:
     def __post_init__(self) -> None:
         self.policy = OverloadPolicy(self.policy)
         self._changed = threading.Condition(self._lock)
+
+    def locked(self) -> threading.Lock:
+        """The job's lock, which also guards its files' fields written after ``save`` (``FileJob``)."""
+        return self._lock
 
     # ------------------------------------------------------------------ being told of changes
     def _notify(self) -> None:
