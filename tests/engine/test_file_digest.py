@@ -145,23 +145,27 @@ def test_a_format_2_checkpoint_still_loads_and_verifies(make_engine, tmp_path):
 
 def test_a_peer_replica_is_checked_in_the_pieces_its_holder_sends(tmp_path):
     """The receiving side of a replica (peer_link): the cuts travel with the file; bad cuts are refused."""
-    from megatron_ext.engine.save.replicas.peer_link import _Sink, mismatch
+    from megatron_ext.engine.save.replicas.peer_link import BundleFile, _Sink, mismatch
 
     data = bytes(random.Random(1).getrandbits(8) for _ in range(9000))
     cuts = [4096, 6000, 9000]
     want = combine(xxhash.xxh3_64_intdigest(data[a:b]) for a, b in ((0, 4096), (4096, 6000), (6000, 9000)))
-    files = [{"rel": "c1/f.x.safetensors", "size": len(data), "xxh3_64": want, "cuts": cuts}]
+    wire = {"rel": "c1/f.x.safetensors", "size": len(data), "xxh3_64": want, "cuts": cuts}  # as a peer sends it
+    files = (BundleFile.from_wire(wire),)
     sink = _Sink(str(tmp_path / "in"), files)
     for lo in range(0, len(data), 1000):
         sink.write(0, memoryview(data[lo:lo + 1000]))
     received = sink.finish()
     assert mismatch(files, received) is None and (tmp_path / "in" / "c1" / "f.x.safetensors").read_bytes() == data
-    sink = _Sink(str(tmp_path / "in2"), [{k: v for k, v in files[0].items() if k != "cuts"}])
+    sink = _Sink(str(tmp_path / "in2"), (BundleFile.from_wire({k: v for k, v in wire.items() if k != "cuts"}),))
     sink.write(0, memoryview(data))
     assert mismatch(files, sink.finish()) == "c1/f.x.safetensors fails its checksum"  # no cuts: the plain digest
     for bad in ([6000, 4096], [4096, 9001], "4096"):
         with pytest.raises(CheckpointError, match="malformed checksum pieces; refused"):
-            _Sink(str(tmp_path / "in3"), [dict(files[0], cuts=bad)])
+            BundleFile.from_wire(dict(wire, cuts=bad))
+    for bad in ({"rel": "../x"}, {"rel": "c1/f", "size": -1}, {"rel": "c1/f", "size": "9"}, ["c1/f"]):
+        with pytest.raises(CheckpointError, match="refused"):
+            BundleFile.from_wire(bad)
 
 
 def test_staging_a_file_checks_its_pieces_in_the_copy(tmp_path):

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megatron_ext.engine import ConfigError, EngineConfig, read_manifest
+from megatron_ext.engine.save.replicas.peer_link import BundleMeta
 from megatron_ext.engine.save.replicas.replica import holder_of, resolve_ranks_per_node, source_of
 from megatron_ext.engine.save.replicas.replica_store import ReplicaStore
 
@@ -152,7 +153,7 @@ def test_holder_keeps_the_newest_committed_replica_and_offers_only_exact_copies(
             for key in ("tensor_file", "state_file"):
                 (incoming / entry[key]).parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # as _Sink does
                 shutil.copy(root / entry[key], incoming / entry[key])
-        store.keep({"checkpoint": checkpoint, "version": version, "run_id": run_id, "files": []})
+        store.keep(BundleMeta(checkpoint=checkpoint, version=version, run_id=run_id))
 
     for version in (1, 2, 3):  # c3: received, not committed yet
         hold(f"c{version}", version, engine.run_id)
@@ -160,11 +161,11 @@ def test_holder_keeps_the_newest_committed_replica_and_offers_only_exact_copies(
     assert sorted(p.name for p in Path(store.base).iterdir() if not p.name.startswith(".")) == ["c2", "c3"]
 
     offer = store.offer("c2", manifests["c2"], 0)
-    assert "unusable" not in offer.meta and len(offer.meta["files"]) == 2
-    assert [f["xxh3_64"] for f in offer.meta["files"]][0] == manifests["c2"]["files"]["rank00000"]["xxh3_64"]
-    assert "no replica of c1 is held" in store.offer("c1", manifests["c1"], 0).meta["unusable"]
+    assert offer.meta.unusable is None and len(offer.meta.files) == 2
+    assert offer.meta.files[0].xxh3_64 == manifests["c2"]["files"]["rank00000"]["xxh3_64"]
+    assert "no replica of c1 is held" in store.offer("c1", manifests["c1"], 0).meta.unusable
     other_run = dict(manifests["c2"], run_id="0" * 12)
-    assert "is of run" in store.offer("c2", other_run, 0).meta["unusable"]
+    assert "is of run" in store.offer("c2", other_run, 0).meta.unusable
     tensor_file = Path(store.base) / manifests["c2"]["files"]["rank00000"]["tensor_file"]
     tensor_file.write_bytes(tensor_file.read_bytes()[:-1])
-    assert "missing or has the wrong size" in store.offer("c2", manifests["c2"], 0).meta["unusable"]
+    assert "missing or has the wrong size" in store.offer("c2", manifests["c2"], 0).meta.unusable

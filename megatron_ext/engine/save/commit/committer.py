@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ...errors import CheckpointError, CheckpointSkipped
 from ...files import atomic_write
-from ...format.manifest import MANIFEST_SHARES, assemble_manifest, check_share, encode_json, merge_summaries, summarize_heads
+from ...format.manifest import MANIFEST_SHARES, assemble_manifest, encode_json, merge_summaries, summarize_heads
 from ...format.names import LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, MANIFEST, REPORTS, report_name
 from ...format.report import durable_share, rank_report
 from ...format.validation import check_report

@@ -37,7 +37,7 @@ from ..context import SaveContext
 from ..flow.worker import QueueWorker
 from ..job.deadlines import StageDeadline
 from ..job.jobs import RECHECK_S, CheckpointJob
-from .peer_link import Bundle, PeerLink, mismatch
+from .peer_link import Bundle, BundleFile, BundleMeta, PeerLink, mismatch
 from .replica_store import ReplicaStore, expected_files
 
 log = logging.getLogger("megatron_ext.engine")
@@ -157,24 +157,23 @@ class PeerReplicator(QueueWorker):
         if job.error is None:  # an abandoned checkpoint still takes part, sending nothing
             files = []
             for f in job.files:
-                files.append({"rel": f.tensor_rel, "size": f.layout.size, "xxh3_64": f.file_xxh3,
-                              "cuts": f.layout.cuts()})
-                files.append({"rel": f.sidecar_rel, "size": len(f.sidecar), "xxh3_64": f.sidecar_xxh3})
-            meta = {"checkpoint": job.checkpoint, "version": job.version, "run_id": job.tag, "files": files}
+                files.append(BundleFile(f.tensor_rel, f.layout.size, f.file_xxh3, tuple(f.layout.cuts())))
+                files.append(BundleFile(f.sidecar_rel, len(f.sidecar), f.sidecar_xxh3))
+            meta = BundleMeta(tuple(files), job.checkpoint, job.version, job.tag)
             outgoing = Bundle(meta, self.ctx.directory(job, self.first_level))
         self.stage.hold(self.timeout_s, lambda: f"the exchange of {job.checkpoint} with ranks {self.holder} "
                         f"(holder) and {self.source} (source)")
         meta, received = self.link.exchange(self.holder, outgoing, self.source, self.store.begin())
-        if meta.get("checkpoint") not in (None, job.checkpoint):
-            raise CheckpointError(f"rank {self.source} sent {meta['checkpoint']} while this rank replicates "
+        if meta.checkpoint not in (None, job.checkpoint):
+            raise CheckpointError(f"rank {self.source} sent {meta.checkpoint} while this rank replicates "
                                   f"{job.checkpoint}: ranks must commit checkpoints in the same order")
-        if meta["files"]:
-            problem = mismatch(meta["files"], received)
+        if meta.files:
+            problem = mismatch(meta.files, received)
             if problem:
                 raise CheckpointError(f"the replica of rank {self.source}'s {job.checkpoint} is damaged: {problem}")
             self.store.keep(meta)
         self.store.prune(job.root)
-        sent = sum(f["size"] for f in (outgoing.meta["files"] if outgoing else []))
+        sent = sum(f.size for f in (outgoing.meta.files if outgoing else ()))
         self.ctx.telemetry.emit("replica", job.checkpoint, "peer", sent, time.monotonic() - started, holder=self.holder)
 
 
@@ -245,14 +244,14 @@ class PeerReplicas:
                 log.warning("[datastates] rank %d reads its files of %s from its node-local level", self.rank,
                             checkpoint)
             return {}
-        problem = meta.get("unusable") or mismatch(mine, received)
+        problem = meta.unusable or mismatch(mine, received)
         self._restored_key, self._restored_files = key, {}
         if problem:
             shutil.rmtree(self.restored, ignore_errors=True)
             log.warning("[datastates] rank %d: the replica held by rank %d is unusable (%s); recovering rank %d "
                         "from the shared file system", self.rank, self.holder, problem, self.rank)
             return {}
-        nbytes = sum(f["size"] for f in mine)
+        nbytes = sum(f.size for f in mine)
         log.warning("[datastates] recovered rank %d from peer memory (rank %d): %s, %.1f MB in %.2fs",
                     self.rank, self.holder, checkpoint, nbytes / 1e6, time.monotonic() - started)
         self._restored_files = {e["name"]: self.restored for e in manifest["files"].values() if e["rank"] == self.rank}

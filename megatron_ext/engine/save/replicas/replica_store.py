@@ -7,6 +7,7 @@ only the newest committed replica per source is kept (plus newer, not yet commit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ import time
 from ...errors import CheckpointError
 from ...files import atomic_write_json, private_dir
 from ...format.catalog import read_manifest
-from .peer_link import Bundle
+from .peer_link import Bundle, BundleFile, BundleMeta
 
 REPLICA_META = "replica.json"
 
@@ -40,30 +41,30 @@ class ReplicaStore:
         shutil.rmtree(self.incoming, ignore_errors=True)
         return self._private(self.incoming)
 
-    def keep(self, meta: dict) -> None:
+    def keep(self, meta: BundleMeta) -> None:
         """Make a fully received and verified replica the held one for its checkpoint."""
-        ckpt = meta["checkpoint"]
+        ckpt = meta.checkpoint
         staged = self._private(os.path.join(self.incoming, ckpt))
-        atomic_write_json(os.path.join(staged, REPLICA_META), dict(meta, received_at=time.time()))
+        atomic_write_json(os.path.join(staged, REPLICA_META), dataclasses.replace(meta, received_at=time.time()).wire())
         final = os.path.join(self._private(self.base), ckpt)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(staged, final)
 
-    def held(self, checkpoint: str) -> dict | None:
+    def held(self, checkpoint: str) -> BundleMeta | None:
         directory = self._private(os.path.join(self.base, checkpoint), create=False)
         if directory is None:
             return None
         try:
             fd = os.open(os.path.join(directory, REPLICA_META), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             with os.fdopen(fd, encoding="utf-8") as f:
-                return json.load(f)
-        except (OSError, ValueError):
+                return BundleMeta.from_wire(json.load(f))
+        except (OSError, ValueError, CheckpointError):  # unreadable or malformed: not a replica held
             return None
 
     def offer(self, checkpoint: str, manifest: dict | None, source: int) -> Bundle:
         """The held replica of ``source``'s files of ``manifest`` if present whole, else why not."""
         def refuse(reason: str) -> Bundle:
-            return Bundle({"unusable": reason, "files": []})
+            return Bundle(BundleMeta(unusable=reason))
 
         if manifest is None:
             return refuse(f"the holder finds no committed {checkpoint}")
@@ -73,19 +74,17 @@ class ReplicaStore:
             return refuse(str(exc))
         if held is None:
             return refuse(f"no replica of {checkpoint} is held")
-        if held.get("run_id") != manifest["run_id"]:
-            return refuse(f"the replica of {checkpoint} is of run {held.get('run_id')}, the manifest's is "
+        if held.run_id != manifest["run_id"]:
+            return refuse(f"the replica of {checkpoint} is of run {held.run_id}, the manifest's is "
                           f"{manifest['run_id']}")
-        files = expected_files(manifest, source)
         # A tensor file's checksum is made of its pieces' (format 3): the cuts kept when it was received
-        cuts = {f.get("rel"): f["cuts"] for f in held.get("files", ()) if isinstance(f, dict) and "cuts" in f}
+        cuts = {f.rel: f.cuts for f in held.files if f.cuts is not None}
+        files = [dataclasses.replace(f, cuts=cuts.get(f.rel)) for f in expected_files(manifest, source)]
         for f in files:
-            if f["rel"] in cuts:
-                f["cuts"] = cuts[f["rel"]]
-            path = os.path.join(self.base, f["rel"])
-            if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) != f["size"]:
-                return refuse(f"the replica of {f['rel']} is missing or has the wrong size")
-        return Bundle({"checkpoint": checkpoint, "run_id": manifest["run_id"], "files": files}, self.base)
+            path = os.path.join(self.base, f.rel)
+            if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) != f.size:
+                return refuse(f"the replica of {f.rel} is missing or has the wrong size")
+        return Bundle(BundleMeta(tuple(files), checkpoint, run_id=manifest["run_id"]), self.base)
 
     def prune(self, root: str) -> None:
         """Keep the newest committed replica and any newer ones; delete the rest."""
@@ -97,8 +96,8 @@ class ReplicaStore:
             if meta is not None:
                 held.append((name, meta))
 
-        def order(meta: dict) -> tuple:
-            return (meta.get("version") if isinstance(meta.get("version"), int) else -1, meta.get("received_at", 0))
+        def order(meta: BundleMeta) -> tuple:
+            return (meta.version if meta.version is not None else -1, meta.received_at or 0)
 
         committed = []
         for name, meta in held:
@@ -106,7 +105,7 @@ class ReplicaStore:
                 manifest = read_manifest(os.path.join(root, name))
             except CheckpointError:
                 manifest = None
-            if manifest is not None and manifest.get("run_id") == meta.get("run_id"):
+            if manifest is not None and manifest.get("run_id") == meta.run_id:
                 committed.append(meta)
         if not committed:
             return
@@ -119,14 +118,13 @@ class ReplicaStore:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
-def expected_files(manifest: dict, rank: int) -> list[dict]:
+def expected_files(manifest: dict, rank: int) -> list[BundleFile]:
     """The files ``rank`` wrote in ``manifest``: tensor file then sidecar, with sizes and checksums."""
     files = []
     for entry in manifest["files"].values():
         if entry["rank"] == rank:
-            files.append({"rel": entry["tensor_file"], "size": entry["size"], "xxh3_64": entry["xxh3_64"]})
-            files.append({"rel": entry["state_file"], "size": entry["state_size"],
-                          "xxh3_64": entry["state_xxh3_64"]})
+            files.append(BundleFile(entry["tensor_file"], entry["size"], entry["xxh3_64"]))
+            files.append(BundleFile(entry["state_file"], entry["state_size"], entry["state_xxh3_64"]))
     return files
 
 
