@@ -16,6 +16,7 @@ def _telemetry(sub) -> None:
     r = tools.add_parser("report", help="timeline and throughput plots and a summary of a run's telemetry")
     r.add_argument("log", help="a telemetry .jsonl file or a directory of them (e.g. <save>/datastates_telemetry)")
     r.add_argument("--out", default="runs/telemetry-report", help="output directory (default runs/telemetry-report)")
+    r.add_argument("--json", action="store_true", help="print the per-checkpoint rows and the files written as JSON")
 
     def run(args) -> int:
         from megatron_ext.bench import telemetry_report
@@ -30,6 +31,7 @@ def _demo(sub) -> None:
     p.add_argument("--out", default="runs/demo", help="checkpoint directory (default runs/demo)")
     p.add_argument("--steps", type=number(int, 2), default=8, help="training steps, at least 2 (default 8)")
     p.add_argument("--host-cache-size", type=POSITIVE, default=0.25, help="GiB")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end (the progress lines go to stderr)")
 
     def run(args) -> int:
         from megatron_ext.testing import demo

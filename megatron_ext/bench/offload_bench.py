@@ -305,6 +305,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 16 on a GPU, 0 on a CPU)")
     p.add_argument("--checkpoint", action="store_true", help="a checkpoint (host snapshot) after every step")
     p.add_argument("--out", default=None, help="write the JSON here too")
+    p.add_argument("--json", action="store_true", help="print one JSON object (else a table of the variants)")
+
+
+def format_table(result: dict) -> str:
+    """The variants' figures, one line each (``--json`` gives every figure)."""
+    lines = [f"bench offload: {result['params']:,} parameters on {result['device']}, {result['steps']} steps",
+             f"{'variant':<22} {'update s':>10} {'iteration s':>12} {'params/s':>12} {'on device':>10} {'same bits':>10}"]
+    same = result["bit_identical_to_first"]
+    for v in result["variants"]:
+        lines.append(f"{v['variant']:<22} {v['update_s']:>10.4f} {v['iteration_s']:>12.4f} {v['params_per_s']:>12.3g} "
+                     f"{v['device_resident_share']:>10.2f} {str(same.get(v['variant'], '-')):>10}")
+    return "\n".join(lines)
 
 
 def main(args) -> int:
@@ -319,7 +331,7 @@ def main(args) -> int:
                  [float(f) for f in args.fractions.split(",") if f], [int(s) for s in args.strides.split(",") if s],
                  args.tokens if args.tokens is not None else (16 if on_gpu else 0), args.checkpoint)
     text = json.dumps(result, indent=1)
-    print(text)
+    print(text if args.json else format_table(result))
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")

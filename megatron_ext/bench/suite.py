@@ -399,11 +399,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``megatron-ext bench suite``."""
     p.add_argument("--out", default="runs/bench-suite", help="output directory (default runs/bench-suite)")
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer iterations (a few minutes)")
+    p.add_argument("--json", action="store_true", help="print results.json's object instead of the Markdown")
 
 
 def main(args) -> int:
     profile = QUICK if args.quick else FULL
     results = run(profile, args.out)
+    if args.json:
+        print(json.dumps(results, indent=1, default=str))
+        return 0
     print(format_markdown(results))
     print(f"\nwrote {args.out}/results.json, results.md and the plots in {results['meta']['duration_s']:.0f} s")
     return 0

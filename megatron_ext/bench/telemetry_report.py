@@ -256,6 +256,10 @@ def _run_label(row: dict, rows: list[dict]) -> str:
 
 def main(args) -> int:
     result = report(args.log, args.out)
+    if getattr(args, "json", False):
+        print(json.dumps({"checkpoints": result["checkpoints"],
+                          "files": [os.path.join(args.out, f) for f in result["files"]]}, indent=1, default=str))
+        return 0
     print(result["text"])
     print(f"\nwrote {', '.join(os.path.join(args.out, f) for f in result['files'])}")
     return 0

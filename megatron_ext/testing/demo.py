@@ -7,9 +7,12 @@ uninterrupted run's bit for bit.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 import shutil
+import sys
 import time
 
 import torch
@@ -52,6 +55,8 @@ def train(steps: range, model, optimizer, engine: CheckpointEngine | None) -> li
 
 
 def main(args) -> int:
+    as_json = getattr(args, "json", False)
+    say = functools.partial(print, file=sys.stderr if as_json else sys.stdout)  # --json: stdout holds the JSON alone
     out = os.path.abspath(args.out)
     shutil.rmtree(out, ignore_errors=True)
     cfg = {"host_cache_size": args.host_cache_size, "save_dir": out}
@@ -59,14 +64,14 @@ def main(args) -> int:
 
     model, optimizer = _model_and_optimizer()
     reference = train(range(args.steps), model, optimizer, None)
-    print(f"[demo] reference: trained steps 1-{args.steps} without checkpoints")
+    say(f"[demo] reference: trained steps 1-{args.steps} without checkpoints")
 
     model, optimizer = _model_and_optimizer()
     start = time.perf_counter()
     with CheckpointEngine(cfg, rank=0, world_size=1) as engine:
         first = train(range(half), model, optimizer, engine)
         blocked = sum(r.get("blocked_s", 0) for r in engine.telemetry.records if r["event"] == "snapshot")
-    print(f"[demo] run 1: trained steps 1-{half} of {args.steps} with a checkpoint after every step "
+    say(f"[demo] run 1: trained steps 1-{half} of {args.steps} with a checkpoint after every step "
           f"(step_0000001 ... step_{half:07d} in {out}) in {time.perf_counter() - start:.2f}s, training blocked "
           f"{blocked:.4f}s in all; then it stops, as a job that is killed or ends its allocation")
 
@@ -76,13 +81,18 @@ def main(args) -> int:
         state = engine.load(latest)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        print(f"[demo] run 2: resumed from {os.path.join(out, latest)} (step {state['step']}, read from the "
+        say(f"[demo] run 2: resumed from {os.path.join(out, latest)} (step {state['step']}, read from the "
               f"{engine.last_load_level} level), training steps {state['step'] + 1}-{args.steps}")
         rest = train(range(state["step"], args.steps), model, optimizer, engine)
     newest = list_committed(out)[-1][0]  # the engine's exit committed the last ones
     resumed = first + rest
     same = [a.hex() == b.hex() for a, b in zip(reference, resumed)]
-    print(f"[demo] losses of runs 1 + 2 equal the uninterrupted run's bit for bit: {all(same)}")
-    print(f"[demo] checkpoints: {out} (step_0000001 ... {newest}); look at them with `megatron-ext inspect {out}`, "
+    say(f"[demo] losses of runs 1 + 2 equal the uninterrupted run's bit for bit: {all(same)}")
+    say(f"[demo] checkpoints: {out} (step_0000001 ... {newest}); look at them with `megatron-ext inspect {out}`, "
           f"`megatron-ext verify {out}`, `megatron-ext export {out} --to safetensors {out}-weights`")
-    return 0 if all(same) and len(resumed) == len(reference) else 1
+    ok = all(same) and len(resumed) == len(reference)
+    if as_json:
+        print(json.dumps({"ok": ok, "steps": args.steps, "stopped_after": half, "resumed_from": latest,
+                          "resumed_from_step": state["step"], "newest": newest, "checkpoints": out,
+                          "blocked_s": blocked, "losses_bit_identical": all(same)}, indent=1))
+    return 0 if ok else 1

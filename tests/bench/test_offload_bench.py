@@ -3,6 +3,7 @@ bench imports no megatron-core (it must run on a bare GPU node)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,19 @@ def test_small_run_on_cpu_is_bit_identical_across_variants():
     assert by_name["interleaved-stride-2"]["gpu_subgroup_share"] == 3 / 5  # subgroups 0, 2, 4 of 5
     assert by_name["interleaved-model"]["predicted_update_s"] > 0
     assert by_name["hdo-1.0"]["predicted_update_s"] > 0
+
+
+def test_the_command_prints_a_table_or_with_json_one_object(capsys):
+    from megatron_ext.cli import main as cli_main
+
+    argv = ["bench", "offload", "--params", "20000", "--steps", "1", "--warmup", "0", "--fractions", "0.5",
+            "--strides", "2"]
+    assert cli_main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["params"] == 20000 and all(result["bit_identical_to_first"].values())
+    assert cli_main(argv) == 0
+    table = capsys.readouterr().out
+    assert "variant" in table and all(v["variant"] in table for v in result["variants"])
 
 
 def test_the_bench_imports_no_megatron_core():

@@ -75,11 +75,13 @@ def test_gpu_model_formulae():
 
 
 @pytest.mark.slow
-def test_quick_suite_end_to_end(tmp_path):
-    """The whole ``bench suite --quick``: every scenario, every output file (minutes)."""
+def test_quick_suite_end_to_end(tmp_path, capsys):
+    """The whole ``bench suite --quick --json``: every scenario, every output file, the printed object
+    the results file's (minutes)."""
     out = tmp_path / "suite"
-    assert cli_main(["bench", "suite", "--quick", "--out", str(out)]) == 0
+    assert cli_main(["bench", "suite", "--quick", "--out", str(out), "--json"]) == 0
     written = json.loads((out / "results.json").read_text())
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(written, default=str))  # progress: stderr
     assert {"meta", "sizes", "limits", "training", "gpu_model", "deepspeed"} <= set(written)
     for name in ("blocked_by_size.png", "durable_by_size.png", "iteration_time.png", "frequency.png",
                  "data_parallel.png"):

@@ -35,7 +35,7 @@ def _records(root) -> list[dict]:
     return [json.loads(line) for line in (root / "datastates_telemetry" / "rank-00000.jsonl").read_text().splitlines()]
 
 
-def test_report_files_and_summary_match_the_log(engine_run, tmp_path):
+def test_report_files_and_summary_match_the_log(engine_run, tmp_path, capsys):
     out = tmp_path / "report"
     assert cli_main(["telemetry", "report", str(engine_run / "datastates_telemetry"), "--out", str(out)]) == 0
     for name in ("timeline.png", "seconds.png"):
@@ -45,6 +45,11 @@ def test_report_files_and_summary_match_the_log(engine_run, tmp_path):
     records = _records(engine_run)
     rows = telemetry_report.summarize(telemetry_report.load(str(engine_run / "datastates_telemetry")))
     assert [row["checkpoint"] for row in rows] == ["step0", "step1", "step2"]
+    capsys.readouterr()  # the text report printed above
+    assert cli_main(["telemetry", "report", str(engine_run / "datastates_telemetry"), "--out", str(out), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert [row["checkpoint"] for row in printed["checkpoints"]] == ["step0", "step1", "step2"]
+    assert printed["files"] == [str(out / f) for f in ("timeline.png", "seconds.png", "summary.md")]
     for row in rows:
         manifest = read_manifest(str(engine_run / row["checkpoint"]))
         assert row["bytes"] == sum(f["size"] + f["state_size"] for f in manifest["files"].values())

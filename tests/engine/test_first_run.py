@@ -4,6 +4,7 @@ docs/MEGATRON.md's table of Megatron-LM flags against the flags the adapter defi
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -66,6 +67,12 @@ def test_demo_says_what_it_trained_and_where_the_checkpoints_are(tmp_path):
     assert f"run 2: resumed from {out / 'step_0000003'} (step 3" in text and "training steps 4-6" in text
     assert f"checkpoints: {out} (step_0000001 ... step_0000006)" in text and f"megatron-ext inspect {out}" in text
     assert sorted(p.name for p in out.glob("step_*")) == [f"step_{i:07d}" for i in range(1, 7)]
+    proc = subprocess.run(python_command("-m", "megatron_ext", "demo", "--out", str(out), "--steps", "2", "--json"),
+                          cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)  # stdout holds the JSON alone; the progress lines went to stderr
+    assert result["ok"] and result["losses_bit_identical"] and result["resumed_from"] == "step_0000001"
+    assert "[demo] run 2: resumed from" in proc.stderr
 
 
 def test_readme_flag_table_lists_every_datastates_flag():
