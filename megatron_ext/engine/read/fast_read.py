@@ -11,7 +11,7 @@ released during the system call) on a file descriptor of its own. Two ways to re
   while it copies the previous piece out of the page cache, and the bytes land directly in their
   destination (for ``read_into`` the caller's tensors: one copy in all, no alignment needed). On
   the virtual disk this was measured on, a cold read this way was faster than ``O_DIRECT`` with
-  any number of threads in most rounds (up to 2.5x; docs/BENCHMARKS.md); without the advice,
+  any number of threads in most rounds (2.2-3.2 GB/s against 1-1.6 GB/s; docs/BENCHMARKS.md, "bench restore"); without the advice,
   large buffered reads were 5-10x slower. Files still in the page cache are read at memory speed.
 * **O_DIRECT** (``o_direct`` ``True``): no page cache; the pieces land in 4 KiB-aligned memory
   (one aligned buffer, or resident staging slots that are then copied into the caller's tensors).
