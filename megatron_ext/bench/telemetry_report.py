@@ -256,7 +256,7 @@ def _run_label(row: dict, rows: list[dict]) -> str:
 
 def main(args) -> int:
     result = report(args.log, args.out)
-    if getattr(args, "json", False):
+    if args.json:
         print(json.dumps({"checkpoints": result["checkpoints"],
                           "files": [os.path.join(args.out, f) for f in result["files"]]}, indent=1, default=str))
         return 0

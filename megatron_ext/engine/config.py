@@ -357,18 +357,20 @@ def _path(value: Any, name: str) -> str | None:
         value = os.fspath(value)
     if type(value) is not str or not value or "\0" in value:
         raise ConfigError(f"{name} must be a path (a non-empty string), got {value!r}")
-    scheme = url_scheme(value)
-    if scheme is not None:
-        raise ConfigError(f"{name} {value!r} is a {scheme}:// URL; megatron_ext writes to file systems only "
-                          "(a POSIX path: node-local, Lustre, GPFS, NFS); object storage is not supported yet")
+    refusal = url_refusal(value, name)
+    if refusal is not None:
+        raise ConfigError(refusal)
     return value
 
 
-def url_scheme(path: str) -> str | None:
-    """``s3`` for ``s3://bucket/prefix`` (and ``msc``, ``gs``, ``file``...): a URL a path option must not be
-    taken for, since ``os.makedirs`` would make a local directory named ``s3:``. None for a path."""
+def url_refusal(path: str, what: str) -> str | None:
+    """Why ``path``, given as ``what``, is refused: it is a URL (``s3://bucket/prefix``, ``msc://``,
+    ``gs://``...), which ``os.makedirs`` would make a local directory named ``s3:``. None for a path."""
     match = _URL_SCHEME.match(path)
-    return match.group(1).lower() if match else None
+    if match is None:
+        return None
+    return (f"{what} {path!r} is a {match.group(1).lower()}:// URL; megatron_ext reads and writes file systems "
+            "only (a POSIX path: node-local, Lustre, GPFS, NFS); object storage is not supported yet")
 
 
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # RFC 3986's scheme, then the authority's "//"

@@ -15,7 +15,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_ext.engine.config import EngineConfig, engine_flags, flag_name, url_scheme
+from megatron_ext.engine.config import EngineConfig, engine_flags, flag_name, url_refusal
 from megatron_ext.engine.errors import ConfigError
 from megatron_ext.megatron.host_cache_size import AUTO
 from megatron_ext.megatron.safe_classes import megatron_safe_classes
@@ -222,11 +222,9 @@ def validate_datastates_args(args: Any) -> None:
     if getattr(args, "save", None) is None:
         problems.append("--use-datastates needs --save")
     for flag in ("save", "load", "pretrained_checkpoint"):
-        scheme = url_scheme(getattr(args, flag, None) or "")
-        if scheme is not None:
-            problems.append(f"--{flag.replace('_', '-')} {getattr(args, flag)} is a {scheme}:// URL; --use-datastates "
-                            "writes and reads file systems only (a POSIX path: node-local, Lustre, GPFS, NFS); object "
-                            "storage is not supported yet")
+        refusal = url_refusal(getattr(args, flag, None) or "", f"--{flag.replace('_', '-')}")
+        if refusal is not None:
+            problems.append(refusal)
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
         problems.append("--use-datastates does not support FSDP")
     fp8_moments = [flag for flag in ("exp_avg_dtype", "exp_avg_sq_dtype")

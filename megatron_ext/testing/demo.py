@@ -55,7 +55,7 @@ def train(steps: range, model, optimizer, engine: CheckpointEngine | None) -> li
 
 
 def main(args) -> int:
-    as_json = getattr(args, "json", False)
+    as_json = args.json
     say = functools.partial(print, file=sys.stderr if as_json else sys.stdout)  # --json: stdout holds the JSON alone
     out = os.path.abspath(args.out)
     shutil.rmtree(out, ignore_errors=True)

@@ -42,8 +42,8 @@ CASES = {
     "interleaved_offload": (["--datastates-interleaved-offload", "--optimizer-cpu-offload",
                              "--use-precision-aware-optimizer", "--use-distributed-optimizer"], None),
     # An object-store URL would be made a local directory named "s3:" (until object storage lands).
-    "save_s3": (["--save", "s3://bucket/run1"], "--save s3://bucket/run1 is a s3:// URL; --use-datastates writes"),
-    "load_msc": (["--load", "msc://profile/run1"], "--load msc://profile/run1 is a msc:// URL"),
+    "save_s3": (["--save", "s3://bucket/run1"], "--save 's3://bucket/run1' is a s3:// URL; megatron_ext reads and writes file systems only"),
+    "load_msc": (["--load", "msc://profile/run1"], "--load 'msc://profile/run1' is a msc:// URL"),
     "lion_plain": (["--optimizer", "lion"], None),
     "adam_distributed": (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], None),
     # The flags generated from EngineConfig's fields, and the earlier spellings kept as aliases, parse in

@@ -25,7 +25,7 @@ from helpers.hostile import SMALL
     ({"local_dir": ""}, "local_dir must be a path"),
     ({"telemetry_path": ["x"]}, "telemetry_path must be a path"),
     ({"save_dir": "a\0b"}, "save_dir must be a path"),
-    ({"save_dir": "s3://bucket/run1"}, "save_dir 's3://bucket/run1' is a s3:// URL; megatron_ext writes to file systems"),
+    ({"save_dir": "s3://bucket/run1"}, "save_dir 's3://bucket/run1' is a s3:// URL; megatron_ext reads and writes file systems only"),
     ({"local_dir": "msc://profile/x"}, "local_dir 'msc://profile/x' is a msc:// URL"),
     ({"host_cache_size": 1e308}, "host_cache_size 1e+308 GiB is absurd"),
     ({"host_cache_size": 2 ** 70}, "is absurd"),

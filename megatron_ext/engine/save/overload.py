@@ -56,6 +56,17 @@ def _record(telemetry: Telemetry, job: CheckpointJob, record: SkipRecord, allowe
     return True
 
 
+def _record_elsewhere(telemetry: Telemetry, scheduler: SnapshotScheduler, signal: CommitSignal, job: CheckpointJob,
+                      record: SkipRecord, allowed_from: frozenset[JobState]) -> bool:
+    """A skip decided off the snapshot thread (training thread, committer): recorded, handed to the
+    snapshot thread to settle, and the committer told."""
+    if not _record(telemetry, job, record, allowed_from):
+        return False
+    scheduler.settle_later(job)
+    signal.notify()
+    return True
+
+
 class Skips:
     """The training thread's overload and skip decisions (see the module docstring)."""
 
@@ -182,12 +193,7 @@ class Skips:
         return self._record(job, record, UNREPORTED)
 
     def _record(self, job: CheckpointJob, record: SkipRecord, allowed_from: frozenset[JobState]) -> bool:
-        """The skip, if still allowed; then the snapshot thread settles it, and the committer is told."""
-        if not _record(self.ctx.telemetry, job, record, allowed_from):
-            return False
-        self.scheduler.settle_later(job)
-        self.signal.notify()
-        return True
+        return _record_elsewhere(self.ctx.telemetry, self.scheduler, self.signal, job, record, allowed_from)
 
 
 class SkipSettler:
@@ -240,9 +246,7 @@ class PeerSkips:
 
     def abandon(self, job: CheckpointJob, report: dict) -> None:
         """Drop ``job`` here as well (``report``: the skipping rank's, from rank 0's decision), short of committed."""
-        if _record(self.telemetry, job, SkipRecord.from_peer(report), UNCOMMITTED):
-            self.scheduler.settle_later(job)
-            self.signal.notify()
+        _record_elsewhere(self.telemetry, self.scheduler, self.signal, job, SkipRecord.from_peer(report), UNCOMMITTED)
 
 
 __all__ = ["PeerSkips", "SkipSettler", "Skips", "UNCOMMITTED", "UNFLUSHED", "UNREPORTED"]

@@ -57,8 +57,6 @@ if TYPE_CHECKING:
     from ..flow.io_worker import IoChannel
     from ..lifecycle.retention import RetentionStage
 
-#: Where a peer's skip still abandons a checkpoint here: anything short of committed.
-
 #: Ranks other than 0 wait this much longer than rank 0 for the decision, so that when a rank is
 #: missing, rank 0's timeout (which names it) comes first and reaches everyone. Rank 0's clock
 #: starts when its own files are durable, which may be later still: a rank whose wait runs out

@@ -12,8 +12,8 @@ copied its tensors are released and ``snapshot_done`` is set, and the job's wait
 Under ``overload_policy="supersede"`` a copy that finds the cache full first lets the settler
 (``overload.SkipSettler``, seen here as ``SkipSettling``) drop older checkpoints whose flush has not
 started, and a copy whose checkpoint was skipped meanwhile stops at its next slot, releases the
-tensors, and the settler sends a ``Discard`` behind its chunks. Skips decided on other threads reach this one as
-a ``SettleSkip`` (``settle_later``): this thread alone settles skips.
+tensors, and the settler sends a ``Discard`` behind its chunks. Skips decided on other threads
+reach this one as a ``SettleSkip`` (``settle_later``): this thread alone settles skips.
 """
 
 from __future__ import annotations
