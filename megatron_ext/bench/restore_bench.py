@@ -74,7 +74,7 @@ CEILING_READS = {"direct_1": (False, True), "direct_threads": (True, True),
 
 
 def _stream(reader, template: dict, staging) -> None:
-    staged_read.stream_into(reader.tensor_path, reader.entry, template, staging, threads=reader.threads)
+    staged_read.stream_into(reader.tensor_path, reader.listed, template, staging, threads=reader.threads)
 
 
 def _fresh_buffer(reader, template: dict, staging) -> None:

@@ -38,7 +38,7 @@ from megatron_ext.engine import CheckpointError
 from megatron_ext.engine.files import atomic_write
 from megatron_ext.engine.format.names import MANIFEST
 from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions
-from megatron_ext.engine.read.entries import FileEntry
+from megatron_ext.engine.format.entries import FileEntry
 from megatron_ext.megatron.safe_classes import megatron_classes
 
 log = logging.getLogger("megatron_ext.megatron")

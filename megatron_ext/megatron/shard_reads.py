@@ -11,13 +11,12 @@ better.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import torch
 
 from megatron_ext.engine.errors import CheckpointError
-from megatron_ext.engine.format.tensor_file import torch_dtype
+from megatron_ext.engine.format.entries import TensorEntry
 from megatron_ext.engine.read.committed import CommittedCheckpoint
 from megatron_ext.megatron import sharding
 from megatron_ext.megatron.shard_assembly import SavedShards
@@ -149,7 +148,7 @@ def _read_own_shards(ckpt: CommittedCheckpoint, tensor_index: dict[str, tuple[st
             sid = sharding.shard_id(leaf)
             if sid in tensor_index:
                 file_name, tensor_name = tensor_index[sid]
-                target = _live_target(ckpt.index.tensors(file_name)[tensor_name], leaf.data)
+                target = _live_target(ckpt.tensors(file_name)[tensor_name], leaf.data)
                 if target is not None:
                     live.setdefault(file_name, {})[tensor_name] = target
                     found[sid] = leaf.data
@@ -181,13 +180,13 @@ def _same_kind(sid: str, tensor: torch.Tensor, leaf: Any) -> torch.Tensor:
     return tensor
 
 
-def _live_target(meta: dict, data: Any) -> torch.Tensor | None:
+def _live_target(saved: TensorEntry, data: Any) -> torch.Tensor | None:
     """``data`` shaped as the saved tensor when the saved bytes can be read straight into it, else None."""
-    if not isinstance(data, torch.Tensor) or not data.is_contiguous() or data.dtype != torch_dtype(meta["dtype"]):
+    if not isinstance(data, torch.Tensor) or not data.is_contiguous() or data.dtype != saved.dtype:
         return None
-    if data.numel() != math.prod(meta["shape"]) or data.numel() == 0:
+    if data.numel() != saved.numel or data.numel() == 0:
         return None
-    return data.view(meta["shape"])
+    return data.view(saved.shape)
 
 
 def _assemble(saved_shards: SavedShards, leaf: Any) -> torch.Tensor:

@@ -149,7 +149,7 @@ def test_restore_readers_wait_for_work_the_caller_queued_on_the_targets(tmp_path
     monkeypatch.setattr(staged_read, "stream_marks", lambda tensors: [mark])
     staging = host_cache.HostCache(4 * read_plan.READ_PIECE, read_plan.READ_PIECE, pin=False)
     try:
-        staged_read.stream_into(reader.tensor_path, reader.entry, targets, staging, threads=3)
+        staged_read.stream_into(reader.tensor_path, reader.listed, targets, staging, threads=3)
     finally:
         staging.close()
     caller.synchronize()  # what was never waited for runs last

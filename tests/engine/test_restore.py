@@ -14,7 +14,7 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError, ConfigError, EngineConfig
 from megatron_ext.engine.files import supports_o_direct
-from megatron_ext.engine.format.tensor_file import torch_dtype
+from megatron_ext.engine.format.entries import ListedFile
 from megatron_ext.engine.host_cache import HostCache
 from megatron_ext.engine.read import fast_read, read_plan, staged_read
 
@@ -80,7 +80,7 @@ def test_load_paths_are_bit_exact(make_engine, o_direct):
     reader = engine.open_checkpoint("c1").reader("model")
     assert reader.o_direct is o_direct
     assert_same(reader.part("small"), expected["small"])
-    names = [n for n in reader.entry["tensors"]]
+    names = list(reader.listed.tensors)
     got = reader.tensors(names)
     for name in ("big", "odd", "scalar", "empty"):
         assert_same(reader.tensor(name), expected[name], name)
@@ -124,7 +124,7 @@ def test_read_into_through_tiny_staging_slots(make_engine, tmp_path):
     staging = HostCache(3 * 4096, 4096, pin=False)
     try:
         target = {"a": torch.zeros(50_001), "b": torch.zeros(3, 333, dtype=torch.bfloat16)}
-        staged_read.read_into(reader.tensor_path, reader.entry, target, staging, threads=4, timeout_s=60)
+        staged_read.read_into(reader.tensor_path, reader.listed, target, staging, threads=4, timeout_s=60)
         assert_same(target, {"a": expected["a"], "b": expected["b"]})
     finally:
         staging.close()
@@ -134,29 +134,29 @@ def test_read_into_through_tiny_staging_slots(make_engine, tmp_path):
         engine.load_into("c1", {"a": torch.zeros(5), "b": strided["b"]})
 
 
-def _streamed_file(make_engine, o_direct) -> tuple[str, dict, dict]:
-    """A committed file of every dtype (tensors larger than a piece among them): path, entry, expected."""
+def _streamed_file(make_engine, o_direct) -> tuple[str, ListedFile, dict]:
+    """A committed file of every dtype (tensors larger than a piece among them): path, listed, expected."""
     engine, expected = _saved(make_engine, o_direct)
     reader = engine.open_checkpoint("c1").reader("model")
     reader.tensors([])  # checks the file against the manifest, as every reader call does
-    return reader.tensor_path, reader.entry, expected
+    return reader.tensor_path, reader.listed, expected
 
 
-def _empty_targets(entry: dict) -> dict[str, torch.Tensor]:
-    return {n: torch.zeros(m["shape"], dtype=torch_dtype(m["dtype"])) for n, m in entry["tensors"].items()}
+def _empty_targets(listed: ListedFile) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in listed.tensors.items()}
 
 
 @pytest.mark.parametrize("slots, chunk", [(1, 4096), (3, 4096), (9, read_plan.READ_PIECE)])
 def test_stream_into_fills_every_dtype_through_few_reused_slots(make_engine, o_direct, slots, chunk):
     """The GPU-node path (device tensors) run on host tensors: pieces in file order through the slots,
     each tensor hashed on them; one slot is enough, and every slot is given back."""
-    path, entry, expected = _streamed_file(make_engine, o_direct)
+    path, listed, expected = _streamed_file(make_engine, o_direct)
     staging = HostCache(slots * chunk, chunk, pin=False)
     try:
         staging.wait_allocated(60)
-        targets = _empty_targets(entry)
-        staged_read.stream_into(path, entry, targets, staging, o_direct=o_direct, threads=4, timeout_s=60)
-        reference = fast_read.read_tensors(path, entry, entry["tensors"])
+        targets = _empty_targets(listed)
+        staged_read.stream_into(path, listed, targets, staging, o_direct=o_direct, threads=4, timeout_s=60)
+        reference = fast_read.read_tensors(path, listed, listed.tensors)
         assert_same(targets, {n: reference[n] for n in targets})  # every tensor, bit for bit
         for name in ("big", "odd", "scalar", "d/torch.bfloat16", "d/torch.bool"):
             assert_same(targets[name], expected[name], name)
@@ -166,18 +166,18 @@ def test_stream_into_fills_every_dtype_through_few_reused_slots(make_engine, o_d
 
 
 def test_stream_into_names_a_damaged_tensor_and_gives_back_its_slots(make_engine, tmp_path):
-    path, entry, expected = _streamed_file(make_engine, False)
-    lo, hi = entry["tensors"]["big"]["offsets"]
+    path, listed, expected = _streamed_file(make_engine, False)
+    lo, hi = listed.tensors["big"].begin, listed.tensors["big"].end
     staging = HostCache(3 * 4096, 4096, pin=False)
     try:
         flip_bits(path, (lo + hi) // 2)
         with pytest.raises(CheckpointError, match="tensor 'big' fails its checksum"):
-            staged_read.stream_into(path, entry, _empty_targets(entry), staging, threads=4, timeout_s=60)
+            staged_read.stream_into(path, listed, _empty_targets(listed), staging, threads=4, timeout_s=60)
         assert staging.free_slots == 3
         flip_bits(path, (lo + hi) // 2)
         cut_tail(path, 100)
         with pytest.raises(CheckpointError, match=f"{os.path.basename(path)} is truncated"):
-            staged_read.stream_into(path, entry, _empty_targets(entry), staging, threads=4, timeout_s=60)
+            staged_read.stream_into(path, listed, _empty_targets(listed), staging, threads=4, timeout_s=60)
         assert staging.free_slots == 3
     finally:
         staging.close()
@@ -185,12 +185,12 @@ def test_stream_into_names_a_damaged_tensor_and_gives_back_its_slots(make_engine
 
 def test_stream_into_gives_up_when_no_slot_is_freed(make_engine):
     """Slots held elsewhere (a stuck flush): an error naming the file within the timeout, not a hang."""
-    path, entry, _ = _streamed_file(make_engine, False)
+    path, listed, _ = _streamed_file(make_engine, False)
     staging = HostCache(2 * 4096, 4096, pin=False)
     try:
         taken = [staging.acquire(60), staging.acquire(60)]
         with pytest.raises(CheckpointError, match=f"reading {path}"):
-            staged_read.stream_into(path, entry, _empty_targets(entry), staging, threads=2, timeout_s=1)
+            staged_read.stream_into(path, listed, _empty_targets(listed), staging, threads=2, timeout_s=1)
         for slot in taken:
             staging.release(slot)
         assert staging.free_slots == 2
@@ -204,9 +204,9 @@ def test_damage_raises_naming_the_file(make_engine, tmp_path, how):
     state = {"x": torch.arange(300_000, dtype=torch.float32), "y": torch.ones(10)}
     engine.save_and_commit(state, "c1", "f", version=1)
     engine.wait_persisted()
-    entry = engine.open_checkpoint("c1").entry("f")  # with its tensors (format 2: from the rank report)
-    path = str(tmp_path / "ckpt" / entry["tensor_file"])
-    last = max(entry["tensors"], key=lambda n: entry["tensors"][n]["offsets"][1])  # holds the damaged end
+    listed = engine.open_checkpoint("c1").listed("f")  # with its tensors (format 2: from the rank report)
+    path = str(tmp_path / "ckpt" / listed.file.tensor_file)
+    last = max(listed.tensors.values(), key=lambda t: t.end).name  # holds the damaged end
     if how == "flip":
         flip_bits(path, -3)
     else:
@@ -224,9 +224,9 @@ def test_flip_in_a_middle_tensor_names_it(make_engine, tmp_path):
     engine = make_engine(host_cache_size=0.01)
     engine.save_and_commit({"x": torch.zeros(40_000), "y": torch.ones(40_000)}, "c1", "f", version=1)
     engine.wait_persisted()
-    entry = engine.open_checkpoint("c1").entry("f")
-    lo, hi = entry["tensors"]["x"]["offsets"]
-    overwrite(tmp_path / "ckpt" / entry["tensor_file"], (lo + hi) // 2, b"\x07")
+    listed = engine.open_checkpoint("c1").listed("f")
+    x = listed.tensors["x"]
+    overwrite(tmp_path / "ckpt" / listed.file.tensor_file, (x.begin + x.end) // 2, b"\x07")
     with pytest.raises(CheckpointError, match="tensor 'x' fails its checksum"):
         engine.load("c1", "f")
     assert torch.equal(engine.open_checkpoint("c1").reader("f").tensor("y"), torch.ones(40_000))

@@ -146,7 +146,7 @@ def test_restore_readers_wait_for_the_callers_side_stream(tmp_path):
         with torch.cuda.stream(side):
             device_scenarios.late_fill(targets["w"], float("nan"))
             targets["b"].fill_(float("nan"))
-            staged_read.stream_into(reader.tensor_path, reader.entry, targets, staging, threads=3)
+            staged_read.stream_into(reader.tensor_path, reader.listed, targets, staging, threads=3)
         torch.cuda.synchronize()
     finally:
         staging.close()
@@ -225,7 +225,7 @@ def test_graph_safe_cuda_generators_round_trip_through_a_checkpoint(tmp_path):
     pytest.importorskip("megatron.core")
     from megatron.core import tensor_parallel
 
-    from megatron_ext.megatron import checkpoint_layout as layout
+    from megatron_ext.megatron import checkpoint_layout as listed
 
     from helpers.states import through_a_checkpoint
 
@@ -235,10 +235,10 @@ def test_graph_safe_cuda_generators_round_trip_through_a_checkpoint(tmp_path):
     generators["model-parallel-rng"].manual_seed(11)
     tracker.set_states(dict(generators))
     try:
-        captured = layout.capture_rng_state()
+        captured = listed.capture_rng_state()
         expected = torch.rand(8, device="cuda", generator=generators["model-parallel-rng"])
         loaded = through_a_checkpoint(tmp_path, {"rng": captured})["rng"]
-        layout.restore_rng_state(loaded)
+        listed.restore_rng_state(loaded)
         assert tracker.get_states()["model-parallel-rng"] is generators["model-parallel-rng"]
         assert torch.equal(torch.rand(8, device="cuda", generator=generators["model-parallel-rng"]), expected)
     finally:
@@ -310,7 +310,7 @@ def test_restore_readers_copy_on_the_targets_device(tmp_path):
         reader = e.open_checkpoint("A").reader("rank00000")
         targets = {"w": torch.zeros_like(state["w"], device="cuda:1")}
         staging = Recording(4 * read_plan.READ_PIECE, read_plan.READ_PIECE, pin=True, device=1)
-        staged_read.stream_into(reader.tensor_path, reader.entry, targets, staging, threads=3)
+        staged_read.stream_into(reader.tensor_path, reader.listed, targets, staging, threads=3)
         staging.close()
     assert seen == {1}
     device_scenarios.assert_bits(targets["w"], state["w"], "w")

@@ -270,13 +270,6 @@ class TensorIndex:
             return entry["tensors"]
         return self.rank_tensors(entry["rank"])[name]
 
-    def entry(self, name: str) -> dict:
-        """File ``name``'s manifest entry with its ``tensors``, as format 1 inlines it."""
-        entry = self.manifest["files"].get(name)
-        if entry is None:
-            raise CheckpointError(f"checkpoint {self.manifest['checkpoint']} has no file {name!r}")
-        return entry if "tensors" in entry else dict(entry, tensors=self.tensors(name))
-
     def rank_tensors(self, rank: int) -> dict[str, dict]:
         """Every file of ``rank``: name -> tensors (format 2: read and checked on first use)."""
         if rank not in self._by_rank:

@@ -8,6 +8,7 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointError
+from .entries import ListedFile
 from .validation import MAX_SIDECAR_BYTES, parse_json, read_bounded
 
 #: A sidecar may hold at most this many JSON values, plus ``SIDECAR_VALUES_PER_TENSOR`` for each
@@ -22,14 +23,13 @@ SIDECAR_VALUES_PER_TENSOR = 64
 SIDECAR_FORMAT = "megatron_ext.state"
 
 
-def read_sidecar(path: str, entry: dict, verify: bool = True) -> Any:
+def read_sidecar(path: str, listed: ListedFile, verify: bool = True) -> Any:
     """A sidecar's ``state`` skeleton, for ``load`` and ``verify`` alike: its real size held to the
-    manifest's before it is read, its checksum (if ``verify``), then its volume before it is parsed.
-    ``entry`` is the file's entry with its ``tensors`` (``TensorIndex.entry``)."""
-    raw = read_bounded(path, MAX_SIDECAR_BYTES, exact=entry["state_size"])
-    if verify and xxhash.xxh3_64_hexdigest(raw) != entry["state_xxh3_64"]:
+    manifest's before it is read, its checksum (if ``verify``), then its volume before it is parsed."""
+    raw = read_bounded(path, MAX_SIDECAR_BYTES, exact=listed.file.state_size)
+    if verify and xxhash.xxh3_64_hexdigest(raw) != listed.file.state_checksum:
         raise CheckpointError(f"{path}: checksum mismatch (xxh3-64): the bytes changed")
-    check_sidecar_volume(raw, len(entry["tensors"]), path)
+    check_sidecar_volume(raw, len(listed.tensors), path)
     return parse_sidecar(raw, path)
 
 

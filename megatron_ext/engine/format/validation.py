@@ -11,6 +11,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..files import open_regular
+from .entries import ListedFile
 from .names import FORMAT_NAME, REPORTS, RUN_ID, report_name, valid_name
 from .tensor_file import INT64_MAX, TORCH_DTYPES, SafetensorsHeader, shape_elements
 from .version import FORMAT_VERSION
@@ -62,7 +63,7 @@ def read_bounded(path: str, limit: int, exact: int | None = None, missing_ok: bo
 
 
 def parse_json(raw: bytes, where: str) -> Any:
-    """Strict JSON (``layout.parse_json``); errors are ``CheckpointError`` naming ``where``."""
+    """Strict JSON (``strict_json.parse_json``); errors are ``CheckpointError`` naming ``where``."""
     try:
         return strict_json(raw)
     except ValueError as exc:
@@ -281,13 +282,13 @@ def check_report(report: dict, rank: int) -> None:
         raise CheckpointError(f"checkpoint {checkpoint}: rank {rank}'s report would not load: {exc}") from None
 
 
-def check_tensor_file(entry: dict, header: SafetensorsHeader, run_id: str, where: str) -> None:
+def check_tensor_file(file: ListedFile, header: SafetensorsHeader, run_id: str, where: str) -> None:
     """The file's safetensors header must describe exactly the manifest's tensors (and its run)."""
     if header.metadata.get("run_id") != run_id:
         raise CheckpointError(f"{where}: written by run {header.metadata.get('run_id')}, the manifest is of run {run_id}")
-    if header.size != entry["size"]:
-        raise CheckpointError(f"{where}: the header describes {header.size} bytes, the manifest {entry['size']}")
-    listed = entry["tensors"]
+    if header.size != file.file.size:
+        raise CheckpointError(f"{where}: the header describes {header.size} bytes, the manifest {file.file.size}")
+    listed = file.tensors
     if set(header.tensors) != set(listed):
         extra = sorted(set(header.tensors) - set(listed))[:3]
         lacking = sorted(set(listed) - set(header.tensors))[:3]
@@ -295,9 +296,9 @@ def check_tensor_file(entry: dict, header: SafetensorsHeader, run_id: str, where
                               f"only in the manifest: {lacking})")
     for name, (dtype, shape, begin, end) in header.tensors.items():
         meta = listed[name]
-        if (dtype, shape, [begin, end]) != (meta["dtype"], meta["shape"], meta["offsets"]):
+        if (TORCH_DTYPES.get(dtype), tuple(shape), begin, end) != (meta.dtype, meta.shape, meta.begin, meta.end):
             raise CheckpointError(f"{where}: tensor {name!r} is {dtype}{shape} at {[begin, end]} in the file, "
-                                  f"{meta['dtype']}{meta['shape']} at {meta['offsets']} in the manifest")
+                                  f"{meta.saved_as} at {[meta.begin, meta.end]} in the manifest")
 
 
 def _is_int(value: Any) -> bool:

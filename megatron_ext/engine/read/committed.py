@@ -14,11 +14,12 @@ from ..config import EngineConfig
 from ..errors import CheckpointError
 from ..format import codec
 from ..format.catalog import read_manifest
+from ..format.entries import FileEntry, ListedFile, TensorEntry
 from ..format.manifest import TensorIndex
 from ..format.names import LEVEL_LOCAL, LEVEL_PEER, LEVEL_SHARED
 from ..host_cache import HostCache
 from . import file_reader
-from .entries import CommittedManifest, FileEntry, TensorEntry
+from .entries import CommittedManifest
 
 
 class PeerSource(Protocol):
@@ -161,10 +162,14 @@ class CommittedCheckpoint:
 
     def file(self, name: str) -> FileEntry:
         """File ``name``; ``CheckpointError`` if the checkpoint has none of that name."""
-        try:
-            return self._file_entries()[name]
-        except KeyError:
-            raise self._no_file(name) from None
+        if self._files is not None:
+            found = self._files.get(name)
+        else:  # one entry typed, not the whole list: each rank's load reads one file of thousands
+            entry = self.manifest["files"].get(name)
+            found = None if entry is None else FileEntry.of(entry)
+        if found is None:
+            raise self._no_file(name)
+        return found
 
     def _no_file(self, name: str) -> CheckpointError:
         return CheckpointError(f"checkpoint {self.checkpoint} has no file {name!r}; "
@@ -182,31 +187,28 @@ class CommittedCheckpoint:
             self._tensors[name] = {t: TensorEntry.of(t, meta) for t, meta in self.index.tensors(name).items()}
         return self._tensors[name]
 
-    def entry(self, name: str) -> dict:
-        """File ``name``'s manifest entry with its tensors (from its rank's report in format 2)."""
-        return self.index.entry(name)
+    def listed(self, name: str) -> ListedFile:
+        """File ``name``'s entry with its tensors (format 2: from its rank's report)."""
+        return ListedFile(self.file(name), self.tensors(name))
 
     def reader(self, name: str, level: str = "auto") -> file_reader.FileReader:
         """The reader of file ``name``: node-local when complete there (``level="local"`` requires it)."""
         if name not in self._readers:
-            entry = self.manifest["files"].get(name)
-            if entry is None:
-                raise self._no_file(name)
+            file = self.file(name)
             asked = level
             if level == "auto":
                 level = self.default_level
             base, chosen = self.root, LEVEL_SHARED
-            if level in ("auto", LEVEL_LOCAL) and self.local_copy_complete(entry["rank"]):
+            if level in ("auto", LEVEL_LOCAL) and self.local_copy_complete(file.rank):
                 base, chosen = self.local_dir, LEVEL_LOCAL
             elif level == LEVEL_LOCAL:
                 raise CheckpointError(f"checkpoint {self.checkpoint} is not complete on the node-local level")
             elif name in self.recovered and asked in ("auto", LEVEL_PEER):
                 base, chosen = self.recovered[name], LEVEL_PEER
             self.levels_used.add(chosen)
-            entry = self.index.entry(name)
             options = self.options
             self._readers[name] = file_reader.FileReader(
-                base, entry, options.verify, level=chosen, run_id=self.manifest["run_id"], classes=options.classes,
+                base, self.listed(name), options.verify, level=chosen, run_id=self.manifest["run_id"], classes=options.classes,
                 format_version=self.manifest["format_version"],
                 threads=options.threads, o_direct=options.o_direct, timeout_s=options.timeout_s, staging=options.staging)
         return self._readers[name]

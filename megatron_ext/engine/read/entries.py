@@ -1,8 +1,4 @@
-"""Typed entries of a committed checkpoint: what readers look at instead of the manifest's dicts.
-
-Built only from a validated manifest and ``TensorIndex`` (format/validation.py has checked every
-field they carry), so a reader never indexes raw JSON or looks a dtype up by its name again. The
-on-disk format is untouched: these are views of it.
+"""A committed manifest, typed: what readers and the save side look at instead of its dict.
 
 ``CommittedManifest`` is the one form of a committed manifest on both sides: what the committer
 hands to ``on_committed`` callbacks and retention, and what a reader loads. Its header is typed;
@@ -13,74 +9,14 @@ commit store O(ranks^2) bytes per checkpoint).
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 import threading
 from collections.abc import Iterator, Mapping
-from typing import Any
-
-import torch
 
 from ..errors import CheckpointError
 from ..format.catalog import read_manifest
+from ..format.entries import FileEntry
 from ..format.names import MANIFEST
-from ..format.tensor_file import TORCH_DTYPES
-
-
-@dataclasses.dataclass(frozen=True)
-class FileEntry:
-    """One file of the checkpoint: the rank that saved it, its tensor file and sidecar (paths
-    relative to the checkpoints' root), their sizes and checksums, and the adapter's ``extra``."""
-
-    name: str
-    rank: int
-    tensor_file: str
-    state_file: str
-    size: int  # bytes of the tensor file
-    state_size: int  # bytes of the sidecar
-    checksum: str  # xxh3-64 of the tensor file
-    state_checksum: str  # xxh3-64 of the sidecar
-    #: What the adapter that saved the file recorded (not validated with the manifest: the adapter's to check).
-    extra: Any = dataclasses.field(default=None, compare=False)
-
-    @property
-    def total_bytes(self) -> int:
-        """Bytes on disk: the tensor file and its sidecar."""
-        return self.size + self.state_size
-
-    @classmethod
-    def of(cls, entry: dict) -> "FileEntry":
-        """From a validated manifest's file entry."""
-        return cls(entry["name"], entry["rank"], entry["tensor_file"], entry["state_file"], entry["size"],
-                   entry["state_size"], entry["xxh3_64"], entry["state_xxh3_64"], entry.get("extra"))
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of a file: its dtype and shape as saved, its bytes ``[begin, end)`` in the tensor
-    file, and their xxh3-64."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-    checksum: str
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @classmethod
-    def of(cls, name: str, meta: dict) -> "TensorEntry":
-        """From a validated tensor index entry (``{dtype, shape, offsets, xxh3_64}``)."""
-        begin, end = meta["offsets"]
-        return cls(name, TORCH_DTYPES[meta["dtype"]], tuple(meta["shape"]), begin, end, meta["xxh3_64"])
 
 
 class CommittedManifest(Mapping):
@@ -175,4 +111,4 @@ class CommittedManifest(Mapping):
         return f"CommittedManifest({self._header!r}, {self.checkpoint_dir!r})"
 
 
-__all__ = ["CommittedManifest", "FileEntry", "TensorEntry"]
+__all__ = ["CommittedManifest"]

@@ -40,7 +40,7 @@ from ..device import cuda_devices_of
 from ..errors import CacheError, CheckpointError
 from ..files import round_up
 from ..format.digest import tensor_file_digest
-from ..format.tensor_file import torch_dtype
+from ..format.entries import ListedFile
 from .read_plan import (
     O_DIRECT_FLAG,
     READ_PIECE,
@@ -53,7 +53,6 @@ from .read_plan import (
     plan_pieces,
     read_fully,
     shared_pool,
-    tensor_metas,
 )
 
 
@@ -186,10 +185,10 @@ class RegionReads:
         cancel_and_wait(self.futures, timeout)
 
 
-def read_tensors(path: str, entry: dict, names: Iterable[str], *, verify: bool = True, whole_file: bool = False,
+def read_tensors(path: str, listed: ListedFile, names: Iterable[str], *, verify: bool = True, whole_file: bool = False,
                  piecewise: bool = True, o_direct: bool | str = "auto", threads: int = 4, pin: bool = False,
                  timeout_s: float = 1800.0) -> dict[str, torch.Tensor]:
-    """The tensors ``names`` of one committed file (``entry`` = its manifest entry), read in parallel.
+    """The tensors ``names`` of one committed file (``listed``: its entry and tensors), read in parallel.
 
     With ``whole_file`` the whole file is read and, if ``verify``, its xxh3-64 compared with the
     manifest as well (``piecewise``, format 3: made of its header's and its tensors' digests, so
@@ -197,14 +196,14 @@ def read_tensors(path: str, entry: dict, names: Iterable[str], *, verify: bool =
     ranges are read. Each tensor's own checksum is always compared when ``verify``. The tensors
     share one aligned (pinned if ``pin``) buffer.
     """
-    metas = tensor_metas(entry, names)
-    order = sorted(metas, key=lambda n: metas[n]["offsets"][0])
-    size = entry["size"]
-    sized = [n for n in order if metas[n]["offsets"][1] > metas[n]["offsets"][0]]
+    metas = listed.select(names)
+    order = sorted(metas, key=lambda n: metas[n].begin)
+    size = listed.file.size
+    sized = [n for n in order if metas[n].end > metas[n].begin]
     if whole_file:
         spans = [(0, round_up(size))]
     else:
-        spans = merged_spans([tuple(metas[n]["offsets"]) for n in sized], size) if sized else []
+        spans = merged_spans([(metas[n].begin, metas[n].end) for n in sized], size) if sized else []
     pieces = plan_pieces(metas, sized, spans, READ_PIECE)
     buf = aligned_buffer(sum(hi - lo for lo, hi in spans), pin)
     memory = memoryview(buf.numpy())
@@ -214,15 +213,15 @@ def read_tensors(path: str, entry: dict, names: Iterable[str], *, verify: bool =
             place.setdefault(name, piece.buf_off + lo - piece.off)
     out: dict[str, torch.Tensor] = {}
     for name in order:
-        begin, end = metas[name]["offsets"]
-        dtype = torch_dtype(metas[name]["dtype"])
+        meta = metas[name]
+        begin, end, dtype = meta.begin, meta.end, meta.dtype
         if end == begin:
-            out[name] = torch.empty(metas[name]["shape"], dtype=dtype)
+            out[name] = torch.empty(meta.shape, dtype=dtype)
             continue
         # Its own storage (offset 0) over the buffer's bytes: set_rng_state, torch.save and friends
         # treat it like any tensor; the buffer lives as long as any of its tensors.
         view = torch.frombuffer(memory, dtype=torch.uint8, count=end - begin, offset=place[name])
-        out[name] = view.view(dtype).view(metas[name]["shape"])
+        out[name] = view.view(dtype).view(meta.shape)
     if not pieces:
         return out
 
@@ -231,11 +230,10 @@ def read_tensors(path: str, entry: dict, names: Iterable[str], *, verify: bool =
     lock = threading.Lock()
 
     def on_tensor(name: str) -> None:
-        expected = metas[name].get("xxh3_64")
-        if verify and expected is not None:
+        if verify:
             future = hasher.submit(digest_of, out[name].reshape(-1).view(torch.uint8))
             with lock:
-                hashes.append((name, expected, future))
+                hashes.append((name, metas[name].checksum, future))
 
     def read(fd: int, piece: Piece) -> None:
         read_fully(fd, [memory[piece.buf_off: piece.buf_off + piece.length]], piece.off,
@@ -257,12 +255,12 @@ def read_tensors(path: str, entry: dict, names: Iterable[str], *, verify: bool =
         if not (verify and whole_file):
             return
         if piecewise:  # the buffer starts at the file's start: the header is before the first tensor's bytes
-            data_start = min((metas[n]["offsets"][0] for n in sized), default=size)
-            tensors = ((*meta["offsets"], meta["xxh3_64"]) for meta in entry["tensors"].values())
+            data_start = min((metas[n].begin for n in sized), default=size)
+            tensors = ((t.begin, t.end, t.checksum) for t in listed.tensors.values())
             found = tensor_file_digest(xxhash.xxh3_64_intdigest(memory[:data_start]), tensors)
         else:
             found = whole.hexdigest()
-        if found != entry["xxh3_64"]:
+        if found != listed.file.checksum:
             raise CheckpointError(f"{path} fails its checksum")
 
     reading.run(threads, deadline, timeout_s, whole_file_checksum if whole is not None else None, check)

@@ -19,6 +19,7 @@ from ..errors import CheckpointError
 from ..files import open_regular
 from ..format import codec
 from ..format.digest import PIECEWISE_FROM_VERSION
+from ..format.entries import FileEntry, ListedFile
 from ..format.names import REPORTS, report_name
 from ..format.tensor_file import read_header
 from ..format.sidecar import read_sidecar
@@ -33,15 +34,13 @@ def local_copy_complete(local_root: str, checkpoint: str, manifest: dict, rank: 
     report = os.path.join(local_root, checkpoint, REPORTS, report_name(rank, manifest["run_id"]))
     if not os.path.exists(report):
         return False
-    for entry in manifest["files"].values():
-        if entry["rank"] != rank:
-            continue
-        for key, size_key in (("tensor_file", "size"), ("state_file", "state_size")):
+    for file in (FileEntry.of(e) for e in manifest["files"].values() if e["rank"] == rank):
+        for relative, size in ((file.tensor_file, file.size), (file.state_file, file.state_size)):
             try:
-                st = os.lstat(os.path.join(local_root, entry[key]))
+                st = os.lstat(os.path.join(local_root, relative))
             except OSError:
                 return False
-            if not stat.S_ISREG(st.st_mode) or st.st_size != entry[size_key]:
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 return False
     return True
 
@@ -52,32 +51,32 @@ class FileReader:
     ``threads`` readers per call and ``o_direct`` ("auto", True, False) as in the engine config.
     """
 
-    def __init__(self, base: str, entry: dict, verify: bool = True, level: str = "shared", *,
+    def __init__(self, base: str, listed: ListedFile, verify: bool = True, level: str = "shared", *,
                  threads: int = 4, o_direct: bool | str = "auto", timeout_s: float = 1800.0,
                  staging: Staging | None = None, run_id: str | None = None,
                  classes: Mapping[codec.ClassKey, type] | None = None, format_version: int = FORMAT_VERSION):
         self.level = level  # the storage level it reads from
-        self.entry = entry  # from a validated manifest (manifest.read_manifest)
+        self.listed = listed  # from a validated manifest (manifest.read_manifest)
         self.run_id = run_id  # the manifest's: the file's header must name it
         self.classes = classes  # allowed classes beyond the process-wide ones
         self.verify = verify
         self.piecewise = format_version >= PIECEWISE_FROM_VERSION  # how the file's own checksum is made
         self.threads, self.o_direct, self.timeout_s = threads, o_direct, timeout_s
         self.staging = staging  # resident slots for ``read_into``; a process-wide default if None
-        self.tensor_path = os.path.join(base, entry["tensor_file"])
-        self.state_path = os.path.join(base, entry["state_file"])
+        self.tensor_path = os.path.join(base, listed.file.tensor_file)
+        self.state_path = os.path.join(base, listed.file.state_file)
         self._skeleton: Any = None
         self._file_checked = False
 
     def skeleton(self) -> Any:
         if self._skeleton is None:
-            self._skeleton = read_sidecar(self.state_path, self.entry, self.verify)
+            self._skeleton = read_sidecar(self.state_path, self.listed, self.verify)
         return self._skeleton
 
     def tensors(self, names: Iterable[str], whole_file: bool = False, pin: bool = False) -> dict[str, torch.Tensor]:
         """Several tensors in one parallel read (neighbouring ones share requests)."""
         self._check_file()
-        return read_tensors(self.tensor_path, self.entry, names, verify=self.verify, whole_file=whole_file,
+        return read_tensors(self.tensor_path, self.listed, names, verify=self.verify, whole_file=whole_file,
                             piecewise=self.piecewise, o_direct=self.o_direct, threads=self.threads, pin=pin,
                             timeout_s=self.timeout_s)
 
@@ -88,7 +87,7 @@ class FileReader:
         # Tiny slots cost too many requests; fewer slots than readers + 1 leave readers idle.
         if staging is None or staging.chunk_bytes < MIN_STAGING_CHUNK or staging.num_slots <= self.threads:
             staging = default_staging(self.threads)
-        read_into(self.tensor_path, self.entry, targets, staging,
+        read_into(self.tensor_path, self.listed, targets, staging,
                   verify=self.verify, o_direct=self.o_direct, threads=self.threads, timeout_s=self.timeout_s)
 
     def state_into(self, template: Any, allow_pickle: bool = False) -> Any:
@@ -114,7 +113,7 @@ class FileReader:
     def state(self, map_location: Any = None, allow_pickle: bool = False) -> Any:
         """The whole saved state; all tensors read in one pass with the whole-file checksum."""
         self._refs(self.skeleton())
-        tensors = self.tensors(self.entry["tensors"], whole_file=True, pin=_wants_cuda(map_location))
+        tensors = self.tensors(self.listed.tensors, whole_file=True, pin=_wants_cuda(map_location))
         if map_location is not None:
             tensors = to_device(tensors, map_location)
         return self._decode(self.skeleton(), tensors, allow_pickle)
@@ -141,9 +140,9 @@ class FileReader:
         """The tensors ``node`` refers to, each of which the manifest must list."""
         refs = codec.tensor_refs(node)
         for name in refs:
-            if type(name) is not str or name not in self.entry["tensors"]:
+            if type(name) is not str or name not in self.listed.tensors:
                 raise CheckpointError(f"{self.state_path} refers to tensor {name!r}, which the manifest does not "
-                                      f"list for {self.entry['tensor_file']}")
+                                      f"list for {self.listed.file.tensor_file}")
         return refs
 
     def _decode(self, node: Any, tensors: dict[str, torch.Tensor], allow_pickle: bool) -> Any:
@@ -151,7 +150,7 @@ class FileReader:
             try:
                 return tensors[name]
             except KeyError:
-                raise CheckpointError(f"{self.entry['tensor_file']} lacks tensor {name!r}") from None
+                raise CheckpointError(f"{self.listed.file.tensor_file} lacks tensor {name!r}") from None
 
         return codec.decode(node, tensor_for, allow_pickle=allow_pickle, classes=self.classes, where=self.state_path)
 
@@ -162,8 +161,8 @@ class FileReader:
         fd = open_regular(self.tensor_path)
         try:
             size = os.fstat(fd).st_size
-            if size != self.entry["size"]:
-                raise CheckpointError(f"{self.tensor_path} has {size} bytes, the manifest says {self.entry['size']}")
+            if size != self.listed.file.size:
+                raise CheckpointError(f"{self.tensor_path} has {size} bytes, the manifest says {self.listed.file.size}")
             try:
                 header = read_header(fd, size)
             except (ValueError, OSError) as exc:
@@ -171,7 +170,7 @@ class FileReader:
         finally:
             os.close(fd)
         if self.run_id is not None:
-            check_tensor_file(self.entry, header, self.run_id, self.tensor_path)
+            check_tensor_file(self.listed, header, self.run_id, self.tensor_path)
         self._file_checked = True
 
 

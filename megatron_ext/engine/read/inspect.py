@@ -13,9 +13,9 @@ from typing import Callable
 from ..errors import CheckpointError
 from ..files import tree_bytes
 from ..format.catalog import commit_order, read_manifest
+from ..format.entries import FileEntry
 from ..format.names import ERROR_REPORT_SUFFIX, MANIFEST, REPORTS, SKIP_REPORT_SUFFIX
 from .committed import CommittedCheckpoint, ReadOptions, open_committed
-from .entries import FileEntry
 
 
 def common_layout(files: list[FileEntry]) -> dict:

@@ -16,13 +16,13 @@ import errno
 import mmap
 import os
 import threading
-from typing import Iterable
 
 import torch
 import xxhash
 
 from ..errors import CheckpointError
 from ..files import ALIGN, open_regular, round_up
+from ..format.entries import TensorEntry
 from ..threads import name_os_thread
 
 O_DIRECT_FLAG = getattr(os, "O_DIRECT", 0)
@@ -118,7 +118,8 @@ class Piece:
     done: bool = False
 
 
-def plan_pieces(metas: dict[str, dict], order: list[str], spans: list[tuple[int, int]], step: int) -> list[Piece]:
+def plan_pieces(metas: dict[str, TensorEntry], order: list[str], spans: list[tuple[int, int]],
+                step: int) -> list[Piece]:
     """Cut ``spans`` into pieces of at most ``step`` bytes, each knowing the tensors it carries."""
     pieces: list[Piece] = []
     i = 0
@@ -126,12 +127,12 @@ def plan_pieces(metas: dict[str, dict], order: list[str], spans: list[tuple[int,
     for lo_span, hi_span in spans:
         for off in range(lo_span, hi_span, step):
             end = min(off + step, hi_span)
-            while i < len(order) and metas[order[i]]["offsets"][1] <= off:
+            while i < len(order) and metas[order[i]].end <= off:
                 i += 1
             segments = []
             j = i
-            while j < len(order) and metas[order[j]]["offsets"][0] < end:
-                b, e = metas[order[j]]["offsets"]
+            while j < len(order) and metas[order[j]].begin < end:
+                b, e = metas[order[j]].begin, metas[order[j]].end
                 if e > off:
                     segments.append((order[j], max(b, off), min(e, end)))
                 j += 1
@@ -155,16 +156,6 @@ def read_fully(fd: int, buffers: list[memoryview], off: int, want: int, path: st
             else:
                 buffers[first] = buffers[first][n:]
                 n = 0
-
-
-def tensor_metas(entry: dict, names: Iterable[str]) -> dict[str, dict]:
-    metas: dict[str, dict] = {}
-    for name in names:
-        meta = entry["tensors"].get(name)
-        if meta is None:
-            raise CheckpointError(f"{entry['tensor_file']} lacks tensor {name!r}")
-        metas[name] = meta
-    return metas
 
 
 def cancel_and_wait(futures: list[cf.Future], timeout: float) -> None:

@@ -21,7 +21,7 @@ import xxhash
 
 from ..device import bind_thread, cuda_device_of, rank_device, stream_marks
 from ..errors import CacheError, CheckpointError
-from ..format.tensor_file import torch_dtype
+from ..format.entries import ListedFile, TensorEntry
 from ..host_cache import HostCache
 from .fast_read import RegionReads, check_hashes, read_tensors
 from .read_plan import (
@@ -35,7 +35,6 @@ from .read_plan import (
     plan_pieces,
     read_fully,
     shared_pool,
-    tensor_metas,
 )
 
 #: Smaller staging slots than this cost more in requests than they save; a default pool is used instead.
@@ -56,15 +55,14 @@ class Staging(Protocol):
     def memory(self, slot: int, nbytes: int) -> memoryview: ...
 
 
-def _byte_views(metas: dict[str, dict], targets: dict[str, torch.Tensor],
+def _byte_views(metas: dict[str, TensorEntry], targets: dict[str, torch.Tensor],
                 names: Iterable[str]) -> dict[str, torch.Tensor]:
     """Byte views of the targets ``names`` that hold bytes in the file, in file order (filled in place)."""
-    order = sorted((n for n in names if metas[n]["offsets"][1] > metas[n]["offsets"][0]),
-                   key=lambda n: metas[n]["offsets"][0])
+    order = sorted((n for n in names if metas[n].end > metas[n].begin), key=lambda n: metas[n].begin)
     return {n: targets[n].detach().reshape(-1).view(torch.uint8) for n in order}
 
 
-def read_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging: Staging, *, verify: bool = True,
+def read_into(path: str, listed: ListedFile, targets: dict[str, torch.Tensor], staging: Staging, *, verify: bool = True,
               o_direct: bool | str = "auto", threads: int = 4, timeout_s: float = 1800.0) -> None:
     """Fill existing tensors (e.g. a model's) with their saved bytes; checksums from the filled tensors.
 
@@ -74,31 +72,31 @@ def read_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging:
     slots first and are copied from there. Device tensors are filled through the slots by
     ``stream_into``; strided ones (rare) from a fresh host buffer of their own.
     """
-    metas = tensor_metas(entry, targets)
+    metas = listed.select(targets)
     for name, target in targets.items():
         meta = metas[name]
-        if torch_dtype(meta["dtype"]) != target.dtype or list(meta["shape"]) != list(target.shape):
-            raise CheckpointError(f"{path}: tensor {name!r} is {meta['dtype']}{meta['shape']} in the checkpoint, "
+        if meta.dtype != target.dtype or meta.shape != tuple(target.shape):
+            raise CheckpointError(f"{path}: tensor {name!r} is {meta.saved_as} in the checkpoint, "
                                   f"the target is {target.dtype}{list(target.shape)}: the template is not the model "
                                   "that was saved (load() returns the state as saved)")
     strided = {n: t for n, t in targets.items() if not t.is_contiguous()}
     device = {n: t for n, t in targets.items() if n not in strided and t.device.type != "cpu"}
     if strided:  # rare: a fresh host buffer of just these tensors (pinned on a GPU node), then copies
-        fresh = read_tensors(path, entry, list(strided), verify=verify, o_direct=o_direct, threads=threads,
+        fresh = read_tensors(path, listed, list(strided), verify=verify, o_direct=o_direct, threads=threads,
                              pin=torch.cuda.is_available(), timeout_s=timeout_s)
         for name, target in strided.items():
             target.copy_(fresh[name])
     if device:
-        stream_into(path, entry, device, staging, verify=verify, o_direct=o_direct, threads=threads,
+        stream_into(path, listed, device, staging, verify=verify, o_direct=o_direct, threads=threads,
                     timeout_s=timeout_s)
     flat = _byte_views(metas, targets, [n for n in targets if n not in strided and n not in device])
     if not flat:
         return
     order = list(flat)
-    size = entry["size"]
+    size = listed.file.size
     deadline = time.monotonic() + timeout_s
     fd, direct = open_for_read(path, o_direct)
-    ranges = [tuple(metas[n]["offsets"]) for n in order]
+    ranges = [(metas[n].begin, metas[n].end) for n in order]
     if direct:
         pieces = plan_pieces(metas, order, merged_spans(ranges, size), min(READ_PIECE, staging.chunk_bytes))
         read = _staged_reader(path, size, metas, flat, staging, deadline)
@@ -110,17 +108,16 @@ def read_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging:
     lock = threading.Lock()
 
     def on_tensor(name: str) -> None:
-        expected = metas[name].get("xxh3_64")
-        if verify and expected is not None:
+        if verify:
             future = hasher.submit(digest_of, flat[name])
             with lock:
-                hashes.append((name, expected, future))
+                hashes.append((name, metas[name].checksum, future))
 
     reading = RegionReads(path, pieces, direct, fd, read, on_tensor)
     reading.run(threads, deadline, timeout_s, None, lambda: check_hashes(path, hashes, lock, deadline))
 
 
-def stream_into(path: str, entry: dict, targets: dict[str, torch.Tensor], staging: Staging, *, verify: bool = True,
+def stream_into(path: str, listed: ListedFile, targets: dict[str, torch.Tensor], staging: Staging, *, verify: bool = True,
                 o_direct: bool | str = "auto", threads: int = 4, timeout_s: float = 1800.0) -> None:
     """Fill contiguous tensors on any device through ``staging``'s reused slots, in file order.
 
@@ -131,15 +128,15 @@ def stream_into(path: str, entry: dict, targets: dict[str, torch.Tensor], stagin
     Readers take a slot before their next piece, so the piece walked next always holds one:
     at least one slot suffices, ``threads`` + 1 keep every reader busy.
     """
-    metas = tensor_metas(entry, targets)
+    metas = listed.select(targets)
     flat = _byte_views(metas, targets, targets)
     if not flat:
         return
     order = list(flat)
-    size = entry["size"]
+    size = listed.file.size
     deadline = time.monotonic() + timeout_s
     fd, direct = open_for_read(path, o_direct)
-    pieces = plan_pieces(metas, order, merged_spans([tuple(metas[n]["offsets"]) for n in order], size, align=direct),
+    pieces = plan_pieces(metas, order, merged_spans([(metas[n].begin, metas[n].end) for n in order], size, align=direct),
                    min(READ_PIECE, staging.chunk_bytes))
 
     device = cuda_device_of(targets.values())
@@ -154,12 +151,12 @@ def stream_into(path: str, entry: dict, targets: dict[str, torch.Tensor], stagin
             mark.wait()
         chunk = staging.view(slot)
         for name, lo, hi in piece.segments:
-            begin = metas[name]["offsets"][0]
+            begin = metas[name].begin
             # From a pinned slot to the device: a synchronous copy, done before the slot is reused.
             flat[name][lo - begin: hi - begin].copy_(chunk[lo - piece.off: hi - piece.off])
 
     streamed = _Streamed(path, size, pieces, staging, fd, deadline, land)
-    hashers = {n: xxhash.xxh3_64() for n in order if verify and metas[n].get("xxh3_64") is not None}
+    hashers = {n: xxhash.xxh3_64() for n in order} if verify else {}
     try:
         if not direct:
             os.posix_fadvise(fd, pieces[0].off, pieces[-1].off + pieces[-1].length - pieces[0].off,
@@ -173,7 +170,7 @@ def stream_into(path: str, entry: dict, targets: dict[str, torch.Tensor], stagin
                     if name not in hashers:
                         continue
                     hashers[name].update(memory[lo - piece.off: hi - piece.off])
-                    if hi == metas[name]["offsets"][1] and hashers[name].hexdigest() != metas[name]["xxh3_64"]:
+                    if hi == metas[name].end and hashers[name].hexdigest() != metas[name].checksum:
                         raise CheckpointError(f"{path}: tensor {name!r} fails its checksum")
             finally:
                 streamed.consumed(index)
@@ -275,7 +272,7 @@ class _Streamed:
             self.staging.release(slot)
 
 
-def _direct_to_targets_reader(path: str, metas: dict[str, dict],
+def _direct_to_targets_reader(path: str, metas: dict[str, TensorEntry],
                               flat: dict[str, torch.Tensor]) -> Callable[[int, Piece], None]:
     """Buffered reads: one ``preadv`` per piece scattering into the target tensors' memory
     (bytes between wanted tensors go to a scratch buffer)."""
@@ -293,7 +290,7 @@ def _direct_to_targets_reader(path: str, metas: dict[str, dict],
         for name, lo, hi in piece.segments:
             if lo > at:
                 buffers.append(gap(lo - at))
-            begin = metas[name]["offsets"][0]
+            begin = metas[name].begin
             buffers.append(memory[name][lo - begin: hi - begin])
             at = hi
         end = piece.off + piece.length
@@ -304,7 +301,7 @@ def _direct_to_targets_reader(path: str, metas: dict[str, dict],
     return read
 
 
-def _staged_reader(path: str, size: int, metas: dict[str, dict], flat: dict[str, torch.Tensor], staging: Staging,
+def _staged_reader(path: str, size: int, metas: dict[str, TensorEntry], flat: dict[str, torch.Tensor], staging: Staging,
                    deadline: float) -> Callable[[int, Piece], None]:
     """O_DIRECT reads: each piece into an aligned staging slot, then copied into the target tensors."""
 
@@ -314,7 +311,7 @@ def _staged_reader(path: str, size: int, metas: dict[str, dict], flat: dict[str,
             read_fully(fd, [staging.memory(slot, piece.length)], piece.off, min(piece.length, size - piece.off), path)
             chunk = staging.view(slot)
             for name, lo, hi in piece.segments:
-                begin = metas[name]["offsets"][0]
+                begin = metas[name].begin
                 flat[name][lo - begin: hi - begin].copy_(chunk[lo - piece.off: hi - piece.off])
         finally:
             staging.release(slot)

@@ -30,7 +30,7 @@ from ..format.tensor_file import read_header
 from ..format.sidecar import read_sidecar
 from ..format.validation import check_tensor_file
 from .committed import CommittedCheckpoint, ReadOptions, open_committed
-from .entries import TensorEntry
+from ..format.entries import TensorEntry
 
 _BLOCK = 16 << 20
 
@@ -108,7 +108,7 @@ def _check_tensor_file(root: str, committed: CommittedCheckpoint, name: str, dee
             header = read_header(fd, size)
         except (ValueError, OSError) as exc:
             raise CheckpointError(f"{path}: bad safetensors header: {exc}") from None
-        check_tensor_file(committed.entry(name), header, committed.run_id, path)
+        check_tensor_file(committed.listed(name), header, committed.run_id, path)
         if deep:
             piecewise = committed.manifest["format_version"] >= PIECEWISE_FROM_VERSION
             _check_digests(fd, path, committed.tensors(name), file.checksum, header.data_start, piecewise, progress)
@@ -152,12 +152,12 @@ def _read(fd: int, path: str, offset: int, length: int) -> bytes:
 
 def _check_state_file(root: str, committed: CommittedCheckpoint, name: str, deep: bool, progress=None) -> None:
     """The sidecar: well-formed, of the manifest's size (and, deep, checksum), naming only listed tensors."""
-    entry = committed.entry(name)
-    path = os.path.join(root, entry["state_file"])
-    state = read_sidecar(path, entry, verify=deep)
+    listed = committed.listed(name)
+    path = os.path.join(root, listed.file.state_file)
+    state = read_sidecar(path, listed, verify=deep)
     if progress is not None:
-        progress(entry["state_size"], 0)
-    codec.check(state, entry["tensors"], where=path)
+        progress(listed.file.state_size, 0)
+    codec.check(state, listed.tensors, where=path)
 
 
 def problem_of(root: str, checkpoint: str, exc: CheckpointError) -> Problem:
