@@ -209,10 +209,15 @@ def validate_datastates_args(args: Any) -> None:
     if fmt not in (None, "torch_dist"):
         problems.append(f"--use-datastates writes its own format from megatron-core's sharded state dicts; "
                         f"it needs the default --ckpt-format torch_dist, not {fmt}")
-    if getattr(args, "non_persistent_save_interval", None) and getattr(args, "non_persistent_ckpt_type", None) != "global":
-        problems.append(f"--non-persistent-save-interval with --non-persistent-ckpt-type "
-                        f"{getattr(args, 'non_persistent_ckpt_type', None)}: --use-datastates writes 'global' "
-                        "non-persistent checkpoints (its node-local level is --datastates-local-dir)")
+    non_persistent = getattr(args, "non_persistent_ckpt_type", None)
+    if non_persistent == "local":  # NVRx's LocalCheckpointManager would write a second, unsynchronised copy
+        problems.append("--non-persistent-ckpt-type local (nvidia-resiliency-ext's local checkpoints) is replaced "
+                        "by --use-datastates' own node-local level: drop it and pass --datastates-local-dir DIR "
+                        "(and --datastates-peer-replica to survive a lost node)")
+    elif getattr(args, "non_persistent_save_interval", None) and non_persistent != "global":
+        problems.append(f"--non-persistent-save-interval with --non-persistent-ckpt-type {non_persistent}: "
+                        "--use-datastates writes 'global' non-persistent checkpoints (its node-local level is "
+                        "--datastates-local-dir)")
     if getattr(args, "save_retain_interval", None) and (getattr(args, "datastates_keep_last", None) is not None or
                                                          getattr(args, "datastates_keep_every", None) is not None):
         problems.append("--save-retain-interval and --datastates-keep-last/--datastates-keep-every both set retention; "

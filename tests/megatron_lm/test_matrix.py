@@ -80,6 +80,10 @@ SCENARIOS = {
                                           "--hysteresis", "1", "--train-iters", "8", "--save-interval", "1"],
                                          [Phase([], kill_at=2), Phase([])], native=False),
     "fp32": Scenario(["--use-distributed-optimizer", *ITERS, "--save-interval", "1"], KILL_RESUME),
+    # Flags users of Megatron-LM's own async save pass: the torch_dist plan cache (no effect on ours) and
+    # multi-storage-client for Megatron-LM's own file access, checkpoints on a file system.
+    "constant_structure_msc": Scenario([*BF16_DIST, *ITERS, "--save-interval", "1", "--ckpt-assume-constant-structure",
+                                        "--enable-msc"], KILL_RESUME),
     "plain_optimizer": Scenario(["--bf16", *ITERS, "--save-interval", "1"], KILL_RESUME),
     # Megatron-LM all-gathers the parameters before its save; ours skips that (patch 0004) and its
     # copies wait for the next forward pass's all-gathers: the saved weights must be the same.

@@ -44,6 +44,19 @@ CASES = {
     # An object-store URL would be made a local directory named "s3:" (until object storage lands).
     "save_s3": (["--save", "s3://bucket/run1"], "--save 's3://bucket/run1' is a s3:// URL; megatron_ext reads and writes file systems only"),
     "load_msc": (["--load", "msc://profile/run1"], "--load 'msc://profile/run1' is a msc:// URL"),
+    # NVRx's local checkpoints would be a second, unsynchronised node-local copy: the engine has its own level.
+    "nvrx_local_checkpoints": (["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "/tmp/x"],
+                               "--non-persistent-ckpt-type local (nvidia-resiliency-ext's local checkpoints) is "
+                               "replaced by --use-datastates' own node-local level: drop it and pass "
+                               "--datastates-local-dir DIR"),
+    "nvrx_local_checkpoints_with_interval": (["--non-persistent-ckpt-type", "local", "--non-persistent-save-interval",
+                                              "2"], "--datastates-local-dir DIR"),
+    "non_persistent_global": (["--non-persistent-ckpt-type", "global", "--non-persistent-save-interval", "2"], None),
+    # Megatron-LM's torch_dist plan cache: --use-datastates' saves and loads do not go through it (no effect).
+    "constant_structure": (["--ckpt-assume-constant-structure"], None),
+    # MSC routes Megatron-LM's own file access (data included); checkpoints on file-system paths are the engine's.
+    "enable_msc": (["--enable-msc"], None),
+    "enable_msc_url": (["--enable-msc", "--save", "msc://profile/run1"], "--save 'msc://profile/run1' is a msc:// URL"),
     "lion_plain": (["--optimizer", "lion"], None),
     "adam_distributed": (["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"], None),
     # The flags generated from EngineConfig's fields, and the earlier spellings kept as aliases, parse in
