@@ -152,6 +152,7 @@ class CheckpointEngine:
         took = time.monotonic() - started
         job.add_blocked(started, took)
         self.blocked_total_s += took
+        faults.stop_point("after_save")
         return fjob
 
     def commit(self, checkpoint: str, *, root: str | None = None,

@@ -17,6 +17,7 @@ import stat
 import threading
 from typing import Any
 
+from . import faults
 from .errors import CheckpointError
 
 #: The block O_DIRECT needs offsets, lengths and memory aligned to; the tensor file's header is
@@ -117,6 +118,7 @@ def atomic_write(path: str, data: bytes) -> None:
     directory = os.path.dirname(path) or "."
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}-{threading.get_ident()}")
     write_durable(tmp, data)
+    faults.stop_point(f"before_rename:{os.path.basename(path)}")
     os.replace(tmp, path)
     fsync_dir(directory)
 

@@ -79,3 +79,24 @@ def test_failure_staging_to_shared_is_reported_and_not_committed(make_engine, fa
         engine.wait_persisted()
     assert committed_names(shared) == []
     assert any(p.name.endswith(".safetensors") for p in (local / "c1").iterdir())  # local level was fine
+
+
+def test_a_restart_removes_local_copies_the_shared_level_never_committed(make_engine, tmp_path):
+    """A crash can leave on a node's local level what the shared level never committed (a save in
+    flight) and a checkpoint renamed away by retention but not yet deleted: the next engine on that
+    node removes both before it writes, and keeps the committed checkpoints' copies and what is not
+    the job's."""
+    local, shared = tmp_path / "local", tmp_path / "shared"
+    first = make_engine(**TINY, local_dir=str(local), save_dir=str(shared))
+    for name in ("c1", "c2"):
+        first.save(_state(1), name, "model", version=int(name[1]))
+        first.commit(name)
+    first.wait_persisted()
+    first.shutdown()
+    shutil.copytree(local / "c2", local / "c3")  # a copy whose commit never came
+    shutil.copytree(local / "c1", local / ".c0.deleting")  # retention's rename, then the crash
+    (local / "notes").mkdir()  # not the job's: no reports, no data files of its runs
+    (shared / "c2" / "manifest.json").unlink()  # c2's commit undone on the shared level
+
+    make_engine(**TINY, local_dir=str(local), save_dir=str(shared))
+    assert sorted(p.name for p in local.iterdir() if p.is_dir()) == ["c1", "notes"]

@@ -38,6 +38,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+from ... import faults
 from ...errors import CheckpointError, CheckpointSkipped
 from ...files import atomic_write
 from ...format.manifest import MANIFEST_SHARES, assemble_manifest, encode_json, merge_summaries, summarize_heads
@@ -230,6 +231,7 @@ class Committer:
             self._forward(job, key)
             raise
         self._emit_levels(job)
+        faults.stop_point("after_report")
         if post:
             self.channel.post_durable(key, status, shares)
         started = time.monotonic()
@@ -247,6 +249,7 @@ class Committer:
         outcome = CommitOutcome(manifest, time.monotonic(), committed_bytes)
         job.publish_outcome(outcome)
         job.advance(JobState.COMMITTED)  # from here on a late skip notice is refused
+        faults.stop_point("before_tracker")
         if manifest.version is not None and (self.newest_committed is None or manifest.version > self.newest_committed):
             self.newest_committed = manifest.version
         request = job.request

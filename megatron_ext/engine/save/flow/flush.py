@@ -148,6 +148,7 @@ class RankWriter(QueueWorker):
         spans = [bound for s in fjob.layout.spans for bound in (s.start, s.end)]
         self._direct.attempt(root, directory, lambda direct: self.io.run(
             number, chunk.offset, cache_offset, chunk.nbytes, path=path, direct=direct, spans=spans))
+        faults.stop_point("mid_flush")
 
     def _finish(self, fjob: FileJob) -> None:
         """The file's last run is written: the worker makes it and its sidecar durable."""
@@ -219,6 +220,7 @@ class LevelStager(QueueWorker):
         held = stage.hold(2 * self.ctx.timeout_s, lambda: f"the I/O worker to copy {fjob.tensor_rel} to the shared level")
         try:
             self._copy(fjob.tensor_rel, fjob, fjob.file_xxh3, fjob.layout.size, fjob.layout.cuts())
+            faults.stop_point("mid_stage")
             self._copy(fjob.sidecar_rel, fjob, fjob.sidecar_xxh3, len(fjob.sidecar), None)
             fjob.job.mark_durable(fjob, LEVEL_SHARED)
             self.next.durable(fjob)

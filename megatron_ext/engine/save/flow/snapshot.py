@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from ... import faults
 from ...config import OverloadPolicy
 from ...device import bind_thread
 from ...host_cache import HostCache
@@ -170,6 +171,8 @@ class SnapshotScheduler(QueueWorker):
             for done in [k for k in sources if layout.spans[k].end <= end]:
                 del sources[done]
             index += taken
+            if index == taken:
+                faults.stop_point("mid_copy")
             self.writer.submit(Chunk(fjob, index - taken, index == count, slot, start, end - start,
                                      self.copier.chunk_ready(), taken))
         self.copier.finish()

@@ -75,8 +75,15 @@ class DirectoryOwnership:
         if self.config.local_dir and not self.read_only:
             failure: CheckpointError | None = None
             try:
-                self.local_lock = dir_lock.acquire(os.path.abspath(self.config.local_dir), run_id, "local_dir",
-                                                   same_run_ok=True)
+                local_dir = os.path.abspath(self.config.local_dir)
+                self.local_lock = lock = dir_lock.acquire(local_dir, run_id, "local_dir", same_run_ok=True)
+                if self.config.remove_partial_on_start and lock.held and save_dir:
+                    # The node's one holder, before the all-reduce below lets any rank of the node write.
+                    removed, freed = retention.remove_uncommitted_local(local_dir, save_dir, set(lock.runs))
+                    if removed:
+                        log.warning("[datastates] removed %d node-local copies of checkpoints not committed on "
+                                    "the shared level (a crash), %d bytes freed: %s", len(removed), freed,
+                                    ", ".join(sorted(removed)))
             except CheckpointError as exc:
                 failure = exc
             if (_any_rank_failed(failure is not None) if collective else failure is not None):

@@ -15,6 +15,8 @@ Partial checkpoints left by a crash (directories with our ``.reports``, or only 
 but no manifest) are removed at start-up by rank 0, holding the lock, before this run writes
 anything, and so are data files a committed checkpoint's manifest does not name (a later save of
 the same id that crashed): on a file system such a crash filled, they are what the restart needs.
+On each node the holder of the local level's lock does the same there, before any rank of the
+node writes: copies of checkpoints with no manifest on the shared level, and half-removed ones.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import os
 import shutil
 from typing import TYPE_CHECKING
 
+from ... import faults
 from ...errors import CheckpointError
 from ...files import tree_bytes
 from ...format.catalog import list_committed, read_manifest, remember_committed, run_of
@@ -96,6 +99,7 @@ def hide_and_remove(directory: str) -> None:
     """Atomically take a checkpoint out of sight, then delete it."""
     hidden = hide(directory)
     if hidden is not None:
+        faults.stop_point("mid_retention")
         shutil.rmtree(hidden, ignore_errors=True)
 
 
@@ -176,6 +180,38 @@ def remove_partial(root: str, runs: set[str] = frozenset()) -> tuple[list[str], 
             if os.path.lexists(os.path.join(hidden, MANIFEST)):  # committed after all, just now: keep it
                 os.replace(hidden, path)
                 continue
+            freed += tree_bytes(hidden)
+            shutil.rmtree(hidden, ignore_errors=True)
+            removed.append(name)
+    return removed, freed
+
+
+def remove_uncommitted_local(local_root: str, shared_root: str, runs: set[str]) -> tuple[list[str], int]:
+    """On a node's local level: delete ``.deleting`` directories and this job's copies of checkpoints
+    that have no manifest on the shared level (a crash before the commit, or after retention removed
+    the shared one); returns the checkpoints removed and the bytes freed.
+
+    The local level holds no manifest of its own: a checkpoint is committed when the shared level's
+    manifest exists (one ``lstat`` per local checkpoint, once at start-up).
+    """
+    removed, freed = [], 0
+    try:
+        names = os.listdir(local_root)
+    except FileNotFoundError:
+        return removed, freed
+    for name in names:
+        path = os.path.join(local_root, name)
+        if name.startswith("."):
+            if name.endswith(".deleting") and os.path.isdir(path) and not os.path.islink(path):
+                freed += tree_bytes(path)
+                shutil.rmtree(path, ignore_errors=True)
+            continue
+        if not os.path.isdir(path) or os.path.islink(path) or not _partial_of(path, runs):
+            continue
+        if os.path.lexists(os.path.join(shared_root, name, MANIFEST)):
+            continue
+        hidden = hide(path)
+        if hidden is not None:
             freed += tree_bytes(hidden)
             shutil.rmtree(hidden, ignore_errors=True)
             removed.append(name)
