@@ -157,14 +157,18 @@ def _export(sub) -> None:
     p = sub.add_parser("export", help="a committed checkpoint's model weights as consolidated safetensors files + "
                                       "index (Megatron-LM, DeepSpeed ZeRO 0-3, engine API checkpoints)")
     _which(p, "export")
-    p.add_argument("--to", choices=["safetensors"], required=True, help="output format")
+    p.add_argument("--to", choices=["safetensors", "hf"], required=True,
+                   help="safetensors: the weights (names: --names); hf: a Hugging Face model directory "
+                        "(config.json + safetensors), LlamaForCausalLM for a Llama-style run, GPT2LMHeadModel for a "
+                        "standard GPT (the same as --to safetensors --names hf)")
     p.add_argument("out", help="new (or empty) output directory")
     p.add_argument("--max-shard-size", default="5GB", help="largest output file, with its unit (default 5GB; "
                                                            "500MB, 2GiB, ...)")
     p.add_argument("--dtype", choices=["keep", "fp32", "bf16"], default="keep",
                    help="keep: as the model held them (DeepSpeed: the fp32 master weights); fp32/bf16: cast")
-    p.add_argument("--names", choices=["megatron", "hf"], default="megatron",
-                   help="megatron-core's keys, or Hugging Face GPT-2 names + config.json (standard GPT only)")
+    p.add_argument("--names", choices=["megatron", "hf"], default=None,
+                   help="megatron-core's keys (the default), or Hugging Face names + config.json (Llama-style or "
+                        "standard GPT; what --to hf writes)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
     def run(args) -> int:
@@ -173,15 +177,20 @@ def _export(sub) -> None:
         from megatron_ext.progress import Progress
 
         parse_size(args.max_shard_size)  # a bad size is refused before anything is read
+        if args.to == "hf" and args.names == "megatron":
+            raise ValueError("--to hf writes Hugging Face names; --names megatron goes with --to safetensors")
+        names = "hf" if args.to == "hf" else args.names or "megatron"
         located = locate.resolve(args.dir, args.iteration, args.checkpoint)
         with Progress("export", quiet=args.quiet) as progress:
             summary = export_safetensors(located, out=args.out, max_shard_size=args.max_shard_size,
-                                         dtype=args.dtype, names=args.names, progress=progress)
+                                         dtype=args.dtype, names=names, progress=progress)
         if args.json:
             _print_json(summary)
             return 0
         print(f"exported {summary['tensors']} tensors ({summary['total_size'] / 1e9:.3f} GB) of {located.kind} "
               f"checkpoint {located.path} into {summary['files']} file(s) in {args.out}")
+        if summary.get("architecture"):
+            print(f"  architecture: {summary['architecture']} (transformers.AutoModelForCausalLM loads it)")
         if summary.get("weights"):
             print(f"  weights: {summary['weights']}")
         if summary.get("note"):
