@@ -2,7 +2,7 @@
 
     torchrun ... -m megatron_ext.testing.megatron_lm [--checkout DIR] [--record FILE]
         [--kill-at-iteration N] [--sigterm-at-iteration N] [--expire-duration-at-iteration N]
-        [--exit-at-iteration N]
+        [--exit-at-iteration N] [--record-logits DIR]
         -- <pretrain_gpt.py arguments>
 
 The script runs in-process, unchanged, from a patched checkout of the pin (``find_checkout``).
@@ -539,6 +539,17 @@ def read_records(path: str | Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_first_forward(directory: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``--record-logits DIR`` saved: the tokens ``[batch, sequence]`` and the logits ``[batch, sequence,
+    padded vocabulary]``, the tensor ranks' vocabulary slices joined."""
+    directory = Path(directory)
+    slices = sorted(directory.glob("logits-tp*.pt"), key=lambda p: int(p.stem.removeprefix("logits-tp")))
+    if not slices or not (directory / "tokens.pt").exists():
+        raise FileNotFoundError(f"{directory}: no recorded first forward (tokens.pt, logits-tp*.pt)")
+    logits = torch.cat([torch.load(p) for p in slices], dim=-1)  # [sequence, batch, vocabulary]
+    return torch.load(directory / "tokens.pt"), logits.transpose(0, 1).contiguous()
 
 
 # ---------------------------------------------------------------------------- entry point
