@@ -8,6 +8,10 @@ no larger than ``--max-shard-size`` (a single larger tensor gets a file of its o
 directory with an index is complete. Tensors are produced one file at a time: memory holds one
 output file's tensors plus the global tensor being assembled.
 
+With Hugging Face names (``--to hf``, or ``--names hf``) a Megatron-LM checkpoint becomes a model
+directory transformers loads: ``LlamaForCausalLM`` for a Llama-style run (``hf_llama``),
+``GPT2LMHeadModel`` for the standard GPT (``hf_gpt2``), with ``config.json`` from the saved args.
+
 Every kind of committed checkpoint exports (``megatron_ext.locate``): Megatron-LM's
 (``iter_*``, as above), DeepSpeed's (``global_step*``: the fp32 master weights consolidated
 from the ZeRO 1-3 optimizer partitions, ``megatron_ext.deepspeed_export``), and the engine API's
