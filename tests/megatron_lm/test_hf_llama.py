@@ -7,7 +7,8 @@
   ``--finetune`` start) equal Megatron-LM's, padding columns aside, within ``LOGITS_ATOL``;
 * import: a random ``LlamaForCausalLM`` (tied embeddings, rope theta 500000) saved by
   ``save_pretrained``, converted ``--to datastates --tp 2 --pp 2``: Megatron-LM's first forward
-  from it (``--load OUT --finetune``) gives transformers' logits within ``LOGITS_ATOL``;
+  from it (``--load OUT --finetune``) gives transformers' logits within ``LOGITS_ATOL``; a run
+  with another rotary base is refused at the load, naming it;
 * export, import, export again gives the same tensors, bit for bit, both ways round.
 
 The logits are O(1) (max about 0.7); measured differences are about 2e-7.
@@ -176,6 +177,14 @@ def test_transformers_llama_imports_and_megatron_lm_first_forward_matches(checko
     print(f"import: max abs logit difference {diff:.3g}")
     assert diff <= LOGITS_ATOL
     assert logits[..., VOCAB:].abs().max().item() == 0  # the padding rows are zeros
+
+    # A run whose arguments build another model (the shapes agree) is refused by name, also with --finetune.
+    refused = run(checkout, 2, [*TINY_GPT, *LLAMA, *TP2, "--load", str(tmp_path / "ckpt"), "--finetune",
+                                "--train-iters", "1", "--save", str(tmp_path / "refused-save"), "--save-interval", "100",
+                                *DATASTATES],
+                  tmp_path, "refused", expect_failure=True)
+    assert ("which this run's arguments do not build: --rotary-base 10000 (the model: 500000)" in refused.log
+            and str(hf_dir) in refused.log)
 
     # Import, export: transformers' own tensors again.
     cli("export", str(tmp_path / "ckpt"), "--to", "hf", str(tmp_path / "hf-again"))
