@@ -157,14 +157,18 @@ def _export(sub) -> None:
     p = sub.add_parser("export", help="a committed checkpoint's model weights as consolidated safetensors files + "
                                       "index (Megatron-LM, DeepSpeed ZeRO 0-3, engine API checkpoints)")
     _which(p, "export")
-    p.add_argument("--to", choices=["safetensors"], required=True, help="output format")
+    p.add_argument("--to", choices=["safetensors", "hf"], required=True,
+                   help="safetensors: the weights (names: --names); hf: a Hugging Face model directory "
+                        "(config.json + safetensors), LlamaForCausalLM for a Llama-style run, GPT2LMHeadModel for a "
+                        "standard GPT (the same as --to safetensors --names hf)")
     p.add_argument("out", help="new (or empty) output directory")
     p.add_argument("--max-shard-size", default="5GB", help="largest output file, with its unit (default 5GB; "
                                                            "500MB, 2GiB, ...)")
     p.add_argument("--dtype", choices=["keep", "fp32", "bf16"], default="keep",
                    help="keep: as the model held them (DeepSpeed: the fp32 master weights); fp32/bf16: cast")
-    p.add_argument("--names", choices=["megatron", "hf"], default="megatron",
-                   help="megatron-core's keys, or Hugging Face GPT-2 names + config.json (standard GPT only)")
+    p.add_argument("--names", choices=["megatron", "hf"], default=None,
+                   help="megatron-core's keys (the default), or Hugging Face names + config.json (Llama-style or "
+                        "standard GPT; what --to hf writes)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
     def run(args) -> int:
@@ -173,15 +177,20 @@ def _export(sub) -> None:
         from megatron_ext.progress import Progress
 
         parse_size(args.max_shard_size)  # a bad size is refused before anything is read
+        if args.to == "hf" and args.names == "megatron":
+            raise ValueError("--to hf writes Hugging Face names; --names megatron goes with --to safetensors")
+        names = "hf" if args.to == "hf" else args.names or "megatron"
         located = locate.resolve(args.dir, args.iteration, args.checkpoint)
         with Progress("export", quiet=args.quiet) as progress:
             summary = export_safetensors(located, out=args.out, max_shard_size=args.max_shard_size,
-                                         dtype=args.dtype, names=args.names, progress=progress)
+                                         dtype=args.dtype, names=names, progress=progress)
         if args.json:
             _print_json(summary)
             return 0
         print(f"exported {summary['tensors']} tensors ({summary['total_size'] / 1e9:.3f} GB) of {located.kind} "
               f"checkpoint {located.path} into {summary['files']} file(s) in {args.out}")
+        if summary.get("architecture"):
+            print(f"  architecture: {summary['architecture']} (transformers.AutoModelForCausalLM loads it)")
         if summary.get("weights"):
             print(f"  weights: {summary['weights']}")
         if summary.get("note"):
@@ -192,21 +201,56 @@ def _export(sub) -> None:
 
 
 def _convert(sub) -> None:
-    p = sub.add_parser("convert", help="Megatron checkpoints: datastates <-> megatron-core torch_dist, both ways")
+    p = sub.add_parser("convert", help="Megatron checkpoints: datastates <-> megatron-core torch_dist, both ways; "
+                                       "a Hugging Face Llama directory to datastates")
     p.add_argument("dir", help="--to torch_dist: a datastates save directory or one iter_* of it; --to datastates: "
-                               "a torch_dist save directory or one iter_* of it")
+                               "a torch_dist save directory or one iter_* of it, or a Hugging Face model directory "
+                               "(config.json + safetensors) of a LlamaForCausalLM")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--iteration", type=NONNEG_INT,
                        help="iteration to convert (default: the newest committed / the tracker's)")
     which.add_argument("--checkpoint", metavar="NAME", help="the checkpoint directory NAME under DIR")
     p.add_argument("--to", choices=["torch_dist", "datastates"], required=True)
-    p.add_argument("out", help="output save directory (gets iter_NNNNNNN/ and the tracker file)")
+    p.add_argument("out", help="output save directory (gets iter_NNNNNNN/ or release/, and the tracker file)")
+    hf = p.add_argument_group("from a Hugging Face directory (the layout of the run that loads it)")
+    hf.add_argument("--tp", type=POSITIVE_INT, default=None, help="tensor-parallel size (default 1)")
+    hf.add_argument("--pp", type=POSITIVE_INT, default=None, help="pipeline-parallel size (default 1)")
+    hf.add_argument("--dp", type=POSITIVE_INT, default=None, help="data-parallel size (default 1; any loads it)")
+    hf.add_argument("--make-vocab-size-divisible-by", type=POSITIVE_INT, default=None,
+                    help="Megatron-LM's vocabulary padding, as the run passes it (default 128)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
     def run(args) -> int:
-        from megatron_ext.megatron import convert
+        import os
+
+        from megatron_ext.megatron import convert, hf_import
         from megatron_ext.progress import Progress
 
+        layout_flags = {"--tp": args.tp, "--pp": args.pp, "--dp": args.dp,
+                        "--make-vocab-size-divisible-by": args.make_vocab_size_divisible_by}
+        from_hf = os.path.isdir(args.dir) and hf_import.is_hf_directory(args.dir)
+        if from_hf and args.to != "datastates":
+            raise ValueError(f"{args.dir} is a Hugging Face model directory: it converts --to datastates "
+                             "(the reverse is `megatron-ext export DIR --to hf OUT`)")
+        if from_hf and (args.iteration is not None or args.checkpoint is not None):
+            raise ValueError(f"{args.dir} is a Hugging Face model directory: --iteration/--checkpoint do not apply")
+        given = [flag for flag, value in layout_flags.items() if value is not None]
+        if not from_hf and given:
+            raise ValueError(f"{' '.join(given)}: for a Hugging Face source only (a Megatron checkpoint keeps its "
+                             f"layout); {args.dir} has no config.json")
+        if from_hf:
+            with Progress("convert to datastates", quiet=args.quiet) as progress:
+                summary = hf_import.import_hf(args.dir, args.out, tp=args.tp or 1, pp=args.pp or 1, dp=args.dp or 1,
+                                              divisible_by=args.make_vocab_size_divisible_by or 128,
+                                              progress=progress)
+            if args.json:
+                _print_json(summary)
+                return 0
+            layout = summary["layout"]
+            print(f"converted {summary['architecture']} {args.dir} to datastates: {summary['out']} (TP {layout['tp']} "
+                  f"x PP {layout['pp']} x DP {layout['dp']}, weights only; load with --finetune)")
+            print(f"  model arguments: {summary['megatron_args']}")
+            return 0
         with Progress(f"convert to {args.to}", quiet=args.quiet) as progress:
             if args.to == "torch_dist":
                 summary = convert.to_torch_dist(args.dir, args.iteration, args.out, checkpoint=args.checkpoint,

@@ -8,6 +8,10 @@ no larger than ``--max-shard-size`` (a single larger tensor gets a file of its o
 directory with an index is complete. Tensors are produced one file at a time: memory holds one
 output file's tensors plus the global tensor being assembled.
 
+With Hugging Face names (``--to hf``, or ``--names hf``) a Megatron-LM checkpoint becomes a model
+directory transformers loads: ``LlamaForCausalLM`` for a Llama-style run (``hf_llama``),
+``GPT2LMHeadModel`` for the standard GPT (``hf_gpt2``), with ``config.json`` from the saved args.
+
 Every kind of committed checkpoint exports (``megatron_ext.locate``): Megatron-LM's
 (``iter_*``, as above), DeepSpeed's (``global_step*``: the fp32 master weights consolidated
 from the ZeRO 1-3 optimizer partitions, ``megatron_ext.deepspeed_export``), and the engine API's
@@ -27,7 +31,7 @@ from safetensors.torch import save_file
 
 from megatron_ext.engine import CheckpointError
 from megatron_ext.engine.read.committed import CommittedCheckpoint, open_committed
-from megatron_ext.megatron import hf_gpt2
+from megatron_ext.megatron import hf_gpt2, hf_llama
 from megatron_ext.megatron.checkpoint_layout import checkpoint_name, read_options, read_run_meta
 from megatron_ext.megatron.shard_assembly import SavedShards
 
@@ -143,14 +147,28 @@ def plan_bytes(plan: list[hf_gpt2.OutputTensor]) -> int:
     return sum(_nbytes(item) for item in plan)
 
 
-def _tokenizer_note(args: Any, vocab_rows: int) -> dict:
+def hf_plan(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype], args: Any,
+            read_layer: Callable[[str, int | None], torch.Tensor],
+            dtype: torch.dtype | None) -> tuple[list[hf_gpt2.OutputTensor], dict]:
+    """Hugging Face names for a Megatron GPT: ``LlamaForCausalLM`` for a Llama-style run (RMSNorm, SwiGLU or
+    rotary embeddings: ``hf_llama`` says what else it needs), otherwise ``GPT2LMHeadModel``."""
+    plan = hf_llama.plan_llama if hf_llama.is_llama_family(args) else hf_gpt2.plan_gpt2
+    return plan(shapes, dtypes, args, read_layer, dtype)
+
+
+def _tokenizer_note(args: Any, vocab_rows: int, saved_rows: int | None = None) -> dict:
     """What the export says about the vocabulary: Megatron pads it, and no tokenizer is exported."""
     get = (lambda name: getattr(args, name, None)) if args is not None else (lambda name: None)
     files = {k: get(k) for k in ("vocab_file", "merge_file", "tokenizer_model") if isinstance(get(k), str)}
     tokenizer = {"type": get("tokenizer_type"), **files}
-    note = (f"vocab_size {vocab_rows} is the embedding's row count: Megatron-LM pads the tokenizer's vocabulary "
-            "to a multiple of --make-vocab-size-divisible-by x TP, and the rows past the tokenizer's last id are "
-            "padding that no token selects. No tokenizer is exported: copy the run's tokenizer files "
+    if saved_rows is not None and saved_rows > vocab_rows:
+        rows = (f"vocab_size {vocab_rows} is the run's --vocab-size: the embedding's {saved_rows - vocab_rows} "
+                "padding rows (--make-vocab-size-divisible-by x TP) are left out")
+    else:
+        rows = (f"vocab_size {vocab_rows} is the embedding's row count: Megatron-LM pads the tokenizer's vocabulary "
+                "to a multiple of --make-vocab-size-divisible-by x TP, and the rows past the tokenizer's last id are "
+                "padding that no token selects")
+    note = (f"{rows}. No tokenizer is exported: copy the run's tokenizer files "
             + (f"({', '.join(files.values())}) " if files else "")
             + "into the output directory (or load the tokenizer separately) before using the model.")
     return {"vocab_size": vocab_rows, "tokenizer": tokenizer, "note": note}
@@ -178,7 +196,7 @@ def export_safetensors(source: Any, iteration: int | None = None, out: str | Non
         raise FileExistsError(f"{out} exists and is not an empty directory; export writes into a new one")
     located = source if isinstance(source, locate.Located) else locate.resolve(source, iteration, checkpoint)
     if names == "hf" and located.kind != locate.MEGATRON:
-        raise ValueError(f"--names hf maps Megatron GPT weights; {located.path} is {locate.describe_kind(located.kind)}")
+        raise ValueError(f"Hugging Face names (--to hf, --names hf) map Megatron GPT weights; {located.path} is {locate.describe_kind(located.kind)}")
     committed = open_committed(located.root, located.name, read_options(), manifest=located.manifest)
     cast = DTYPES[dtype]
     config = None
@@ -202,9 +220,11 @@ def export_safetensors(source: Any, iteration: int | None = None, out: str | Non
                 shape = tuple(shards.global_shape(key))
                 return shards.read_box(key, (layer,) + (0,) * (len(shape) - 1), (1,) + shape[1:]).reshape(shape[1:])
 
-            plan, config = hf_gpt2.plan_gpt2({k: tuple(shards.global_shape(k)) for k in keys},
-                                             {k: shards.dtype(k) for k in keys}, meta.get("args"), read_layer, cast)
-            summary.update(_tokenizer_note(meta.get("args"), config["vocab_size"]))
+            plan, config = hf_plan({k: tuple(shards.global_shape(k)) for k in keys},
+                                   {k: shards.dtype(k) for k in keys}, meta.get("args"), read_layer, cast)
+            summary.update(_tokenizer_note(meta.get("args"), config["vocab_size"],
+                                           tuple(shards.global_shape(hf_llama.EMBEDDING))[0]),
+                           architecture=config["architectures"][0])
         else:
             plan = megatron_plan(shards, keys, cast)
     if not plan:

@@ -42,7 +42,7 @@ from megatron_ext.engine.format.catalog import list_committed, read_manifest
 from megatron_ext.engine.host_cache import HostCache
 from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions, open_committed
 from megatron_ext import te_extra_state
-from megatron_ext.megatron import core_state, optimizer_forms, optimizer_load, saved_run
+from megatron_ext.megatron import core_state, hf_llama, optimizer_forms, optimizer_load, saved_run
 from megatron_ext.megatron.args import MegatronAdapterOptions, adapter_engine_config
 from megatron_ext.megatron.checkpoint_layout import (
     CHECKPOINT_VERSION,
@@ -319,6 +319,13 @@ class CheckpointLoad:
             mismatch = core_state.model_kind_mismatch(meta["args"], core_state.unwrap(self.request.ddp_model))
             if mismatch:
                 raise ModelMismatch(f"{ckpt.checkpoint} cannot load into this model: {mismatch}")
+        imported = meta.get(hf_llama.IMPORTED)
+        if isinstance(imported, dict) and meta.get("args") is not None:  # even with --finetune: shapes do not show all
+            problems = hf_llama.argument_mismatches(meta["args"], self.args)
+            if problems:
+                raise ModelMismatch(f"{ckpt.checkpoint} holds the {imported.get('architecture')} imported from "
+                                    f"{imported.get('directory')}, which this run's arguments do not build: "
+                                    + "; ".join(problems))
         if meta.get("args") is not None and not finetune:  # before any weight is read: a wrong shape fails by name
             saved_run.carry_args(self.native, self.args, meta["args"])
         common = ckpt.reader(zero_name).part(COMMON)

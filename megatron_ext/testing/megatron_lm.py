@@ -2,7 +2,7 @@
 
     torchrun ... -m megatron_ext.testing.megatron_lm [--checkout DIR] [--record FILE]
         [--kill-at-iteration N] [--sigterm-at-iteration N] [--expire-duration-at-iteration N]
-        [--exit-at-iteration N]
+        [--exit-at-iteration N] [--record-logits DIR]
         -- <pretrain_gpt.py arguments>
 
 The script runs in-process, unchanged, from a patched checkout of the pin (``find_checkout``).
@@ -354,6 +354,44 @@ def _install_recorder(path: str) -> None:
     training.train_step = train_step
 
 
+def _install_logits_recorder(directory: str) -> None:
+    """Save the first forward's input tokens and logits of this rank's model, as Megatron-LM computes them.
+
+    The first ``GPTModel.forward`` of the run (the first micro-batch of the first iteration, with
+    the weights just loaded) on data-parallel rank 0: the first pipeline stage writes the tokens
+    it embeds (``tokens.pt``), the last one the output layer's logits (``logits-tp<R>.pt``:
+    ``[sequence, batch, this tensor rank's vocabulary slice]``).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    inner = GPTModel.forward
+    done = []
+
+    def forward(self, input_ids, *args: Any, **kwargs: Any):
+        if done or ps.get_data_parallel_rank() != 0:
+            return inner(self, input_ids, *args, **kwargs)
+        done.append(True)
+        os.makedirs(directory, exist_ok=True)
+        if self.pre_process and ps.get_tensor_model_parallel_rank() == 0:
+            torch.save(input_ids.detach().cpu().clone(), os.path.join(directory, "tokens.pt"))
+        hook = None
+        if self.post_process:
+            def save_logits(module, inputs, output) -> None:
+                logits = output[0] if isinstance(output, tuple) else output
+                torch.save(logits.detach().float().cpu().clone(),
+                           os.path.join(directory, f"logits-tp{ps.get_tensor_model_parallel_rank()}.pt"))
+
+            hook = self.output_layer.register_forward_hook(save_logits)
+        try:
+            return inner(self, input_ids, *args, **kwargs)
+        finally:
+            if hook is not None:
+                hook.remove()
+
+    GPTModel.forward = forward
+
+
 def kill_process_tree() -> None:
     """SIGKILL this process and its children, as a node failure would.
 
@@ -466,7 +504,8 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
                      kill_at: int | None = None, sigterm_at: int | None = None,
                      expire_at: int | None = None, late_copies: bool = False,
                      committed_before_kill: int | None = None, before_load: str | None = None,
-                     script: str = "pretrain_gpt.py", exit_at: int | None = None) -> list[str]:
+                     script: str = "pretrain_gpt.py", exit_at: int | None = None,
+                     record_logits: str | None = None) -> list[str]:
     """torchrun on this machine running ``script`` (``pretrain_gpt.py``) of ``checkout`` through this harness."""
     from megatron_ext.procs import torchrun_command as torchrun
 
@@ -489,6 +528,8 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
         harness += ["--late-copies"]
     if before_load is not None:
         harness += ["--before-load", before_load]
+    if record_logits is not None:
+        harness += ["--record-logits", str(record_logits)]
     return torchrun(nproc, *harness, "--", *CPU_FLAGS, *megatron_args)
 
 
@@ -500,11 +541,22 @@ def read_records(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def read_first_forward(directory: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``--record-logits DIR`` saved: the tokens ``[batch, sequence]`` and the logits ``[batch, sequence,
+    padded vocabulary]``, the tensor ranks' vocabulary slices joined."""
+    directory = Path(directory)
+    slices = sorted(directory.glob("logits-tp*.pt"), key=lambda p: int(p.stem.removeprefix("logits-tp")))
+    if not slices or not (directory / "tokens.pt").exists():
+        raise FileNotFoundError(f"{directory}: no recorded first forward (tokens.pt, logits-tp*.pt)")
+    logits = torch.cat([torch.load(p) for p in slices], dim=-1)  # [sequence, batch, vocabulary]
+    return torch.load(directory / "tokens.pt"), logits.transpose(0, 1).contiguous()
+
+
 # ---------------------------------------------------------------------------- entry point
 def run(script: Path, argv: list[str], record: str | None = None, kill_at: int | None = None,
         signal_at: int | None = None, expire_at: int | None = None, late_copies: bool = False,
         committed_before_kill: int | None = None, before_load: str | None = None,
-        exit_at: int | None = None) -> None:
+        exit_at: int | None = None, record_logits: str | None = None) -> None:
     """Run ``script`` (a checkout's ``pretrain_gpt.py``) as ``__main__`` with ``argv`` on CPU ranks."""
     from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
     from megatron_ext.testing.emulated_nccl import enable_emulated_nccl
@@ -530,6 +582,8 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
     _patch_megatron_any_device()
     if record:
         _install_recorder(record)
+    if record_logits:
+        _install_logits_recorder(record_logits)
     if kill_at is not None:
         _install_killer(kill_at, committed_before_kill, _checkpoint_flags(argv).save)
     if exit_at is not None:
@@ -613,6 +667,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--before-load", metavar="MODULE:FUNCTION",
                         help="call this function with Megatron-LM's arguments on every rank right before each "
                              "load_checkpoint (test and bench code)")
+    parser.add_argument("--record-logits", metavar="DIR",
+                        help="save the first forward's tokens and logits (data-parallel rank 0) in DIR")
     opts = parser.parse_args(argv[:split])
     if opts.committed_before_kill is not None and (opts.kill_at_iteration is None
                                                    or _checkpoint_flags(argv[split + 1:]).save is None):
@@ -628,7 +684,7 @@ def main(argv: list[str] | None = None) -> None:
     run(script, argv[split + 1:], record=opts.record, kill_at=opts.kill_at_iteration,
         signal_at=opts.sigterm_at_iteration, expire_at=opts.expire_duration_at_iteration,
         late_copies=opts.late_copies, committed_before_kill=opts.committed_before_kill,
-        before_load=opts.before_load, exit_at=opts.exit_at_iteration)
+        before_load=opts.before_load, exit_at=opts.exit_at_iteration, record_logits=opts.record_logits)
 
 
 if __name__ == "__main__":
