@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from helpers.megatron_lm_runs import DATASTATES, STEP_FIELDS, assert_same_trajectory, run, trajectory
-from helpers.procs import job_tree, python_command, warm_command
+from helpers.procs import child_env, job_tree, python_command, warm_command
 from megatron_ext.engine.faults import STOP_DIR_ENV, STOP_ENV, STOP_POINTS
 from megatron_ext.engine.save.lifecycle.lock import LOCK_FILE
 from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE
@@ -97,7 +97,7 @@ def _verify(root: Path) -> None:
     if not _committed(root):
         return
     proc = subprocess.run(python_command("-m", "megatron_ext", "verify", str(root)), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env=child_env())
     assert proc.returncode == 0, f"a committed checkpoint under {root} does not verify:\n{proc.stdout}\n{proc.stderr}"
 
 
