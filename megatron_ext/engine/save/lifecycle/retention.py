@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import os
 import shutil
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ... import faults
 from ...errors import CheckpointError
@@ -149,6 +149,16 @@ def remove_unlisted(ckpt_dir: str, run_id: str | None = None) -> int:
     return freed
 
 
+def _remove_if_deleting(path: str) -> int:
+    """A hidden entry of a level: removed if it is a checkpoint retention renamed away before a crash
+    (``.<name>.deleting``); returns the bytes freed."""
+    if not path.endswith(".deleting") or not os.path.isdir(path) or os.path.islink(path):
+        return 0
+    freed = tree_bytes(path)
+    shutil.rmtree(path, ignore_errors=True)
+    return freed
+
+
 def remove_partial(root: str, runs: set[str] = frozenset()) -> tuple[list[str], int]:
     """Delete what crashed saves of this job left under ``root``; returns the uncommitted
     checkpoints removed and the bytes freed (a committed checkpoint keeps its manifest's files).
@@ -156,6 +166,24 @@ def remove_partial(root: str, runs: set[str] = frozenset()) -> tuple[list[str], 
     ``runs``: the runs that held ``root``'s lock; a directory without ``.reports`` counts only
     with files of one of them.
     """
+    return _sweep(root, runs, lambda name, path: os.path.lexists(os.path.join(path, MANIFEST)), remove_unlisted)
+
+
+def remove_uncommitted_local(local_root: str, shared_root: str, runs: set[str]) -> tuple[list[str], int]:
+    """On a node's local level: the same for this job's copies of checkpoints that have no manifest
+    on the shared level (a crash before the commit, or after retention removed the shared one).
+
+    The local level holds no manifest of its own: a checkpoint is committed when the shared level's
+    manifest exists (one ``lstat`` per local checkpoint, once at start-up).
+    """
+    return _sweep(local_root, runs, lambda name, path: os.path.lexists(os.path.join(shared_root, name, MANIFEST)),
+                  lambda path: 0)
+
+
+def _sweep(root: str, runs: set[str], committed: Callable[[str, str], bool],
+           tidy_committed: Callable[[str], int]) -> tuple[list[str], int]:
+    """One level's start-up sweep: half-removed checkpoints, and this job's directories that
+    ``committed(name, path)`` says never were; ``tidy_committed(path)`` for those that were."""
     removed, freed = [], 0
     try:
         names = os.listdir(root)
@@ -164,57 +192,24 @@ def remove_partial(root: str, runs: set[str] = frozenset()) -> tuple[list[str], 
     for name in names:
         path = os.path.join(root, name)
         if name.startswith("."):
-            if name.endswith(".deleting"):
-                freed += tree_bytes(path)
-                shutil.rmtree(path, ignore_errors=True)
+            freed += _remove_if_deleting(path)
             continue
         if not os.path.isdir(path) or os.path.islink(path):
             continue
-        if os.path.lexists(os.path.join(path, MANIFEST)):
-            freed += remove_unlisted(path)
+        if committed(name, path):
+            freed += tidy_committed(path)
             continue
-        if _partial_of(path, runs):
-            hidden = hide(path)
-            if hidden is None:
-                continue
-            if os.path.lexists(os.path.join(hidden, MANIFEST)):  # committed after all, just now: keep it
-                os.replace(hidden, path)
-                continue
-            freed += tree_bytes(hidden)
-            shutil.rmtree(hidden, ignore_errors=True)
-            removed.append(name)
-    return removed, freed
-
-
-def remove_uncommitted_local(local_root: str, shared_root: str, runs: set[str]) -> tuple[list[str], int]:
-    """On a node's local level: delete ``.deleting`` directories and this job's copies of checkpoints
-    that have no manifest on the shared level (a crash before the commit, or after retention removed
-    the shared one); returns the checkpoints removed and the bytes freed.
-
-    The local level holds no manifest of its own: a checkpoint is committed when the shared level's
-    manifest exists (one ``lstat`` per local checkpoint, once at start-up).
-    """
-    removed, freed = [], 0
-    try:
-        names = os.listdir(local_root)
-    except FileNotFoundError:
-        return removed, freed
-    for name in names:
-        path = os.path.join(local_root, name)
-        if name.startswith("."):
-            if name.endswith(".deleting") and os.path.isdir(path) and not os.path.islink(path):
-                freed += tree_bytes(path)
-                shutil.rmtree(path, ignore_errors=True)
-            continue
-        if not os.path.isdir(path) or os.path.islink(path) or not _partial_of(path, runs):
-            continue
-        if os.path.lexists(os.path.join(shared_root, name, MANIFEST)):
+        if not _partial_of(path, runs):
             continue
         hidden = hide(path)
-        if hidden is not None:
-            freed += tree_bytes(hidden)
-            shutil.rmtree(hidden, ignore_errors=True)
-            removed.append(name)
+        if hidden is None:
+            continue
+        if committed(name, hidden):  # committed after all, just now: keep it
+            os.replace(hidden, path)
+            continue
+        freed += tree_bytes(hidden)
+        shutil.rmtree(hidden, ignore_errors=True)
+        removed.append(name)
     return removed, freed
 
 
