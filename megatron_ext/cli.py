@@ -61,6 +61,8 @@ def _main_job(sub) -> None:
                         "they divide, the rest data parallel")
     p.add_argument("--checkout", default=None,
                    help="a patched Megatron-LM checkout of the pin (default: scripts/fetch_megatron.sh's)")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary as one JSON object (progress lines go to stderr)")
 
     def run(args) -> int:
         from megatron_ext.testing import main_job

@@ -379,7 +379,7 @@ run_check() {
         if out="$(on_node "$(printf '%q' "$PYTHON") -c 'import megatron.core'")"; then
             ok "megatron.core imports under SITE_SETUP"
         else
-            bad "megatron.core does not import under SITE_SETUP: ${out##*$'\n'} (pip install -r $ROOT/requirements/megatron-lm.txt, or megatron-core==0.19.0)"
+            bad "megatron.core does not import under SITE_SETUP: ${out##*$'\n'} (pip install -r $ROOT/requirements/megatron-lm.txt, or megatron-core==0.19.2)"
         fi
         if [[ "$TRANSFORMER_IMPL" == local ]]; then
             ok "--transformer-impl local: Transformer Engine not needed"

@@ -33,6 +33,7 @@ import shutil
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -52,8 +53,12 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
+#: Where the progress lines go: stdout, or stderr with ``--json`` (then stdout holds one JSON object).
+_progress = sys.stdout
+
+
 def say(message: str) -> None:
-    print(f"[main-job] {message}", flush=True)
+    print(f"[main-job] {message}", file=_progress, flush=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,7 +219,8 @@ def _show_progress(trainer: Trainer, record: Path, shown: int) -> int:
         return shown
     for step in steps[shown:]:
         norm = f"  grad norm {step.grad_norm:.8f}" if step.grad_norm is not None else ""
-        print(f"    iteration {step.iteration:3d}  loss {step.loss:.8f}{norm}  lr {step.lr:.3e}", flush=True)
+        print(f"    iteration {step.iteration:3d}  loss {step.loss:.8f}{norm}  lr {step.lr:.3e}", file=_progress,
+              flush=True)
     return len(steps)
 
 
@@ -231,6 +237,8 @@ def _terminated(signum, frame) -> None:
 
 
 def main(args) -> int:
+    global _progress
+    _progress = sys.stderr if getattr(args, "json", False) else sys.stdout
     signal.signal(signal.SIGTERM, _terminated)
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
@@ -332,18 +340,29 @@ def main(args) -> int:
         with open(path) as f:
             blocked += [r["blocked_s"] * 1000 for r in map(json.loads, f) if r.get("event") == "snapshot"]
 
+    summary = {
+        "trainer": "megatron-lm" if checkout is not None else "reference", "title": fallback or trainer.title,
+        "device": device, "ranks": layout.ranks, "layout": str(layout), "iterations": iters, "crash_at": crash_at,
+        "committed_at_kill": committed, "resumed_from": committed, "steps_compared": compared,
+        "blocked_ms_mean": statistics.mean(blocked) if blocked else None,
+        "blocked_ms_max": max(blocked) if blocked else None, "wall_s": time.monotonic() - started,
+        "work_dir": str(out), "passed": not problems, "mismatches": problems[:10],
+    }
+    if getattr(args, "json", False):
+        print(json.dumps(summary), flush=True)
+        return 1 if problems else 0
     say("summary")
-    print(f"    trainer:         {fallback or trainer.title}", flush=True)
+    print(f"    trainer:         {summary['title']}", flush=True)
     print(f"    run:             {layout.ranks} {'GPU' if device == 'cuda' else 'CPU'} ranks, {layout}, bf16, "
           f"distributed optimizer, {iters} iterations", flush=True)
     print(f"    kill:            SIGKILL on every rank after iteration {crash_at}; newest committed checkpoint "
           f"then: iteration {committed}", flush=True)
     print(f"    resume:          from iteration {committed}, trained {committed + 1}..{iters}", flush=True)
     if blocked:
-        print(f"    checkpoints:     one every iteration; training blocked {statistics.mean(blocked):.1f} ms per "
-              f"checkpoint and rank on average, {max(blocked):.1f} ms at most ({len(blocked)} checkpoint x rank "
-              f"records in {ckpt / 'datastates_telemetry'})", flush=True)
-    print(f"    wall time:       {time.monotonic() - started:.0f}s; logs in {out}", flush=True)
+        print(f"    checkpoints:     one every iteration; training blocked {summary['blocked_ms_mean']:.1f} ms per "
+              f"checkpoint and rank on average, {summary['blocked_ms_max']:.1f} ms at most ({len(blocked)} "
+              f"checkpoint x rank records in {ckpt / 'datastates_telemetry'})", flush=True)
+    print(f"    wall time:       {summary['wall_s']:.0f}s; logs in {out}", flush=True)
     for problem in problems[:10]:
         print(f"    MISMATCH: {problem}", flush=True)
     if problems:

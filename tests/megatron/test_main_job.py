@@ -2,12 +2,14 @@
 
 * without the Megatron-LM checkout it falls back to the reference trainer and says so in its
   first line; ``--trainer megatron`` refuses instead;
+* ``--json``: one JSON object on stdout, the progress on stderr (the reference trainer, 2 ranks);
 * with the checkout (slow, about 3 minutes): Megatron-LM's own pretrain_gpt.py at TP2 x PP2 x
   DP2, SIGKILL, resume, and the bit-exact verdict.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -54,6 +56,19 @@ def test_trainer_megatron_refuses_to_fall_back(tmp_path):
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stdout.startswith("[main-job] error: --trainer megatron, but Megatron-LM checkout not available"), \
         res.stdout
+
+
+def test_json_is_one_object_on_stdout_with_the_progress_on_stderr(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "megatron_ext", "main-job", "--trainer", "reference", "--ranks", "2",
+                          "--iters", "3", "--crash-at", "2", "--json", "--out", str(tmp_path / "out")], cwd=REPO,
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary = json.loads(res.stdout)
+    assert summary["passed"] is True and summary["mismatches"] == []
+    assert (summary["trainer"], summary["ranks"], summary["iterations"], summary["crash_at"]) == ("reference", 2, 3, 2)
+    assert 1 <= summary["committed_at_kill"] <= 2 and summary["steps_compared"] == 2 + 3 - summary["committed_at_kill"]
+    assert summary["blocked_ms_mean"] > 0
+    assert res.stderr.startswith("[main-job] FALLBACK to the reference trainer") and "[main-job] 3/3 resume" in res.stderr
 
 
 @pytest.mark.slow
