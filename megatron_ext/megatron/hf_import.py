@@ -47,6 +47,8 @@ def is_hf_directory(path: str) -> bool:
 
 def read_config(directory: str) -> dict:
     path = os.path.join(directory, CONFIG)
+    if os.path.islink(path):
+        raise CheckpointError(f"{path}: a symbolic link; the importer reads this directory's own files only")
     try:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
@@ -83,6 +85,8 @@ class HfWeights:
         self.dtypes: dict[str, torch.dtype] = {}
         for name, listed in files.items():
             path = os.path.join(directory, name)
+            if os.path.islink(path):  # the directory's own files only: a link could lead anywhere
+                raise CheckpointError(f"{path}: a symbolic link; the importer reads this directory's own files only")
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path}: missing; {INDEX} lists it for {len(listed or ())} tensor(s)")
             try:

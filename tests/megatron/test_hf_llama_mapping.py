@@ -148,6 +148,16 @@ def test_import_refuses_a_missing_shard(hf_dir, tmp_path):
     assert message.startswith(f"{victim}: missing; model.safetensors.index.json lists it")
 
 
+def test_import_reads_no_link_out_of_the_directory(hf_dir, tmp_path):
+    directory = copy_of(hf_dir, tmp_path)
+    victim = sorted(directory.glob("model-*.safetensors"))[0]
+    outside = tmp_path / "elsewhere.safetensors"
+    victim.rename(outside)
+    victim.symlink_to(outside)
+    assert refused(directory, tmp_path) == (f"{victim}: a symbolic link; the importer reads this directory's own "
+                                            "files only")
+
+
 def test_import_refuses_a_tensor_of_the_wrong_shape(hf_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
