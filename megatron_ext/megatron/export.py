@@ -196,7 +196,8 @@ def export_safetensors(source: Any, iteration: int | None = None, out: str | Non
         raise FileExistsError(f"{out} exists and is not an empty directory; export writes into a new one")
     located = source if isinstance(source, locate.Located) else locate.resolve(source, iteration, checkpoint)
     if names == "hf" and located.kind != locate.MEGATRON:
-        raise ValueError(f"Hugging Face names (--to hf, --names hf) map Megatron GPT weights; {located.path} is {locate.describe_kind(located.kind)}")
+        raise ValueError(f"Hugging Face names (--to hf, --names hf) map Megatron GPT weights; {located.path} is "
+                         f"{locate.describe_kind(located.kind)}")
     committed = open_committed(located.root, located.name, read_options(), manifest=located.manifest)
     cast = DTYPES[dtype]
     config = None

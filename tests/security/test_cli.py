@@ -61,7 +61,7 @@ def test_bad_input_real_processes(genuine, tmp_path):
     (["export", "{root}", "--iteraton", "2", "{tmp}/out"], "unrecognized arguments: --iteraton"),
     (["verify", "{root}", "--chekpoint", "x"], "unrecognized arguments: --chekpoint"),
     (["export", "{root}", "--checkpoint", "iter_0000002", "--to", "safetensors", "{tmp}/out", "--names", "hf"],
-     "--names hf maps Megatron GPT weights"),
+     "Hugging Face names (--to hf, --names hf) map Megatron GPT weights"),
     (["export", "{root}/iter_0000001", "--iteration", "2", "--to", "safetensors", "{tmp}/out"],
      "is checkpoint iter_0000001, but --iteration/--checkpoint asks for iter_0000002"),
     (["convert", "{root}", "--iteration", "2", "--to", "torch_dist", "{tmp}/out"], "not one the Megatron adapter saved"),
