@@ -315,6 +315,34 @@ class CheckpointEngine:
                 _live_engines.discard(self)
         self.failures.check()
 
+    def abandon(self, reason: str) -> dict:
+        """Stop at once, committing nothing more: the job's process groups and commit store are gone
+        (an in-process restart). Every open checkpoint fails on this rank (and, where the store still
+        answers, on the others); the threads and the I/O worker end, the directory locks are
+        released, so a new engine in this process starts clean. The host cache is freed only once
+        no stage thread can still touch it; otherwise it is left to the garbage collector. Returns
+        what was abandoned, for the caller's log."""
+        if self._closed:
+            return {"open": [], "running": [], "cache_freed": False}
+        self._closed = True
+        open_checkpoints = sorted(job.checkpoint for job in self.jobs.jobs() if not job.settled.is_set())
+        for fjob in self._files:  # copies still held behind a gate never start: their tensors are the old attempt's
+            if fjob.gate is not None and not fjob.snapshot_done.is_set():
+                fjob.gate.cancel(f"abandoned: {reason}")
+        try:
+            self.failures.fail(CheckpointError(f"abandoned: {reason}"))
+        except Exception as exc:  # the old store may be gone: the others then time out, naming this rank
+            log.warning("[datastates] rank %d: abandoning the engine: %s", self.rank, exc)
+        self.pipeline.stop(False)
+        running = self.pipeline.running()
+        try:
+            if not running:
+                self.cache.close()
+        finally:
+            self.ownership.release()
+            _live_engines.discard(self)
+        return {"open": open_checkpoints, "running": running, "cache_freed": not running}
+
     def __enter__(self) -> "CheckpointEngine":
         return self
 

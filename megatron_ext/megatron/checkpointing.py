@@ -80,6 +80,27 @@ class MegatronCheckpointer:
         self.engine: CheckpointEngine | None = None
         self.plan: sharding.OwnershipPlan | None = None
         self._engine_key: tuple | None = None
+        self._engine_world: Any = None  # the default process group the engine was made in
+
+    def restarted(self) -> bool:
+        """After an in-process restart (nvidia-resiliency-ext's ``--inprocess-restart``, or any caller
+        that destroys the process groups and runs the training function again in the same
+        processes): the engine of the attempt that failed is abandoned, committing nothing more,
+        and the next save or load starts a new one. Returns whether that happened.
+
+        Seen at the first checkpoint call of the new attempt, as a default process group other than
+        the one the engine was made in: its threads, I/O worker, commit store and locks belong to
+        the failed attempt's job, and the optimizer it waits in is gone.
+        """
+        if self.engine is None or _default_group() is self._engine_world:
+            return False
+        engine, self.engine, self.plan, self._engine_key = self.engine, None, None, None
+        left = engine.abandon("an in-process restart: the process groups it committed through are gone")
+        log.warning("[datastates] rank %d: in-process restart: the previous attempt's engine stopped (open "
+                    "checkpoints abandoned: %s; threads still running: %s; host cache %s); a new engine starts",
+                    engine.rank, ", ".join(left["open"]) or "none", ", ".join(left["running"]) or "none",
+                    "freed" if left["cache_freed"] else "left to the garbage collector")
+        return True
 
     # ------------------------------------------------------------------------ configuration
     def get_args(self) -> Any:
@@ -107,6 +128,7 @@ class MegatronCheckpointer:
         this rank's checkpoint bytes (``bytes_source`` says whence, for the log line).
         """
         args = args or self.get_args()
+        self.restarted()
         cfg = adapter_engine_config(args)
         key = tuple(sorted((k, str(v)) for k, v in cfg.items()))
         if self.engine is None:
@@ -118,7 +140,7 @@ class MegatronCheckpointer:
                 cfg["host_cache_size"] = sizing.gb
                 log.info("%s", sizing.log_line())
             self.engine = CheckpointEngine(cfg)
-            self._engine_key = key
+            self._engine_key, self._engine_world = key, _default_group()
         elif key != self._engine_key:
             raise CheckpointError("the datastates configuration changed during the run; it is fixed at the first save")
         return self.engine
@@ -149,6 +171,8 @@ class MegatronCheckpointer:
              rng_state_key_prefix=""):
         """``save_checkpoint``."""
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+        self.restarted()  # before the ownership plan: the failed attempt's is of its own process groups
 
         args = self.get_args()
         native = self.megatron_lm()
@@ -206,7 +230,7 @@ class MegatronCheckpointer:
 
     def finalize(self, blocking: bool = False, terminate: bool = False) -> None:
         """``finalize_checkpoints``."""
-        if self.engine is None:
+        if self.engine is None or self.restarted():
             return
         if terminate:
             self.shutdown()
@@ -226,12 +250,18 @@ class MegatronCheckpointer:
              checkpointing_context=None, skip_load_to_model_and_opt=False, tp_group=None,
              pp_group=None, dp_cp_group=None, dp_group=None, expt_dp_group=None, rng_state_key_prefix=""):
         """``load_checkpoint`` (``loading.CheckpointLoad``); the run's engine starts after it when the run saves."""
+        self.restarted()
         request = LoadRequest(ddp_model, optimizer, opt_param_scheduler, load_arg=load_arg, strict=strict,
                               checkpointing_context=checkpointing_context,
                               skip_load_to_model_and_opt=skip_load_to_model_and_opt, tp_group=tp_group,
                               pp_group=pp_group, dp_cp_group=dp_cp_group, dp_group=dp_group,
                               expt_dp_group=expt_dp_group, rng_state_key_prefix=rng_state_key_prefix)
         return CheckpointLoad(self, self.get_args(), self.megatron_lm(), request).run()
+
+
+def _default_group() -> Any:
+    """The default process group now (a new object after an in-process restart), or None."""
+    return torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
 
 
 # ---------------------------------------------------------------------------- the entry points Megatron-LM calls

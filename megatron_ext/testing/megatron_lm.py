@@ -453,6 +453,55 @@ def _install_killer(iteration: int, committed_before: int | None = None, save_di
     training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
 
 
+class InjectedFault(RuntimeError):
+    """What ``--inprocess-fault-at-iteration`` raises inside the training function."""
+
+
+def _install_inprocess_restart(iteration: int) -> None:
+    """Megatron-LM's in-process restart without nvidia-resiliency-ext, whose health check and abort
+    need CUDA: every rank raises ``InjectedFault`` right after iteration ``iteration``'s save call;
+    the process groups are destroyed (NVRx's ``AbortTorchDistributed``) and Megatron-LM's global
+    state with them (``inprocess_restart.destroy_state``, the finalize Megatron-LM gives NVRx); then
+    ``pretrain`` runs again in the same processes, over a fresh prefix of one TCPStore, as
+    ``maybe_wrap_for_inprocess_restart`` and ``pretrain(store=...)`` do under NVRx. The arguments
+    parsed before the first attempt are set again first: core_v0.19.0's ``pretrain`` reads the
+    global ones, which ``destroy_state`` cleared.
+    """
+    import copy
+    from datetime import timedelta
+
+    import megatron.training as training_package
+    from megatron.training import global_vars, inprocess_restart, training
+
+    inner_pretrain, inner_decide = training_package.pretrain, training.checkpoint_and_decide_exit
+    attempt = [0]
+
+    def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, it, *args: Any, **kwargs: Any):
+        decision = inner_decide(model, optimizer, opt_param_scheduler, it, *args, **kwargs)
+        if attempt[0] == 0 and it == iteration:
+            raise InjectedFault(f"injected fault after iteration {it}'s save call")
+        return decision
+
+    def pretrain(*args: Any, store: Any = None, **kwargs: Any):
+        parsed = copy.deepcopy(global_vars.get_args())
+        base = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1,
+                                          world_size=int(os.environ["WORLD_SIZE"]),
+                                          is_master=int(os.environ["RANK"]) == 0, timeout=timedelta(seconds=300),
+                                          wait_for_workers=True, use_libuv=True)
+        try:
+            return inner_pretrain(*args, store=torch.distributed.PrefixStore("0", base), **kwargs)
+        except InjectedFault as fault:
+            print(f"[harness] rank {os.environ['RANK']}: {fault}; restarting in this process", flush=True)
+        torch.distributed.destroy_process_group()
+        inprocess_restart.destroy_state()
+        attempt[0] = 1
+        global_vars.set_global_variables(copy.deepcopy(parsed))
+        return inner_pretrain(*args, store=torch.distributed.PrefixStore("1", base), **kwargs)
+
+    training.checkpoint_and_decide_exit = checkpoint_and_decide_exit
+    training_package.pretrain = pretrain
+
+
 def _install_exit(iteration: int) -> None:
     """End the interpreter normally (``sys.exit(0)``, every rank) right after iteration ``iteration``'s
     save call: no wait, no finalize; what that save becomes is up to the engine's exit hook."""
@@ -505,7 +554,7 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
                      expire_at: int | None = None, late_copies: bool = False,
                      committed_before_kill: int | None = None, before_load: str | None = None,
                      script: str = "pretrain_gpt.py", exit_at: int | None = None,
-                     record_logits: str | None = None) -> list[str]:
+                     record_logits: str | None = None, inprocess_fault_at: int | None = None) -> list[str]:
     """torchrun on this machine running ``script`` (``pretrain_gpt.py``) of ``checkout`` through this harness."""
     from megatron_ext.procs import torchrun_command as torchrun
 
@@ -530,6 +579,8 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
         harness += ["--before-load", before_load]
     if record_logits is not None:
         harness += ["--record-logits", str(record_logits)]
+    if inprocess_fault_at is not None:
+        harness += ["--inprocess-fault-at-iteration", str(inprocess_fault_at)]
     return torchrun(nproc, *harness, "--", *CPU_FLAGS, *megatron_args)
 
 
@@ -556,7 +607,8 @@ def read_first_forward(directory: str | Path) -> tuple[torch.Tensor, torch.Tenso
 def run(script: Path, argv: list[str], record: str | None = None, kill_at: int | None = None,
         signal_at: int | None = None, expire_at: int | None = None, late_copies: bool = False,
         committed_before_kill: int | None = None, before_load: str | None = None,
-        exit_at: int | None = None, record_logits: str | None = None) -> None:
+        exit_at: int | None = None, record_logits: str | None = None,
+        inprocess_fault_at: int | None = None) -> None:
     """Run ``script`` (a checkout's ``pretrain_gpt.py``) as ``__main__`` with ``argv`` on CPU ranks."""
     from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
     from megatron_ext.testing.emulated_nccl import enable_emulated_nccl
@@ -588,6 +640,8 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
         _install_killer(kill_at, committed_before_kill, _checkpoint_flags(argv).save)
     if exit_at is not None:
         _install_exit(exit_at)
+    if inprocess_fault_at is not None:
+        _install_inprocess_restart(inprocess_fault_at)
     if signal_at is not None:  # a scheduler's SIGTERM, for --exit-signal-handler
         _after_step(signal_at, lambda: os.kill(os.getpid(), signal.SIGTERM))
     if expire_at is not None:
@@ -661,6 +715,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--exit-at-iteration", type=int,
                         help="sys.exit(0) on every rank right after this iteration's save call (the engine's exit "
                              "hook is left to commit it)")
+    parser.add_argument("--inprocess-fault-at-iteration", type=int,
+                        help="raise a fault on every rank right after this iteration's save call, then run "
+                             "pretrain again in the same processes (an in-process restart)")
     parser.add_argument("--late-copies", action="store_true",
                         help="start each checkpoint's copies only when training waits for them (right before the "
                              "optimizer step), so a tensor changed before that step is always caught")
@@ -684,7 +741,8 @@ def main(argv: list[str] | None = None) -> None:
     run(script, argv[split + 1:], record=opts.record, kill_at=opts.kill_at_iteration,
         signal_at=opts.sigterm_at_iteration, expire_at=opts.expire_duration_at_iteration,
         late_copies=opts.late_copies, committed_before_kill=opts.committed_before_kill,
-        before_load=opts.before_load, exit_at=opts.exit_at_iteration, record_logits=opts.record_logits)
+        before_load=opts.before_load, exit_at=opts.exit_at_iteration, record_logits=opts.record_logits,
+        inprocess_fault_at=opts.inprocess_fault_at_iteration)
 
 
 if __name__ == "__main__":

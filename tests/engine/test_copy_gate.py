@@ -146,3 +146,21 @@ def test_the_tests_hold_on_copies_is_a_gate_only_the_wait_opens(make_engine, mon
     assert later.snapshot_done.is_set()
     assert torch.equal(engine.load("c1")["w"], torch.ones(2048))
     assert torch.equal(engine.load("c2")["w"], torch.full((2048,), 2.0))
+
+
+def test_abandon_cancels_held_copies_commits_nothing_and_frees_the_directory(make_engine, tmp_path):
+    """An in-process restart's first step: the failed attempt's engine stops at once (its open
+    checkpoint with it) and leaves nothing that keeps a new engine in this process from starting."""
+    engine = make_engine()
+    engine.save({"w": torch.zeros(4096)}, "c0")
+    engine.commit("c0")
+    engine.wait_persisted()
+    engine.save({"w": torch.ones(4096)}, "c1", gate=CopyGate(settle=lambda: pytest.fail("abandon settles nothing")))
+    engine.commit("c1")
+    left = engine.abandon("a test's restart")
+    assert left == {"open": ["c1"], "running": [], "cache_freed": True}
+    with pytest.raises(CheckpointError, match="abandoned: a test's restart"):
+        engine.save({"w": torch.ones(1)}, "c2")
+    again = make_engine()  # the same directory: its lock was released, the open checkpoint swept away
+    assert again.latest() == "c0" and not (tmp_path / "ckpt" / "c1").exists()
+    assert_same(again.load("c0"), {"w": torch.zeros(4096)})

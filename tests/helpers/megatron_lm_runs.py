@@ -66,7 +66,8 @@ def run(checkout: Path, nproc: int, args: list[str], workdir: Path, name: str, k
         expect_failure: bool = False, model: list[str] = megatron_lm.TINY_GPT,
         sigterm_at: int | None = None, expire_at: int | None = None, late_copies: bool = False,
         committed_before_kill: int | None = None, script: str = "pretrain_gpt.py",
-        exit_at: int | None = None, record_logits: Path | None = None) -> RunResult:
+        exit_at: int | None = None, record_logits: Path | None = None,
+        inprocess_fault_at: int | None = None) -> RunResult:
     """One torchrun of ``script`` (``pretrain_gpt.py``); fails the test (with the log's tail) on an unexpected
     exit code."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +77,8 @@ def run(checkout: Path, nproc: int, args: list[str], workdir: Path, name: str, k
                                                     kill_at=kill_at, sigterm_at=sigterm_at, expire_at=expire_at,
                                                     late_copies=late_copies,
                                                     committed_before_kill=committed_before_kill, script=script,
-                                                    exit_at=exit_at, record_logits=record_logits))
+                                                    exit_at=exit_at, record_logits=record_logits,
+                                                    inprocess_fault_at=inprocess_fault_at))
     log_path = workdir / f"{name}.log"
     returncode = run_to_completion(cmd, megatron_lm.environment(), log_path, RUN_TIMEOUT_S)
     log = log_path.read_text(errors="replace")

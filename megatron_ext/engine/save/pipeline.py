@@ -92,6 +92,12 @@ class SavePipeline:
         return cls(ctx, channel, signal, failures, io, stager, writer, scheduler, replicas, retention,
                    committer, skips)
 
+    def running(self) -> list[str]:
+        """The stage threads still alive (after ``stop``: those that did not end in time)."""
+        stages = [self.scheduler, self.writer, self.stager, self.committer, self.replicas, self.retention.deleter]
+        return [t.name for t in (getattr(s, "_thread", None) for s in stages if s is not None)
+                if t is not None and t.is_alive()]
+
     def stop(self, clean_end: bool) -> None:
         """Stop every thread, from the first stage to the last (``clean_end``: free the peer replicas held)."""
         if self.replicas is not None:
