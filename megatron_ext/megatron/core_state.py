@@ -245,17 +245,22 @@ class megatron_lm_formats:
 
 # ---------------------------------------------------------------------------- the lazy wait
 def install_lazy_wait(optimizer: Any, engine: CheckpointEngine, wait_after_step: bool = False) -> None:
-    """Make ``optimizer.step_with_ready_grads`` wait for pending snapshots first (idempotent).
+    """Make ``optimizer.step_with_ready_grads`` wait for pending snapshots first (wrapped once).
 
-    ``wait_after_step``: also wait when ``step`` returns, for code that edits the saved weights
-    after the optimizer step even when the step itself was skipped (``--qk-clip``).
+    The wait goes to the engine of the latest call: an optimizer kept over an in-process restart
+    waits for the new engine, not the abandoned one. ``wait_after_step``: also wait when ``step``
+    returns, for code that edits the saved weights after the optimizer step even when the step
+    itself was skipped (``--qk-clip``).
     """
-    if optimizer is None or getattr(optimizer, "_datastates_lazy_wait", False):
+    if optimizer is None:
+        return
+    optimizer._datastates_engine = engine
+    if getattr(optimizer, "_datastates_lazy_wait", False):
         return
     inner_step = optimizer.step_with_ready_grads
 
     def step_with_ready_grads(*args: Any, **kwargs: Any):
-        engine.wait_snapshot()
+        optimizer._datastates_engine.wait_snapshot()
         return inner_step(*args, **kwargs)
 
     optimizer.step_with_ready_grads = step_with_ready_grads
@@ -264,7 +269,7 @@ def install_lazy_wait(optimizer: Any, engine: CheckpointEngine, wait_after_step:
 
         def step(*args: Any, **kwargs: Any):
             result = outer_step(*args, **kwargs)
-            engine.wait_snapshot()  # a no-op when the inner step already waited
+            optimizer._datastates_engine.wait_snapshot()  # a no-op when the inner step already waited
             return result
 
         optimizer.step = step

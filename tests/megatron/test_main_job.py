@@ -2,7 +2,7 @@
 
 * without the Megatron-LM checkout it falls back to the reference trainer and says so in its
   first line; ``--trainer megatron`` refuses instead;
-* ``--json``: one JSON object on stdout, the progress on stderr (the reference trainer, 2 ranks);
+* ``--json``: one JSON object on stdout, the progress on stderr (the reference trainer, 2 ranks; slow);
 * with the checkout (slow, about 3 minutes): Megatron-LM's own pretrain_gpt.py at TP2 x PP2 x
   DP2, SIGKILL, resume, and the bit-exact verdict.
 """
@@ -58,6 +58,7 @@ def test_trainer_megatron_refuses_to_fall_back(tmp_path):
         res.stdout
 
 
+@pytest.mark.slow  # three cold torchrun jobs (~25 s): the default suite's budget goes to Megatron-LM's own loop
 def test_json_is_one_object_on_stdout_with_the_progress_on_stderr(tmp_path):
     res = subprocess.run([sys.executable, "-m", "megatron_ext", "main-job", "--trainer", "reference", "--ranks", "2",
                           "--iters", "3", "--crash-at", "2", "--json", "--out", str(tmp_path / "out")], cwd=REPO,

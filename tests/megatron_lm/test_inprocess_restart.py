@@ -27,7 +27,8 @@ NPROC = 2
 COMMON = ["--bf16", "--use-distributed-optimizer", "--save-interval", "1", "--train-iters", str(ITERS)]
 
 
-@pytest.mark.parametrize("late_copies", [False, True], ids=["copies_done", "copies_held"])
+@pytest.mark.parametrize("late_copies", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["copies_done", "copies_held"])
 def test_inprocess_restart_abandons_the_engine_and_resumes_bit_for_bit(checkout, tmp_path, late_copies):
     """``copies_held``: each save's copies wait for the optimizer's next wait, which the fault comes
     before, so iteration 3's checkpoint is open when the engine is abandoned: it must not commit."""
