@@ -90,9 +90,11 @@ class MegatronCheckpointer:
 
         Seen at the first checkpoint call of the new attempt, as a default process group other than
         the one the engine was made in: its threads, I/O worker, commit store and locks belong to
-        the failed attempt's job, and the optimizer it waits in is gone.
+        the failed attempt's job, and the optimizer it waits in is gone. No default group at all is
+        not a restart (a script that destroyed it before its last finalize): that engine ends as usual.
         """
-        if self.engine is None or _default_group() is self._engine_world:
+        world = _default_group()
+        if self.engine is None or world is None or world is self._engine_world:
             return False
         engine, self.engine, self.plan, self._engine_key = self.engine, None, None, None
         left = engine.abandon("an in-process restart: the process groups it committed through are gone")
