@@ -5,7 +5,9 @@ benchmarks use too) with its free rendezvous port, through the session's warm ra
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -69,6 +71,23 @@ def job_tree(pid: int) -> list:
         except psutil.NoSuchProcess:
             pass
     return tree
+
+
+def kill_job(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGKILL a whole torchrun job launched as ``proc`` at once, as a node failure would: its ranks
+    first (``job_tree``: torchrun starts them in sessions of their own, a warm job's are not even its
+    children), then the launcher; returns once all of them are gone. A launcher that ended already
+    took its ranks with it."""
+    import psutil
+
+    tree = job_tree(proc.pid) if proc.poll() is None else []
+    for process in tree:
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=timeout)
+    psutil.wait_procs(tree, timeout=timeout)
 
 
 def child_env(**extra: str) -> dict[str, str]:

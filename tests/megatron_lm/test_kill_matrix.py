@@ -17,18 +17,14 @@ The default suite runs two points; ``--run-slow`` runs every point at two arriva
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from helpers.megatron_lm_runs import DATASTATES, STEP_FIELDS, assert_same_trajectory, run, trajectory
-from helpers.procs import child_env, job_tree, python_command, warm_command
+from helpers.procs import child_env, kill_job, python_command, warm_command
 from megatron_ext.engine.faults import STOP_DIR_ENV, STOP_ENV, STOP_POINTS
 from megatron_ext.engine.save.lifecycle.lock import LOCK_FILE
 from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE
@@ -60,7 +56,7 @@ def uninterrupted(checkout, tmp_path_factory) -> dict[int, tuple]:
 
 def _killed_at(checkout: Path, tmp: Path, point: str, arrival: int) -> subprocess.CompletedProcess | None:
     """The job, stopped where ``point`` is reached the ``arrival``-th time in one of its processes, then
-    SIGKILLed whole; returns the recorded steps' file. Fails if the job ends without reaching it."""
+    SIGKILLed whole; returns the steps it recorded. Fails if the job ends without reaching it."""
     markers = tmp / "markers"
     markers.mkdir(parents=True)
     record = tmp / "killed.jsonl"
@@ -77,15 +73,8 @@ def _killed_at(checkout: Path, tmp: Path, point: str, arrival: int) -> subproces
                                 f"the point\n{(tmp / 'killed.log').read_text(errors='replace')[-4000:]}")
                 assert time.monotonic() < deadline, f"{point}@{arrival}: not reached in {STOP_TIMEOUT_S}s"
                 time.sleep(0.02)
-            tree = job_tree(proc.pid)
-            for process in tree:
-                with contextlib.suppress(psutil.Error):
-                    process.send_signal(signal.SIGKILL)
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-    psutil.wait_procs(tree, timeout=60)
+            kill_job(proc)
     return megatron_lm.read_records(record)
 
 

@@ -12,15 +12,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
-from helpers.procs import job_tree, python_command
+from helpers.procs import kill_job, python_command
 from helpers.trainer_runs import COMMON, REPO, run_trainer, trainer_command, trainer_env
 
 pytest.importorskip("megatron.core")
@@ -49,14 +47,7 @@ def _killed_run(tmp: Path, rng: random.Random) -> float:
         time.sleep(0.05)
     delay = rng.uniform(0.0, 2.0)
     time.sleep(delay)
-    # torchrun starts its workers in sessions of their own (the warm ones are not even its children):
-    # kill the whole job, workers first.
-    tree = job_tree(proc.pid)
-    for child in tree:
-        child.send_signal(signal.SIGKILL)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    psutil.wait_procs(tree, timeout=60)
+    kill_job(proc)
     return delay
 
 
