@@ -324,12 +324,12 @@ def _is_number(text: str) -> bool:
 def bench_modules() -> tuple:
     """The benchmark modules, in the order ``bench --help`` lists them. Each declares its subcommand:
     ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``main(args) -> int`` (exit status)."""
-    from megatron_ext.bench import (commit_bench, deepspeed_bench, engine_bench, megatron_e2e_bench, offload_bench,
-                                    overload_bench, param_sync_bench, python_loop_bench, recovery_bench, replica_bench,
-                                    restore_bench, suite, train_bench)
+    from megatron_ext.bench import (commit_bench, deepspeed_bench, engine_bench, ft_bench, megatron_e2e_bench,
+                                    offload_bench, overload_bench, param_sync_bench, python_loop_bench, recovery_bench,
+                                    replica_bench, restore_bench, suite, train_bench)
 
     return (engine_bench, python_loop_bench, param_sync_bench, restore_bench, train_bench, megatron_e2e_bench,
-            deepspeed_bench, overload_bench, replica_bench, recovery_bench, commit_bench, offload_bench, suite)
+            ft_bench, deepspeed_bench, overload_bench, replica_bench, recovery_bench, commit_bench, offload_bench, suite)
 
 
 def _declare_benches(bench: argparse.ArgumentParser) -> None:

@@ -41,7 +41,8 @@ fi
 STAMP="$VENV/.megatron_ext_installed"
 REQ="$ROOT/requirements/cpu.txt"
 MEGATRON_LM_REQ="$ROOT/requirements/megatron-lm.txt"  # what megatron/training imports (tests run pretrain_gpt.py)
-want="$(cat "$REQ" "$MEGATRON_LM_REQ" "$ROOT/setup.cfg" | sha1sum | cut -d' ' -f1)"
+NVRX_REQ="$ROOT/requirements/nvrx.txt"  # apart, in $VENV/nvrx (see the file)
+want="$(cat "$REQ" "$MEGATRON_LM_REQ" "$NVRX_REQ" "$ROOT/setup.cfg" | sha1sum | cut -d' ' -f1)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]]; then
     exit 0
 fi
@@ -54,5 +55,7 @@ echo "[bootstrap] installing requirements into $VENV (first run takes a few minu
 # DeepSpeed builds against the torch already installed, never an isolated (CUDA) one.
 DS_BUILD_OPS=0 "$VENV/bin/python" -m pip install --quiet --no-build-isolation "$(grep -E '^deepspeed' "$ROOT/requirements/deepspeed.txt")"
 "$VENV/bin/python" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT"
+rm -rf "$VENV/nvrx"
+"$VENV/bin/python" -m pip install --quiet --no-deps --target "$VENV/nvrx" -r "$NVRX_REQ"
 echo "$want" > "$STAMP"
 echo "[bootstrap] done"

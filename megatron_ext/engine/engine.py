@@ -298,6 +298,7 @@ class CheckpointEngine:
                             "[datastates] rank %d: %s's copies held for %s at the end: %s", self.rank,
                             fjob.job.checkpoint, fjob.gate.what, _GATE_AT_END[done])
         timeout = self.config.persist_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout  # the wait and the threads' stop together
         clean = False
         try:
             if self.failures.error is None:
@@ -307,7 +308,7 @@ class CheckpointEngine:
                 self.wait_persisted(timeout=timeout)
                 clean = normal_end
         finally:
-            self.pipeline.stop(clean)
+            self.pipeline.stop(clean, deadline)
             try:
                 self.cache.close()  # raises if CUDA refused to unpin it: reported, after the rest is released
             finally:

@@ -48,7 +48,8 @@ from typing import Any
 import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError
-from megatron_ext.megatron import core_state, param_gather, saved_run, sharding
+from megatron_ext.engine.errors import ConfigError
+from megatron_ext.megatron import core_state, fault_tolerance, param_gather, saved_run, sharding
 from megatron_ext.megatron.args import adapter_engine_config
 from megatron_ext.megatron.checkpoint_layout import (
     RELEASE,
@@ -81,6 +82,8 @@ class MegatronCheckpointer:
         self.plan: sharding.OwnershipPlan | None = None
         self._engine_key: tuple | None = None
         self._engine_world: Any = None  # the default process group the engine was made in
+        self.bounds: fault_tolerance.WaitBounds | None = None  # the engine's waits on the training thread
+        self._ft_ordered = False  # fault_tolerance.order_at_start_up ran
 
     def restarted(self) -> bool:
         """After an in-process restart (nvidia-resiliency-ext's ``--inprocess-restart``, or any caller
@@ -96,7 +99,7 @@ class MegatronCheckpointer:
         world = _default_group()
         if self.engine is None or world is None or world is self._engine_world:
             return False
-        engine, self.engine, self.plan, self._engine_key = self.engine, None, None, None
+        engine, self.engine, self.plan, self._engine_key, self.bounds = self.engine, None, None, None, None
         left = engine.abandon("an in-process restart: the process groups it committed through are gone")
         log.warning("[datastates] rank %d: in-process restart: the previous attempt's engine stopped (open "
                     "checkpoints abandoned: %s; threads still running: %s; host cache %s); a new engine starts",
@@ -112,7 +115,13 @@ class MegatronCheckpointer:
             from megatron.training import get_args  # present in a Megatron-LM checkout only
         except ImportError as exc:
             raise RuntimeError("megatron_ext.megatron.checkpointing.set_args(args) was not called") from exc
-        return get_args()
+        args = get_args()
+        if not self._ft_ordered:  # the first checkpoint call: FT's rank monitor client exists by then
+            self._ft_ordered = True
+            problems = fault_tolerance.order_at_start_up(args)
+            if problems:
+                raise ConfigError("invalid datastates configuration: " + "; ".join(problems))
+        return args
 
     def megatron_lm(self) -> Any:
         """Megatron-LM's own ``megatron.training.checkpointing`` when its training loop is the caller, else None."""
@@ -143,6 +152,7 @@ class MegatronCheckpointer:
                 log.info("%s", sizing.log_line())
             self.engine = CheckpointEngine(cfg)
             self._engine_key, self._engine_world = key, _default_group()
+            self.bounds = fault_tolerance.WaitBounds(self.engine.config)
         elif key != self._engine_key:
             raise CheckpointError("the datastates configuration changed during the run; it is fixed at the first save")
         return self.engine
@@ -220,7 +230,8 @@ class MegatronCheckpointer:
                            common if rank == 0 else None, run)
         engine = self.get_engine(args, tensor_bytes(state) if self.engine is None else None,
                                  f"its first save, iteration {iteration}")
-        install_lazy_wait(optimizer, engine, wait_after_step=bool(getattr(args, "qk_clip", False)))
+        install_lazy_wait(optimizer, engine, wait_after_step=bool(getattr(args, "qk_clip", False)),
+                          timeout=self.bounds.snapshot)
         name = checkpoint_name(RELEASE if release else iteration)
         engine.save(state, name, rank_file_name(rank), root=root, version=iteration, extra=rank_extra(objects, layout),
                     gate=gate)
@@ -237,15 +248,15 @@ class MegatronCheckpointer:
         if terminate:
             self.shutdown()
         elif blocking:
-            self.engine.wait_persisted()
+            self.engine.wait_persisted(timeout=self.bounds.persist())
         else:
             self.engine.raise_if_failed()
 
     def shutdown(self) -> None:
         """Stop the engine's threads; the next save starts a new engine and plans ownership again."""
         if self.engine is not None:
-            self.engine.shutdown()
-        self.engine, self.plan = None, None
+            self.engine.shutdown(timeout=self.bounds.persist())
+        self.engine, self.plan, self.bounds = None, None, None
 
     # ------------------------------------------------------------------------ load
     def load(self, ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,
@@ -309,14 +320,15 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     used as Megatron-LM uses them (``core_state.ParallelGroups``); a ``rng_state_key_prefix`` (a
     multi-grid model's) is refused.
     """
-    return _CHECKPOINTER.save(
-        iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-        checkpointing_context=checkpointing_context, pipeline_rank=pipeline_rank, expert_rank=expert_rank,
-        tensor_rank=tensor_rank, pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel,
-        non_persistent_ckpt=non_persistent_ckpt, train_data_iterator=train_data_iterator,
-        preprocess_common_state_dict_fn=preprocess_common_state_dict_fn, release=release,
-        tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group, dp_group=dp_group,
-        expt_dp_group=expt_dp_group, rng_state_key_prefix=rng_state_key_prefix)
+    with fault_tolerance.checkpointing_section():  # where Megatron-LM's own save opens it (none without FT)
+        return _CHECKPOINTER.save(
+            iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+            checkpointing_context=checkpointing_context, pipeline_rank=pipeline_rank, expert_rank=expert_rank,
+            tensor_rank=tensor_rank, pipeline_parallel=pipeline_parallel, expert_parallel=expert_parallel,
+            non_persistent_ckpt=non_persistent_ckpt, train_data_iterator=train_data_iterator,
+            preprocess_common_state_dict_fn=preprocess_common_state_dict_fn, release=release,
+            tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group, dp_group=dp_group,
+            expt_dp_group=expt_dp_group, rng_state_key_prefix=rng_state_key_prefix)
 
 
 def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,

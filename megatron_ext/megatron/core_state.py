@@ -244,23 +244,25 @@ class megatron_lm_formats:
 
 
 # ---------------------------------------------------------------------------- the lazy wait
-def install_lazy_wait(optimizer: Any, engine: CheckpointEngine, wait_after_step: bool = False) -> None:
+def install_lazy_wait(optimizer: Any, engine: CheckpointEngine, wait_after_step: bool = False,
+                      timeout: Callable[[], float | None] = lambda: None) -> None:
     """Make ``optimizer.step_with_ready_grads`` wait for pending snapshots first (wrapped once).
 
     The wait goes to the engine of the latest call: an optimizer kept over an in-process restart
     waits for the new engine, not the abandoned one. ``wait_after_step``: also wait when ``step``
     returns, for code that edits the saved weights after the optimizer step even when the step
-    itself was skipped (``--qk-clip``).
+    itself was skipped (``--qk-clip``). ``timeout``: the wait's bound, asked at each wait (None: the
+    engine's ``snapshot_timeout_s``; ``fault_tolerance.WaitBounds`` keeps it below FT's).
     """
     if optimizer is None:
         return
-    optimizer._datastates_engine = engine
+    optimizer._datastates_engine, optimizer._datastates_wait_timeout = engine, timeout
     if getattr(optimizer, "_datastates_lazy_wait", False):
         return
     inner_step = optimizer.step_with_ready_grads
 
     def step_with_ready_grads(*args: Any, **kwargs: Any):
-        optimizer._datastates_engine.wait_snapshot()
+        optimizer._datastates_engine.wait_snapshot(optimizer._datastates_wait_timeout())
         return inner_step(*args, **kwargs)
 
     optimizer.step_with_ready_grads = step_with_ready_grads
@@ -269,7 +271,7 @@ def install_lazy_wait(optimizer: Any, engine: CheckpointEngine, wait_after_step:
 
         def step(*args: Any, **kwargs: Any):
             result = outer_step(*args, **kwargs)
-            optimizer._datastates_engine.wait_snapshot()  # a no-op when the inner step already waited
+            optimizer._datastates_engine.wait_snapshot(optimizer._datastates_wait_timeout())  # no-op after the inner step's
             return result
 
         optimizer.step = step

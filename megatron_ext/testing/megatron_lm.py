@@ -2,8 +2,10 @@
 
     torchrun ... -m megatron_ext.testing.megatron_lm [--checkout DIR] [--record FILE]
         [--kill-at-iteration N] [--sigterm-at-iteration N] [--expire-duration-at-iteration N]
-        [--exit-at-iteration N] [--record-logits DIR]
+        [--exit-at-iteration N] [--record-logits DIR] [--record-ft FILE]
         -- <pretrain_gpt.py arguments>
+
+or the same under nvidia-resiliency-ext's ``ft_launcher`` (``torchrun_command(ft_launcher=[...])``).
 
 The script runs in-process, unchanged, from a patched checkout of the pin (``find_checkout``).
 What a CPU run of ``megatron/training`` needs beyond the megatron-core emulation layer
@@ -68,6 +70,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import inspect
 import os
 import re
 import runpy
@@ -318,6 +321,29 @@ def _native_loads_torch_adam(load_checkpoint: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------------------- recording, killing
+def _install_ft_recorder(path: str) -> None:
+    """Every section message a rank sends its rank monitor, timed on the training thread when it is sent:
+    how long a step or a save keeps the monitor waiting (``bench ft-heartbeats``)."""
+    import atexit
+    import time
+
+    from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+    sent: list[tuple[float, str, str]] = []
+    for method, action in (("start_section", "open"), ("end_section", "close")):
+        def send(self, section, _inner=getattr(RankMonitorClient, method), _action=action):
+            sent.append((time.monotonic(), section, _action))
+            return _inner(self, section)
+
+        setattr(RankMonitorClient, method, send)
+
+    def write() -> None:
+        with open(f"{path}.{os.environ.get('RANK', '0')}", "w") as out:
+            out.writelines(json.dumps({"t": t, "section": name, "action": a}) + "\n" for t, name, a in sent)
+
+    atexit.register(write)
+
+
 def _is_recording_rank() -> bool:
     from megatron.core import parallel_state as ps
 
@@ -539,11 +565,25 @@ def _call_before_load(hook: str) -> None:
 
 
 # ---------------------------------------------------------------------------- launching
-def environment(base: dict | None = None, gpu: bool = False) -> dict:
-    """The environment of a run: one thread per rank, what TP > 1 asks of a GPU run; no GPU unless ``gpu``."""
+#: nvidia-resiliency-ext 0.4.1 and its dependencies, installed apart by ``scripts/bootstrap_env.sh``
+#: (``requirements/nvrx.txt``): beside megatron-core 0.19 it needs ``_hide_old_nvrx_async_checkpointing``,
+#: so only the runs under ``ft_launcher`` see it.
+NVRX_DIR = Path(sys.prefix) / "nvrx"
+
+
+def nvrx_missing() -> str | None:
+    """Why the fault-tolerance runs cannot start here, or None."""
+    if not (NVRX_DIR / "nvidia_resiliency_ext" / "fault_tolerance").is_dir():
+        return f"nvidia-resiliency-ext is not installed in {NVRX_DIR} (scripts/bootstrap_env.sh puts it there)"
+    return None
+
+
+def environment(base: dict | None = None, gpu: bool = False, nvrx: bool = False) -> dict:
+    """The environment of a run: one thread per rank, what TP > 1 asks of a GPU run; no GPU unless ``gpu``;
+    nvidia-resiliency-ext importable with ``nvrx``."""
     env = dict(os.environ if base is None else base)
-    env.update(OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p))
+    paths = (str(REPO), str(NVRX_DIR) if nvrx else "", env.get("PYTHONPATH", ""))
+    env.update(OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONPATH=os.pathsep.join(p for p in paths if p))
     if not gpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     return env
@@ -554,8 +594,11 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
                      expire_at: int | None = None, late_copies: bool = False,
                      committed_before_kill: int | None = None, before_load: str | None = None,
                      script: str = "pretrain_gpt.py", exit_at: int | None = None,
-                     record_logits: str | None = None, inprocess_fault_at: int | None = None) -> list[str]:
-    """torchrun on this machine running ``script`` (``pretrain_gpt.py``) of ``checkout`` through this harness."""
+                     record_logits: str | None = None, inprocess_fault_at: int | None = None,
+                     ft_launcher: list[str] | None = None, record_ft: str | None = None) -> list[str]:
+    """torchrun on this machine running ``script`` (``pretrain_gpt.py``) of ``checkout`` through this harness;
+    with ``ft_launcher`` (its own options, e.g. ``--ft-rank-section-timeouts ...``) nvidia-resiliency-ext's
+    launcher instead, whose rank monitors watch the ranks (run it with ``environment(nvrx=True)``)."""
     from megatron_ext.procs import torchrun_command as torchrun
 
     harness = ["-m", "megatron_ext.testing.megatron_lm", "--checkout", str(checkout)]
@@ -581,7 +624,12 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
         harness += ["--record-logits", str(record_logits)]
     if inprocess_fault_at is not None:
         harness += ["--inprocess-fault-at-iteration", str(inprocess_fault_at)]
-    return torchrun(nproc, *harness, "--", *CPU_FLAGS, *megatron_args)
+    if record_ft is not None:
+        harness += ["--record-ft", str(record_ft)]
+    cmd = torchrun(nproc, *harness, "--", *CPU_FLAGS, *megatron_args)
+    if ft_launcher is not None:  # the same options: ft_launcher is torchrun's launcher with the monitors added
+        cmd[1:3] = ["-m", "nvidia_resiliency_ext.fault_tolerance.launcher", *ft_launcher]
+    return cmd
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -604,11 +652,36 @@ def read_first_forward(directory: str | Path) -> tuple[torch.Tensor, torch.Tenso
 
 
 # ---------------------------------------------------------------------------- entry point
+def _hide_old_nvrx_async_checkpointing() -> None:
+    """Let Megatron-LM core_v0.19.0 run beside nvidia-resiliency-ext 0.4.1, the newest the registry has for
+    Python 3.12 (the fault-tolerance tests' launcher and rank monitor).
+
+    megatron-core probes NVRx's async checkpointing at import and asserts NVRx >= 0.6.0 by reading
+    ``nvidia_resiliency_ext.__version__``, which 0.4.1 lacks: the import fails. Hiding that one
+    subpackage makes the probe answer "no NVRx async support" (megatron-core then keeps its own
+    strategies); NVRx's fault tolerance, all these tests use, stays importable. A newer NVRx is left alone.
+    """
+    try:
+        import nvidia_resiliency_ext as nvrx
+        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+    except ImportError:
+        return
+    if hasattr(nvrx, "__version__"):
+        return
+    sys.modules["nvidia_resiliency_ext.checkpointing.async_ckpt"] = None
+    # Megatron-LM core_v0.19.0's ft_integration passes num_warmup_iters (NVRx >= 0.6: no out-of-section
+    # timeout over the warm-up steps); 0.4.1 watches them too, which is only stricter.
+
+    init = RankMonitorClient.init_workload_monitoring
+    if "num_warmup_iters" not in inspect.signature(init).parameters:
+        RankMonitorClient.init_workload_monitoring = lambda self, num_warmup_iters=None: init(self)
+
+
 def run(script: Path, argv: list[str], record: str | None = None, kill_at: int | None = None,
         signal_at: int | None = None, expire_at: int | None = None, late_copies: bool = False,
         committed_before_kill: int | None = None, before_load: str | None = None,
         exit_at: int | None = None, record_logits: str | None = None,
-        inprocess_fault_at: int | None = None) -> None:
+        inprocess_fault_at: int | None = None, record_ft: str | None = None) -> None:
     """Run ``script`` (a checkout's ``pretrain_gpt.py``) as ``__main__`` with ``argv`` on CPU ranks."""
     from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
     from megatron_ext.testing.emulated_nccl import enable_emulated_nccl
@@ -617,6 +690,7 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
     # megatron.core from the wheel (with its prebuilt dataset helpers), imported first so it stays
     # the wheel's; megatron.training, gpt_builders and model_provider from the patched checkout, ahead
     # of site-packages (the megatron-core 0.19 wheel ships an unpatched megatron/training too).
+    _hide_old_nvrx_async_checkpointing()
     import megatron.core  # noqa: F401
 
     sys.path.insert(0, checkout)
@@ -636,6 +710,8 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
         _install_recorder(record)
     if record_logits:
         _install_logits_recorder(record_logits)
+    if record_ft:
+        _install_ft_recorder(record_ft)
     if kill_at is not None:
         _install_killer(kill_at, committed_before_kill, _checkpoint_flags(argv).save)
     if exit_at is not None:
@@ -726,6 +802,9 @@ def main(argv: list[str] | None = None) -> None:
                              "load_checkpoint (test and bench code)")
     parser.add_argument("--record-logits", metavar="DIR",
                         help="save the first forward's tokens and logits (data-parallel rank 0) in DIR")
+    parser.add_argument("--record-ft", metavar="FILE",
+                        help="under ft_launcher: each rank writes the fault-tolerance messages it sent (section "
+                             "opened or closed, with its time) to FILE.<rank> as JSON lines")
     opts = parser.parse_args(argv[:split])
     if opts.committed_before_kill is not None and (opts.kill_at_iteration is None
                                                    or _checkpoint_flags(argv[split + 1:]).save is None):
@@ -742,7 +821,7 @@ def main(argv: list[str] | None = None) -> None:
         signal_at=opts.sigterm_at_iteration, expire_at=opts.expire_duration_at_iteration,
         late_copies=opts.late_copies, committed_before_kill=opts.committed_before_kill,
         before_load=opts.before_load, exit_at=opts.exit_at_iteration, record_logits=opts.record_logits,
-        inprocess_fault_at=opts.inprocess_fault_at_iteration)
+        inprocess_fault_at=opts.inprocess_fault_at_iteration, record_ft=opts.record_ft)
 
 
 if __name__ == "__main__":

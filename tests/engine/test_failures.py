@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import threading
+import time
 import json
 from pathlib import Path
 
@@ -164,3 +165,19 @@ def test_shutdown_after_snapshot_failure_stops_every_thread(make_engine, fault):
     with pytest.raises(CheckpointError):
         engine.shutdown(timeout=10)
     assert not engine.committer._thread.is_alive()
+
+
+def test_a_shutdown_with_a_stuck_flush_ends_within_its_timeout(make_engine, fault):
+    # The wait for the commit and the threads' stop share the one timeout, so a watchdog whose
+    # timeout the engine's is ordered below (nvidia-resiliency-ext's rank monitor) never fires first.
+    engine = make_engine(persist_timeout_s=60.0)
+    go = _stuck_writer(fault)
+    engine.save(_state(1, 50_000), "A", version=1)
+    engine.commit("A")
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="commit of A did not finish in time"):
+        engine.shutdown(timeout=2)
+    took = time.monotonic() - started
+    go.set()
+    assert took < 2 + 1.5, f"shutdown(timeout=2) took {took:.1f}s"
+    assert engine.latest() is None

@@ -67,9 +67,11 @@ def run(checkout: Path, nproc: int, args: list[str], workdir: Path, name: str, k
         sigterm_at: int | None = None, expire_at: int | None = None, late_copies: bool = False,
         committed_before_kill: int | None = None, script: str = "pretrain_gpt.py",
         exit_at: int | None = None, record_logits: Path | None = None,
-        inprocess_fault_at: int | None = None) -> RunResult:
+        inprocess_fault_at: int | None = None, ft_launcher: list[str] | None = None,
+        record_ft: Path | None = None, env: dict | None = None) -> RunResult:
     """One torchrun of ``script`` (``pretrain_gpt.py``); fails the test (with the log's tail) on an unexpected
-    exit code."""
+    exit code. ``ft_launcher``: under nvidia-resiliency-ext's launcher with these options instead (a cold
+    start: the session's zygote serves torchrun only); ``env``: added to the run's environment."""
     workdir.mkdir(parents=True, exist_ok=True)
     record = workdir / f"{name}.jsonl"
     record.unlink(missing_ok=True)
@@ -78,9 +80,11 @@ def run(checkout: Path, nproc: int, args: list[str], workdir: Path, name: str, k
                                                     late_copies=late_copies,
                                                     committed_before_kill=committed_before_kill, script=script,
                                                     exit_at=exit_at, record_logits=record_logits,
-                                                    inprocess_fault_at=inprocess_fault_at))
+                                                    inprocess_fault_at=inprocess_fault_at,
+                                                    ft_launcher=ft_launcher, record_ft=record_ft))
     log_path = workdir / f"{name}.log"
-    returncode = run_to_completion(cmd, megatron_lm.environment(), log_path, RUN_TIMEOUT_S)
+    environment = megatron_lm.environment(nvrx=ft_launcher is not None)
+    returncode = run_to_completion(cmd, {**environment, **(env or {})}, log_path, RUN_TIMEOUT_S)
     log = log_path.read_text(errors="replace")
     if (returncode != 0) != (kill_at is not None or expect_failure):
         pytest.fail(f"{name}: exit code {returncode} (expected {'failure' if kill_at or expect_failure else 0})"

@@ -20,6 +20,8 @@ Control flows one way and nothing is wired after construction:
 
 from __future__ import annotations
 
+import time
+
 import dataclasses
 from typing import Any
 
@@ -98,17 +100,26 @@ class SavePipeline:
         return [t.name for t in (getattr(s, "_thread", None) for s in stages if s is not None)
                 if t is not None and t.is_alive()]
 
-    def stop(self, clean_end: bool) -> None:
-        """Stop every thread, from the first stage to the last (``clean_end``: free the peer replicas held)."""
+    def stop(self, clean_end: bool, deadline: float | None = None) -> None:
+        """Stop every thread, from the first stage to the last (``clean_end``: free the peer replicas held).
+
+        One ``deadline`` (``time.monotonic()``) for all of them when given: a shutdown's wait and this
+        stop then end within its timeout, also when a thread is stuck on storage (a wait ordered below
+        a watchdog's, ``megatron.fault_tolerance``, stays below it). Without one: 5 s per stage and a
+        minute for retention's deletes.
+        """
+        def left(default: float) -> float:
+            return default if deadline is None else max(0.0, deadline - time.monotonic())
+
         if self.replicas is not None:
             self.replicas.close(clean_end)
-        self.scheduler.stop(5)
-        self.writer.stop(5)
+        self.scheduler.stop(left(5))
+        self.writer.stop(left(5))
         if self.stager is not None:
-            self.stager.stop(5)
-        self.committer.stop(5)
+            self.stager.stop(left(5))
+        self.committer.stop(left(5))
         self.io.close()
-        self.retention.stop(60)
+        self.retention.stop(left(60))
 
 
 def open_io(use_worker: bool, cache: HostCache, timeout_s: float) -> "IoWorker | LocalIo":
