@@ -660,8 +660,11 @@ def train(args: argparse.Namespace) -> List[float]:
             iteration += 1
             if args.committed_before_crash is not None and args.crash_at_iteration == iteration:
                 await_tracker(os.path.join(args.save, TRACKER_FILE), args.committed_before_crash, int)
+            save_call_cpu_s = None  # the training thread's CPU seconds in this iteration's save call
             if checkpointing_on and iteration % args.save_interval == 0:
+                cpu_before = time.thread_time()
                 timed_checkpoint_call(save_checkpoint_fn, iteration, model, optimizer, scheduler, args)
+                save_call_cpu_s = time.thread_time() - cpu_before
                 if args.eval_fixed_batch:
                     evaluate_fixed_batch(args, iteration, model)
             timed_checkpoint_call(finalize_checkpoints, args, blocking=False)
@@ -680,7 +683,8 @@ def train(args: argparse.Namespace) -> List[float]:
                                           "consumed_samples": args.consumed_train_samples,
                                           "lr": scheduler.get_lr(optimizer.param_groups[0]).hex(),
                                           "loss_float": loss, "iter_time_s": elapsed,
-                                          "ckpt_blocked_s": blocked.item(), "wall_time": time.time(),
+                                          "ckpt_blocked_s": blocked.item(), "save_call_cpu_s": save_call_cpu_s,
+                                          "wall_time": time.time(),
                                           **process_cpu_seconds(),
                                           **({"load_s": load_s, "load_started_at": load_started_at}
                                              if load_s is not None else {})}) + "\n")
