@@ -9,7 +9,9 @@ rank whose section outlives its timeout. What must hold (``megatron.fault_tolera
   checkpoint call, and a flush that never ends fails in the engine's own error, naming the
   checkpoint, before the monitor's kill (which would say only that a timeout elapsed);
 * each save call runs inside a ``checkpointing`` section, as Megatron-LM's own save does;
-* ``--run-slow``: under the monitors the run trains and resumes bit for bit as without them.
+* ``--run-slow``: under the monitors the run trains and resumes bit for bit as without them, and
+  with ``--calc-ft-timeouts`` FT never derives a ``checkpointing`` timeout from our save calls
+  while the lazy wait follows the step timeout it derives.
 
 How late the monitors hear from a rank with a checkpoint every iteration, against none, is
 ``megatron-ext bench ft-heartbeats`` (docs/BENCHMARKS.md).
@@ -113,3 +115,19 @@ def test_under_the_rank_monitors_training_saves_and_resumes_as_without_them(chec
     assert_same_trajectory(dict(sorted(steps.items())), plain, "under ft_launcher vs torchrun")
     assert MONITOR_KILL not in first.log + resumed.log
     _verify(tmp_path / "ft" / "ckpt")
+
+
+@pytest.mark.slow
+def test_calculated_timeouts_leave_checkpointing_alone_and_shorten_the_lazy_wait(checkout, tmp_path):
+    """``--calc-ft-timeouts``: FT derives the step timeout from the steps it saw (after 16), never the
+    checkpointing one from our millisecond save calls (they count as asynchronous saves, whose
+    flush at the end would outlive such a timeout); the lazy wait follows the new step timeout."""
+    ft = ["--ft-rank-section-timeouts", "setup:600,step:180,checkpointing:420", "--ft-rank-out-of-section-timeout",
+          "300"]
+    result = run(checkout, NPROC, [*COMMON, *FT, "--calc-ft-timeouts", "--train-iters", "20", *_levels(tmp_path)],
+                 tmp_path, "calc", ft_launcher=ft)
+    log = result.log
+    assert "FT: can't update the checkpointing section timeout with async checkpointing" in log, log[-3000:]
+    assert "calculated_sections={'step'}" in log and "checkpointing=420.00" in log, log[-3000:]
+    assert "timeout is now shorter than --datastates-snapshot-timeout-s 144: this wait ends after" in log, log[-3000:]
+    assert read_tracker(tmp_path / "ckpt") == "20"
