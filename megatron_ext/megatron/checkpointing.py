@@ -320,7 +320,7 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler, num_floati
     used as Megatron-LM uses them (``core_state.ParallelGroups``); a ``rng_state_key_prefix`` (a
     multi-grid model's) is refused.
     """
-    with fault_tolerance.checkpointing_section():  # where Megatron-LM's own save opens it (none without FT)
+    with fault_tolerance.checkpointing_section(_CHECKPOINTER.get_args()):  # where Megatron-LM's own save opens it
         return _CHECKPOINTER.save(
             iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
             checkpointing_context=checkpointing_context, pipeline_rank=pipeline_rank, expert_rank=expert_rank,

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import sys
 from typing import Any, Callable, Iterator
 
 from megatron_ext.engine.config import EngineConfig
@@ -48,13 +49,16 @@ _WAITS = {
 }
 
 
+def _ft_integration() -> Any:
+    """Megatron-LM's ``ft_integration`` if its training loop imported it (its ``pretrain`` starts FT), else
+    None: never imported here (other trainers have no ``megatron.training``, and this runs at every save)."""
+    return sys.modules.get("megatron.training.ft_integration")
+
+
 def monitor_client() -> Any:
-    """Megatron-LM's rank monitor client (``ft_integration``), or None when FT is off or absent."""
-    try:
-        from megatron.training import ft_integration
-    except ImportError:
-        return None
-    return ft_integration.get_rank_monitor_client()
+    """Megatron-LM's rank monitor client, or None when FT is off or absent."""
+    ft_integration = _ft_integration()
+    return None if ft_integration is None else ft_integration.get_rank_monitor_client()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,13 +159,13 @@ class WaitBounds:
 
 
 @contextlib.contextmanager
-def checkpointing_section() -> Iterator[None]:
-    """Megatron-LM's ``checkpointing`` section around our save call, as around its own save (a no-op without FT)."""
-    if monitor_client() is None:
+def checkpointing_section(args: Any) -> Iterator[None]:
+    """Megatron-LM's ``checkpointing`` section around our save call, as around its own save (a no-op without
+    FT, and under ``--ckpt-convert-format``, whose save is Megatron-LM's own and opens the section itself)."""
+    if monitor_client() is None or getattr(args, "ckpt_convert_format", None) is not None:
         yield
         return
-    from megatron.training import ft_integration
-
+    ft_integration = _ft_integration()
     # An asynchronous save for FT's timeout calculation (Megatron-LM sets this for --async-save).
     ft_integration._is_async_chkpt_enabled = True
     ft_integration.on_checkpointing_start()
