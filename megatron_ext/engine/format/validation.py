@@ -13,7 +13,7 @@ from ..errors import CheckpointError
 from ..files import open_regular
 from .entries import ListedFile
 from .names import FORMAT_NAME, REPORTS, RUN_ID, report_name, valid_name
-from .tensor_file import INT64_MAX, TORCH_DTYPES, SafetensorsHeader, shape_elements
+from .tensor_file import INT64_MAX, TORCH_DTYPES, SafetensorsHeader, read_header, shape_elements
 from .version import FORMAT_VERSION
 from .strict_json import parse_json as strict_json
 
@@ -280,6 +280,21 @@ def check_report(report: dict, rank: int) -> None:
                                   "world_size": report.get("world_size"), "version": report.get("version")}, rank)
     except (FormatViolation, TypeError) as exc:
         raise CheckpointError(f"checkpoint {checkpoint}: rank {rank}'s report would not load: {exc}") from None
+
+
+def read_listed_header(fd: int, file: ListedFile, run_id: str | None, where: str) -> SafetensorsHeader:
+    """The open tensor file ``fd`` against the manifest: its size, its safetensors header parsed and (with
+    ``run_id``) describing exactly the listed tensors of that run. What a load and ``verify`` both check."""
+    size = os.fstat(fd).st_size
+    if size != file.file.size:
+        raise CheckpointError(f"{where}: has {size} bytes, the manifest says {file.file.size}")
+    try:
+        header = read_header(fd, size)
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{where}: bad safetensors header: {exc}") from None
+    if run_id is not None:
+        check_tensor_file(file, header, run_id, where)
+    return header
 
 
 def check_tensor_file(file: ListedFile, header: SafetensorsHeader, run_id: str, where: str) -> None:

@@ -21,9 +21,8 @@ from ..format import codec
 from ..format.digest import PIECEWISE_FROM_VERSION
 from ..format.entries import FileEntry, ListedFile
 from ..format.names import REPORTS, report_name
-from ..format.tensor_file import read_header
 from ..format.sidecar import read_sidecar
-from ..format.validation import check_tensor_file
+from ..format.validation import read_listed_header
 from ..format.version import FORMAT_VERSION
 from .fast_read import read_tensors, to_device
 from .staged_read import MIN_STAGING_CHUNK, Staging, default_staging, read_into
@@ -160,17 +159,9 @@ class FileReader:
             return
         fd = open_regular(self.tensor_path)
         try:
-            size = os.fstat(fd).st_size
-            if size != self.listed.file.size:
-                raise CheckpointError(f"{self.tensor_path} has {size} bytes, the manifest says {self.listed.file.size}")
-            try:
-                header = read_header(fd, size)
-            except (ValueError, OSError) as exc:
-                raise CheckpointError(f"{self.tensor_path}: bad safetensors header: {exc}") from None
+            read_listed_header(fd, self.listed, self.run_id, self.tensor_path)
         finally:
             os.close(fd)
-        if self.run_id is not None:
-            check_tensor_file(self.listed, header, self.run_id, self.tensor_path)
         self._file_checked = True
 
 

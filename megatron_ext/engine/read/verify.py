@@ -26,9 +26,8 @@ from ..format import codec
 from ..format.catalog import read_manifest
 from ..format.digest import PIECEWISE_FROM_VERSION, tensor_file_digest
 from ..format.names import MANIFEST, valid_name
-from ..format.tensor_file import read_header
 from ..format.sidecar import read_sidecar
-from ..format.validation import check_tensor_file
+from ..format.validation import read_listed_header
 from .committed import CommittedCheckpoint, ReadOptions, open_committed
 from ..format.entries import TensorEntry
 
@@ -101,14 +100,7 @@ def _check_tensor_file(root: str, committed: CommittedCheckpoint, name: str, dee
     path = os.path.join(root, file.tensor_file)
     fd = open_regular(path)
     try:
-        size = os.fstat(fd).st_size
-        if size != file.size:
-            raise CheckpointError(f"{path}: has {size} bytes, the manifest says {file.size}")
-        try:
-            header = read_header(fd, size)
-        except (ValueError, OSError) as exc:
-            raise CheckpointError(f"{path}: bad safetensors header: {exc}") from None
-        check_tensor_file(committed.listed(name), header, committed.run_id, path)
+        header = read_listed_header(fd, committed.listed(name), committed.run_id, path)
         if deep:
             piecewise = committed.manifest["format_version"] >= PIECEWISE_FROM_VERSION
             _check_digests(fd, path, committed.tensors(name), file.checksum, header.data_start, piecewise, progress)

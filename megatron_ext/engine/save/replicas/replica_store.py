@@ -16,6 +16,7 @@ import time
 from ...errors import CheckpointError
 from ...files import atomic_write_json, private_dir
 from ...format.catalog import read_manifest
+from ...format.entries import FileEntry
 from .peer_link import Bundle, BundleFile, BundleMeta
 
 REPLICA_META = "replica.json"
@@ -119,12 +120,12 @@ class ReplicaStore:
 
 
 def expected_files(manifest: dict, rank: int) -> list[BundleFile]:
-    """The files ``rank`` wrote in ``manifest``: tensor file then sidecar, with sizes and checksums."""
+    """The files ``rank`` wrote in ``manifest`` (validated): tensor file then sidecar, with sizes and checksums."""
     files = []
-    for entry in manifest["files"].values():
-        if entry["rank"] == rank:
-            files.append(BundleFile(entry["tensor_file"], entry["size"], entry["xxh3_64"]))
-            files.append(BundleFile(entry["state_file"], entry["state_size"], entry["state_xxh3_64"]))
+    for entry in map(FileEntry.of, manifest["files"].values()):
+        if entry.rank == rank:
+            files.append(BundleFile(entry.tensor_file, entry.size, entry.checksum))
+            files.append(BundleFile(entry.state_file, entry.state_size, entry.state_checksum))
     return files
 
 
