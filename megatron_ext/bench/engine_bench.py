@@ -25,6 +25,7 @@ devices (``d2h_gbps`` is null on the CPU).
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -329,11 +330,10 @@ def measure_round(state: dict[str, torch.Tensor], base: str, modes, cache_gb: fl
             shutil.rmtree(os.path.join(base, "torch_checkpointing"), ignore_errors=True)
         else:
             raise ValueError(f"unknown mode {mode!r}")
-    result["ratio_blocking_vs_dcp"] = result["datastates_blocking_s"] / result["dcp_async_blocking_s"]
-    result["ratio_blocking_vs_dcp_stager"] = result["datastates_blocking_s"] / result["dcp_stager_blocking_s"]
-    if "torch_checkpointing_blocking_s" in result:
-        result["ratio_blocking_vs_torch_checkpointing"] = (result["datastates_blocking_s"]
-                                                           / result["torch_checkpointing_blocking_s"])
+    for peer in ("dcp", "dcp_stager", "torch_checkpointing"):
+        blocked = result.get(f"{'dcp_async' if peer == 'dcp' else peer}_blocking_s")
+        if blocked is not None:
+            result[f"ratio_blocking_vs_{peer}"] = result["datastates_blocking_s"] / blocked
     result["ratio_flush_vs_direct"] = result["datastates_flush_gbps"] / result["direct_write_gbps"]
     result["ratio_cpu_vs_floor"] = result["datastates_cpu_s_per_gb"] / result["floor_cpu_s_per_gb"]
     result["ratio_warm_flush_vs_direct"] = result["datastates_warm_flush_gbps"] / result["direct_write_gbps"]
@@ -347,11 +347,13 @@ def measure_round(state: dict[str, torch.Tensor], base: str, modes, cache_gb: fl
 
 def run(size_gb: float, directory: str | None = None, cache_gb: float | None = None,
         compute_s: float = 1.0, device: str = "cpu", flush_process: bool = True,
-        repeats: int = DEFAULT_REPEATS) -> dict:
+        repeats: int = DEFAULT_REPEATS, modes: tuple[str, ...] = MODES) -> dict:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda needs a CUDA device (none is visible to torch here)")
+    if "datastates" not in modes or set(modes) - set(MODES):
+        raise ValueError(f"modes must include datastates and be among {', '.join(MODES)}, got {modes}")
     with working_dir(directory, "megatron-ext-bench-") as base:
         torch.manual_seed(0)
         _progress(f"building a {size_gb} GB state on {device}")
@@ -368,9 +370,9 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
         result["repeats"] = repeats
         result["load_average_before"] = list(os.getloadavg())
         skipped: dict[str, str] = {}
-        if torch_checkpointing_peer.missing():
+        if "torch_checkpointing" in modes and torch_checkpointing_peer.missing():
             skipped["torch_checkpointing"] = torch_checkpointing_peer.missing()
-        modes = [m for m in MODES if m not in skipped]
+        modes = [m for m in MODES if m in modes and m not in skipped]
         rounds = []
         for rnd in range(repeats):
             order = round_order(modes, rnd)
@@ -405,7 +407,10 @@ def check_limits(r: dict) -> list[str]:
     """The limits ``r`` breaks, one readable line each (empty: all kept)."""
     broken = []
     for key, op, bound in LIMITS:
-        value = r[key]
+        value = r.get(key)
+        if value is None:
+            broken.append(f"{key} not measured (limit {op} {bound}): run its modes")
+            continue
         if not (value <= bound if op == "<=" else value >= bound):
             broken.append(f"{key} {value:.4g} (limit {op} {bound})")
     if r.get("d2h_gbps"):
@@ -417,6 +422,7 @@ def check_limits(r: dict) -> list[str]:
 
 
 def format_table(r: dict) -> str:
+    r = collections.defaultdict(lambda: float("nan"), r)  # a mode not run (--modes) prints as nan
     gb = r["state_bytes"] / 1e9
     d2h = f", device-to-host {r['d2h_gbps']:.2f} GB/s" if r.get("d2h_gbps") else ""
     lines = [
@@ -438,7 +444,7 @@ def format_table(r: dict) -> str:
         (f"  torch_checkpointing blocked {r['torch_checkpointing_blocking_s']:.4f}s (call "
          f"{r['torch_checkpointing_call_s']:.4f}s, staged {r['torch_checkpointing_staged_s']:.2f}s), done "
          f"{r['torch_checkpointing_done_s']:.2f}s" if "torch_checkpointing_blocking_s" in r else
-         f"  torch_checkpointing not run: {r.get('skipped', {}).get('torch_checkpointing')}"),
+         f"  torch_checkpointing not run: {r.get('skipped', {}).get('torch_checkpointing', 'not in --modes')}"),
         f"  ratios              blocking/DCP {r['ratio_blocking_vs_dcp']:.4f} (target <= 0.02),"
         f" blocking/DCP+stager {r['ratio_blocking_vs_dcp_stager']:.3f},"
         + (f" blocking/torch_checkpointing {r['ratio_blocking_vs_torch_checkpointing']:.3f},"
@@ -477,6 +483,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where the state lives (cuda: on the current GPU, copied by the CUDA copy stream)")
     p.add_argument("--repeats", type=POSITIVE_INT, default=DEFAULT_REPEATS,
                    help=f"rounds of every mode, order reversed every other; medians (default {DEFAULT_REPEATS})")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="modes to run, datastates among them (default all)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--flush-in-process", action="store_true",
@@ -493,7 +501,8 @@ def main(args) -> int:
         print("bench engine --device cuda: no CUDA device is visible to torch here", file=sys.stderr)
         return 2
     result = run(args.size_gb, args.dir, args.cache_gb, args.compute_s, device,
-                 not getattr(args, "flush_in_process", False), getattr(args, "repeats", DEFAULT_REPEATS))
+                 not getattr(args, "flush_in_process", False), getattr(args, "repeats", DEFAULT_REPEATS),
+                 tuple(getattr(args, "modes", MODES)))
     print(json.dumps(result, indent=1, sort_keys=True) if args.json else format_table(result))
     if getattr(args, "plot", None):
         print(f"bench engine: wrote {plot_cpu_vs_floor(result, args.plot)}", file=sys.stderr)

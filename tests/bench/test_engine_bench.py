@@ -55,10 +55,11 @@ def test_bench_engine_json_keys_on_cpu(tmp_path):
 
 def test_bench_engine_flushes_in_process_when_asked(tmp_path):
     proc = _bench("--size-gb", "0.01", "--compute-s", "0.05", "--repeats", "1", "--json", "--dir", str(tmp_path),
-                  "--flush-in-process")
+                  "--flush-in-process", "--modes", "datastates")
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
     assert result["flush_process"] is False and result["datastates_flush_gbps"] > 0
+    assert "ratio_blocking_vs_dcp" not in result and result["skipped"] == {}  # only the modes asked for
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests/gpu runs --device cuda on a GPU")
@@ -74,6 +75,7 @@ def test_limits_are_checked_not_just_the_exit_status():
     good = {"ratio_blocking_vs_dcp": 0.001, "ratio_flush_vs_direct": 0.95, "ratio_rss_vs_state_plus_cache": 1.02,
             "d2h_gbps": 40.0, "state_bytes": 4e9, "datastates_compute_s": 1.0, "datastates_snapshot_s": 1.1}
     assert check_limits(good) == []
+    assert check_limits({**good, "ratio_blocking_vs_dcp": None})[0].startswith("ratio_blocking_vs_dcp not measured")
     assert check_limits({**good, "d2h_gbps": None, "datastates_snapshot_s": 9.0}) == []  # CPU: no d2h limit
     bad = check_limits({**good, "ratio_blocking_vs_dcp": 0.5, "ratio_flush_vs_direct": 0.5,
                         "datastates_snapshot_s": 1.8})
