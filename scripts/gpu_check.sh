@@ -215,7 +215,8 @@ else
     [[ "$DEVICE" == cpu ]] && size=0.05
     check=--check
     [[ "$DEVICE" == cpu ]] && check=""  # a 50 MB state on a CPU says nothing about the limits: reported only
-    run_part "$T_BENCH" "$LOGS/bench_engine.log" sh -c '"$0" -m megatron_ext bench engine --device "$1" --size-gb "$2" --compute-s 1 --json $5 --dir "$3" > "$4"' \
+    # One round (--repeats 1): the limits check, timed for one pass of every mode by T_BENCH.
+    run_part "$T_BENCH" "$LOGS/bench_engine.log" sh -c '"$0" -m megatron_ext bench engine --device "$1" --size-gb "$2" --compute-s 1 --repeats 1 --json $5 --dir "$3" > "$4"' \
         "$PY" "$DEVICE" "$size" "$WORK/bench" "$RES/bench_engine.json" "$check"
     rc=$?
     why="$(verdict $rc "$T_BENCH")"

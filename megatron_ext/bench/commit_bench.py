@@ -15,7 +15,10 @@ Each configuration (N ranks, T tensors per rank) commits a few checkpoints throu
 ``--fan-in``: ranks per group (default: the engine's, the square root of the world size; the world
 size or more: the flat protocol, every rank posting to rank 0).
 
-Reported per configuration (medians over the checkpoints):
+The configurations alternate over ``--repeats`` rounds (default 3, the order reversed every other
+round). Reported per configuration (each round: medians over its checkpoints; the figure: the
+median over the rounds, with each round's under ``<figure>_by_round`` and their max - min under
+``<figure>_spread``):
 
 * ``commit_latency_s``: from the moment the last ranks (0 and the sampled ones, whose reports
   are written then) become durable to the last of them seeing the commit; the other ranks have
@@ -50,7 +53,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_ext.arg_types import POSITIVE_INT
-from megatron_ext.bench.common import working_dir
+from megatron_ext.bench.common import DEFAULT_REPEATS, figures_over_rounds, round_order, working_dir
 from megatron_ext.engine.format.catalog import read_manifest
 from megatron_ext.engine.format.manifest import MANIFEST_SHARES, encode_json, summarize_heads
 from megatron_ext.engine.format.names import LEVEL_SHARED, REPORTS, report_name
@@ -255,22 +258,35 @@ def _mark_durable(job: CheckpointJob, committer: Committer) -> None:
 
 
 def run(ranks: tuple[int, ...] = RANKS, tensors: tuple[int, ...] = TENSORS, checkpoints: int = 3, sampled: int = 7,
-        workdir: str | None = None, timeout_s: float = 300.0, fan_in: int | None = None) -> dict:
-    results = []
+        workdir: str | None = None, timeout_s: float = 300.0, fan_in: int | None = None,
+        repeats: int = DEFAULT_REPEATS) -> dict:
+    configurations = [(n, t) for t in tensors for n in ranks]
+    by_round: dict[tuple[int, int], list[dict]] = {c: [] for c in configurations}
+    load_before = list(os.getloadavg())
     with working_dir(workdir, "megatron-ext-bench-commit-") as base:
-        for t in tensors:
-            for n in ranks:
+        for rnd in range(repeats):
+            for n, t in round_order(configurations, rnd):
                 root = os.path.join(base, f"n{n}-t{t}")
                 shutil.rmtree(root, ignore_errors=True)
                 os.makedirs(root)
                 started = time.monotonic()
                 row = _one_configuration(root, n, t, checkpoints, sampled, timeout_s, fan_in)
-                _progress(f"N={n} T={t} groups {row['groups']}x{row['fan_in']}: latency {row['commit_latency_s'] * 1e3:.1f} ms, "
-                          f"{row['metadata_ops_per_rank']:.0f} fs ops/rank, rank 0 cpu {row['rank0_cpu_s'] * 1e3:.1f} ms, "
-                          f"manifest {row['manifest_bytes'] / 1e6:.2f} MB ({time.monotonic() - started:.0f}s)")
-                results.append(row)
+                _progress(f"round {rnd + 1}/{repeats} N={n} T={t} groups {row['groups']}x{row['fan_in']}: latency "
+                          f"{row['commit_latency_s'] * 1e3:.1f} ms, {row['metadata_ops_per_rank']:.0f} fs ops/rank, "
+                          f"rank 0 cpu {row['rank0_cpu_s'] * 1e3:.1f} ms, manifest {row['manifest_bytes'] / 1e6:.2f} MB "
+                          f"({time.monotonic() - started:.0f}s)")
+                by_round[(n, t)].append(row)
                 shutil.rmtree(root, ignore_errors=True)
-    return {"results": results, "targets": _targets(results)}
+    results = [{**{k: rows[0][k] for k in CONFIGURATION}, **figures_over_rounds(rows, FIGURES)}
+               for rows in by_round.values()]
+    return {"results": results, "targets": _targets(results), "repeats": repeats,
+            "load_average_before": load_before, "load_average_after": list(os.getloadavg())}
+
+
+#: What names a configuration (the same in every round) and what is measured in each.
+CONFIGURATION = ("ranks", "tensors_per_rank", "sampled_ranks", "fan_in", "groups")
+FIGURES = ("commit_latency_s", "rank0_cpu_s", "metadata_ops_per_rank", "metadata_ops_rank0", "store_ops_per_rank",
+           "store_ops_per_leader", "manifest_bytes")
 
 
 def _targets(results: list[dict]) -> dict:
@@ -320,6 +336,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", type=POSITIVE_INT, nargs="+", default=[8, 64, 512, 4096])
     p.add_argument("--tensors", type=POSITIVE_INT, nargs="+", default=[50, 640], help="tensors per rank")
     p.add_argument("--checkpoints", type=POSITIVE_INT, default=3, help="commits per configuration (median)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=DEFAULT_REPEATS,
+                   help=f"rounds of every configuration, order reversed every other (default {DEFAULT_REPEATS})")
     p.add_argument("--sampled", type=POSITIVE_INT, default=7, help="ranks besides 0 with a committer thread")
     p.add_argument("--fan-in", type=POSITIVE_INT, default=None,
                    help="ranks per commit group (default: the engine's; the world size or more: flat)")
@@ -333,7 +351,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: Any) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         result = run(tuple(args.ranks), tuple(args.tensors), args.checkpoints, args.sampled, args.dir,
-                     fan_in=args.fan_in)
+                     fan_in=args.fan_in, repeats=getattr(args, "repeats", DEFAULT_REPEATS))
         if args.plot:
             baseline = None
             if args.baseline:

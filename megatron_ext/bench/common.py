@@ -9,6 +9,7 @@ import json
 import mmap
 import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import threading
@@ -228,3 +229,39 @@ def ensure_process_group(workdir: str, device: str = "cpu") -> None:
         backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"file://{os.path.join(os.path.abspath(workdir), 'pg-store')}",
                                 rank=0, world_size=1)
+
+
+#: Rounds every bench runs its modes in by default (docs/BENCHMARKS.md, Method): the machine's
+#: speed drifts within minutes, so one pass of each mode says little.
+DEFAULT_REPEATS = 3
+
+
+def round_order(modes, rnd: int) -> list:
+    """The order of ``modes`` in round ``rnd`` (from 0): as given in even rounds, reversed in odd ones,
+    so that a drift of the machine weighs on every mode alike."""
+    return list(modes) if rnd % 2 == 0 else list(modes)[::-1]
+
+
+def figure_over_rounds(name: str, per_round: list) -> dict:
+    """One figure measured once per round as ``{name: median, name_by_round: [...], name_spread: max - min}``.
+
+    Rounds that have no value (None) are kept as None in ``_by_round`` and left out of the median
+    and the spread (both None when no round has one)."""
+    values = [v for v in per_round if v is not None]
+    return {name: statistics.median(values) if values else None,
+            f"{name}_by_round": list(per_round),
+            f"{name}_spread": (max(values) - min(values)) if values else None}
+
+
+def figures_over_rounds(rounds: list[dict], keys=None) -> dict:
+    """Every numeric figure of per-round dicts (``keys``: those, default every number in the first
+    round) through ``figure_over_rounds``; other values (text, flags) come from the first round."""
+    out: dict = {}
+    first = rounds[0]
+    for key in (keys if keys is not None else first):
+        value = first.get(key)
+        if isinstance(value, bool) or not (value is None or isinstance(value, (int, float))):
+            out[key] = value
+        else:
+            out.update(figure_over_rounds(key, [r.get(key) for r in rounds]))
+    return out

@@ -1,9 +1,20 @@
 """``megatron-ext bench engine``: this engine against torch.save, DCP async_save (plain, and with a
-``DefaultStager`` staging asynchronously: DCP's own lazy snapshot) and O_DIRECT, in one run.
+``DefaultStager`` staging asynchronously: DCP's own lazy snapshot), torch_checkpointing and
+O_DIRECT, in one run.
 
-All five write the same in-memory state of G GB to the same file system, one after the other, in
+All six write the same in-memory state of G GB to the same file system, one after the other, in
 one process. The figures that matter are ratios measured in this run (blocking vs. DCP's,
 flush GB/s vs. the direct write's), since absolute numbers drift between machines and runs.
+The modes alternate over ``--repeats`` rounds (default 3, the order reversed every other round);
+every figure is measured once per round (a ratio within its round) and reported as its median
+over the rounds, ``<figure>_by_round`` and ``<figure>_spread`` (max - min). The physical limits
+of memory (``memcpy_gbps``, ``d2h_gbps``) are measured once, before the rounds.
+
+``torch_checkpointing`` is meta-pytorch's ``CheckpointManager`` at its best documented setting
+(``bench/torch_checkpointing_peer.py``); one untimed save first starts its writer subprocess (a
+trainer pays that once), then the timed one: blocked is the call plus the wait of
+``manager.lock()`` after the compute, as the engine's is ``save`` plus ``wait_snapshot``. Where it
+cannot run, ``skipped`` says why and its figures are absent.
 
 ``--device cuda`` puts the state on the current GPU (the engine then copies it device-to-host on
 its own stream into its pinned host cache while the caller's matmuls run on the GPU) and adds the
@@ -14,10 +25,12 @@ devices (``d2h_gbps`` is null on the CPU).
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
 import resource
+import shutil
 import sys
 import threading
 import time
@@ -26,14 +39,18 @@ import psutil
 import torch
 import xxhash
 
-from megatron_ext.arg_types import NONNEG, POSITIVE
-from megatron_ext.bench.common import (PeakRss, busy_compute, direct_write_gbps, ensure_process_group, fresh_dir,
-                                       make_state, memcpy_gbps, state_bytes, working_dir)
+from megatron_ext.arg_types import NONNEG, POSITIVE, POSITIVE_INT
+from megatron_ext.bench import torch_checkpointing_peer
+from megatron_ext.bench.common import (DEFAULT_REPEATS, PeakRss, busy_compute, direct_write_gbps,
+                                       ensure_process_group, figures_over_rounds, fresh_dir, make_state, memcpy_gbps,
+                                       round_order, state_bytes, working_dir)
 from megatron_ext.engine import CheckpointEngine
 from megatron_ext.engine.threads import os_thread_name, thread_cpu_seconds
 
 NAME = "engine"
-HELP = "engine vs torch.save, DCP async_save and an O_DIRECT write"
+HELP = "engine vs torch.save, DCP async_save, torch_checkpointing and an O_DIRECT write"
+#: The modes each round runs, in this order in even rounds and reversed in odd ones.
+MODES = ("datastates", "torch_save", "dcp_async", "dcp_stager", "torch_checkpointing")
 
 
 def _progress(msg: str) -> None:
@@ -246,12 +263,97 @@ def measure_dcp_stager(state: dict[str, torch.Tensor], directory: str, compute_s
     return {"blocking_s": call + waited, "call_s": call, "staged_s": staged, "done_s": done}
 
 
+def measure_torch_checkpointing(state: dict[str, torch.Tensor], directory: str, compute_s: float = 1.0,
+                                device: str = "cpu") -> dict:
+    """torch_checkpointing's manager (its best documented setting) saving ``state`` while the caller computes.
+
+    One untimed save first (its writer subprocess starts then); then the timed one: the call, the
+    compute, the wait of ``manager.lock()`` (where an optimizer step would go), until written."""
+    peer = torch_checkpointing_peer.Saver(state, fresh_dir(directory), device)
+    try:
+        peer.save(state, "warmup").result(timeout=3600)
+        t0 = time.perf_counter()
+        write = peer.save(state, "step1")
+        call = time.perf_counter() - t0
+        compute(compute_s, device)
+        t1 = time.perf_counter()
+        with peer.update():
+            waited = time.perf_counter() - t1
+        staged = time.perf_counter() - t0
+        write.result(timeout=3600)
+        done = time.perf_counter() - t0
+    finally:
+        peer.close()
+    return {"blocking_s": call + waited, "call_s": call, "staged_s": staged, "done_s": done}
+
+
+def measure_round(state: dict[str, torch.Tensor], base: str, modes, cache_gb: float | None, compute_s: float,
+                  device: str, flush_process: bool, rss_state: int) -> dict:
+    """Every mode once in the order ``modes``, and the ratios of this round."""
+    nbytes = state_bytes(state)
+    result: dict = {}
+    for mode in modes:
+        if mode == "datastates":
+            _progress("O_DIRECT write of the same bytes, the datastates engine, the write again and the CPU floor")
+            direct_before = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
+            result.update(measure_datastates(state, os.path.join(base, "datastates"), cache_gb, compute_s, device,
+                                             flush_process))
+            # The disk's speed drifts: the limit is the mean of direct writes just before and just after.
+            direct_after = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
+            result["direct_write_gbps_before"] = direct_before
+            result["direct_write_gbps_after"] = direct_after
+            result["direct_write_gbps"] = (direct_before + direct_after) / 2
+            result.update(cpu_floor_s_per_gb(state, fresh_dir(os.path.join(base, "direct"))))
+        elif mode == "torch_save":
+            _progress("torch.save + fsync")
+            result["torch_save_s"] = measure_torch_save(state, os.path.join(base, "torch_save"))
+        elif mode == "dcp_async":
+            _progress("torch.distributed.checkpoint.async_save")
+            dcp_result = measure_dcp_async(state, os.path.join(base, "dcp"), device=device)
+            result["dcp_async_blocking_s"] = dcp_result["blocking_s"]
+            result["dcp_async_done_s"] = dcp_result["done_s"]
+        elif mode == "dcp_stager":
+            _progress("torch.distributed.checkpoint.async_save with DefaultStager (asynchronous staging)")
+            stager_result = measure_dcp_stager(state, os.path.join(base, "dcp_stager"), compute_s, device)
+            for key in ("blocking_s", "call_s", "staged_s", "done_s"):
+                result[f"dcp_stager_{key}"] = stager_result[key]
+        elif mode == "torch_checkpointing":
+            _progress("torch_checkpointing CheckpointManager (async staging into shared memory, its writer process)")
+            try:
+                peer = measure_torch_checkpointing(state, os.path.join(base, "torch_checkpointing"), compute_s,
+                                                   device)
+            except Exception as exc:  # noqa: BLE001 - a peer's failure is reported (skipped), the others run
+                result["torch_checkpointing_failed"] = f"{type(exc).__name__}: {exc}"
+            else:
+                for key in ("blocking_s", "call_s", "staged_s", "done_s"):
+                    result[f"torch_checkpointing_{key}"] = peer[key]
+            shutil.rmtree(os.path.join(base, "torch_checkpointing"), ignore_errors=True)
+        else:
+            raise ValueError(f"unknown mode {mode!r}")
+    for peer in ("dcp", "dcp_stager", "torch_checkpointing"):
+        blocked = result.get(f"{'dcp_async' if peer == 'dcp' else peer}_blocking_s")
+        if blocked is not None:
+            result[f"ratio_blocking_vs_{peer}"] = result["datastates_blocking_s"] / blocked
+    result["ratio_flush_vs_direct"] = result["datastates_flush_gbps"] / result["direct_write_gbps"]
+    result["ratio_cpu_vs_floor"] = result["datastates_cpu_s_per_gb"] / result["floor_cpu_s_per_gb"]
+    result["ratio_warm_flush_vs_direct"] = result["datastates_warm_flush_gbps"] / result["direct_write_gbps"]
+    result["ratio_warm_cpu_vs_floor"] = result["datastates_warm_cpu_s_per_gb"] / result["floor_cpu_s_per_gb"]
+    result["ratio_warm_cpu_besides_copy_vs_floor"] = ((result["datastates_warm_cpu_s_per_gb"]
+                                                      - result["datastates_warm_copy_cpu_s_per_gb"])
+                                                     / result["floor_cpu_s_per_gb"])
+    result["ratio_rss_vs_state_plus_cache"] = result["peak_rss_bytes"] / (rss_state + result["host_cache_bytes"])
+    return result
+
+
 def run(size_gb: float, directory: str | None = None, cache_gb: float | None = None,
-        compute_s: float = 1.0, device: str = "cpu", flush_process: bool = True) -> dict:
+        compute_s: float = 1.0, device: str = "cpu", flush_process: bool = True,
+        repeats: int = DEFAULT_REPEATS, modes: tuple[str, ...] = MODES) -> dict:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda needs a CUDA device (none is visible to torch here)")
+    if "datastates" not in modes or set(modes) - set(MODES):
+        raise ValueError(f"modes must include datastates and be among {', '.join(MODES)}, got {modes}")
     with working_dir(directory, "megatron-ext-bench-") as base:
         torch.manual_seed(0)
         _progress(f"building a {size_gb} GB state on {device}")
@@ -262,46 +364,32 @@ def run(size_gb: float, directory: str | None = None, cache_gb: float | None = N
         result: dict = {"state_bytes": nbytes, "rss_with_state_bytes": rss_state, "device": device,
                         "flush_process": flush_process}
 
-        _progress("physical limits: memcpy, device-to-host copy (GPU) and O_DIRECT write of the same bytes")
+        _progress("physical limits: memcpy and device-to-host copy (GPU)")
         result["memcpy_gbps"] = memcpy_gbps()
         result["d2h_gbps"] = d2h_gbps(device)
-        direct_before = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
-
-        _progress("datastates engine")
-        result.update(measure_datastates(state, os.path.join(base, "datastates"), cache_gb, compute_s, device,
-                                         flush_process))
-        # The disk's speed drifts: the limit is the mean of direct writes just before and just after.
-        direct_after = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
-        result["direct_write_gbps_before"] = direct_before
-        result["direct_write_gbps_after"] = direct_after
-        result["direct_write_gbps"] = (direct_before + direct_after) / 2
-        result.update(cpu_floor_s_per_gb(state, fresh_dir(os.path.join(base, "direct"))))
-
-        _progress("torch.save + fsync")
-        result["torch_save_s"] = measure_torch_save(state, os.path.join(base, "torch_save"))
-
-        _progress("torch.distributed.checkpoint.async_save")
-        dcp_result = measure_dcp_async(state, os.path.join(base, "dcp"), device=device)
-        result["dcp_async_blocking_s"] = dcp_result["blocking_s"]
-        result["dcp_async_done_s"] = dcp_result["done_s"]
-
-        _progress("torch.distributed.checkpoint.async_save with DefaultStager (asynchronous staging)")
-        stager_result = measure_dcp_stager(state, os.path.join(base, "dcp_stager"), compute_s, device)
-        result["dcp_stager_blocking_s"] = stager_result["blocking_s"]
-        result["dcp_stager_call_s"] = stager_result["call_s"]
-        result["dcp_stager_staged_s"] = stager_result["staged_s"]
-        result["dcp_stager_done_s"] = stager_result["done_s"]
-
-        result["ratio_blocking_vs_dcp"] = result["datastates_blocking_s"] / result["dcp_async_blocking_s"]
-        result["ratio_blocking_vs_dcp_stager"] = result["datastates_blocking_s"] / result["dcp_stager_blocking_s"]
-        result["ratio_flush_vs_direct"] = result["datastates_flush_gbps"] / result["direct_write_gbps"]
-        result["ratio_cpu_vs_floor"] = result["datastates_cpu_s_per_gb"] / result["floor_cpu_s_per_gb"]
-        result["ratio_warm_flush_vs_direct"] = result["datastates_warm_flush_gbps"] / result["direct_write_gbps"]
-        result["ratio_warm_cpu_vs_floor"] = result["datastates_warm_cpu_s_per_gb"] / result["floor_cpu_s_per_gb"]
-        result["ratio_warm_cpu_besides_copy_vs_floor"] = ((result["datastates_warm_cpu_s_per_gb"]
-                                                          - result["datastates_warm_copy_cpu_s_per_gb"])
-                                                         / result["floor_cpu_s_per_gb"])
-        result["ratio_rss_vs_state_plus_cache"] = result["peak_rss_bytes"] / (rss_state + result["host_cache_bytes"])
+        result["repeats"] = repeats
+        result["load_average_before"] = list(os.getloadavg())
+        skipped: dict[str, str] = {}
+        if "torch_checkpointing" in modes and torch_checkpointing_peer.missing():
+            skipped["torch_checkpointing"] = torch_checkpointing_peer.missing()
+        modes = [m for m in MODES if m in modes and m not in skipped]
+        rounds = []
+        for rnd in range(repeats):
+            order = round_order(modes, rnd)
+            _progress(f"round {rnd + 1}/{repeats}: {', '.join(order)}")
+            got = measure_round(state, base, order, cache_gb, compute_s, device, flush_process, rss_state)
+            if "torch_checkpointing_failed" in got:  # named with its reason; not run in the later rounds
+                skipped["torch_checkpointing"] = f"round {rnd + 1}: {got['torch_checkpointing_failed']}"
+                _progress(f"torch_checkpointing skipped: {skipped['torch_checkpointing']}")
+                modes.remove("torch_checkpointing")
+            rounds.append(got)
+        if "torch_checkpointing" in skipped:
+            rounds = [{k: v for k, v in r.items() if not k.startswith(("torch_checkpointing_",
+                                                                        "ratio_blocking_vs_torch_checkpointing"))}
+                      for r in rounds]
+        result.update(figures_over_rounds(rounds))
+        result["skipped"] = skipped
+        result["load_average_after"] = list(os.getloadavg())
         result["workdir"] = base
         return result
 
@@ -319,7 +407,10 @@ def check_limits(r: dict) -> list[str]:
     """The limits ``r`` breaks, one readable line each (empty: all kept)."""
     broken = []
     for key, op, bound in LIMITS:
-        value = r[key]
+        value = r.get(key)
+        if value is None:
+            broken.append(f"{key} not measured (limit {op} {bound}): run its modes")
+            continue
         if not (value <= bound if op == "<=" else value >= bound):
             broken.append(f"{key} {value:.4g} (limit {op} {bound})")
     if r.get("d2h_gbps"):
@@ -331,10 +422,12 @@ def check_limits(r: dict) -> list[str]:
 
 
 def format_table(r: dict) -> str:
+    r = collections.defaultdict(lambda: float("nan"), r)  # a mode not run (--modes) prints as nan
     gb = r["state_bytes"] / 1e9
     d2h = f", device-to-host {r['d2h_gbps']:.2f} GB/s" if r.get("d2h_gbps") else ""
     lines = [
-        f"state {gb:.2f} GB on {r['device']}, host cache {r['host_cache_bytes'] / 2**30:.2f} GiB",
+        f"state {gb:.2f} GB on {r['device']}, host cache {r['host_cache_bytes'] / 2**30:.2f} GiB; medians of "
+        f"{r.get('repeats', 1)} rounds (load average {r.get('load_average_before', [0])[0]:.2f})",
         f"  physical limits     memcpy {r['memcpy_gbps']:.2f} GB/s{d2h}, O_DIRECT write {r['direct_write_gbps']:.2f} GB/s",
         f"  datastates          blocked {r['datastates_blocking_s']:.4f}s (save() {r['datastates_save_call_s']:.4f}s),"
         f" snapshot {r['datastates_snapshot_s']:.2f}s, persisted {r['datastates_persisted_s']:.2f}s,"
@@ -348,8 +441,14 @@ def format_table(r: dict) -> str:
         f"  DCP async_save      blocked {r['dcp_async_blocking_s']:.2f}s, done {r['dcp_async_done_s']:.2f}s",
         f"  DCP + DefaultStager blocked {r['dcp_stager_blocking_s']:.4f}s (call {r['dcp_stager_call_s']:.4f}s,"
         f" staged {r['dcp_stager_staged_s']:.2f}s), done {r['dcp_stager_done_s']:.2f}s",
+        (f"  torch_checkpointing blocked {r['torch_checkpointing_blocking_s']:.4f}s (call "
+         f"{r['torch_checkpointing_call_s']:.4f}s, staged {r['torch_checkpointing_staged_s']:.2f}s), done "
+         f"{r['torch_checkpointing_done_s']:.2f}s" if "torch_checkpointing_blocking_s" in r else
+         f"  torch_checkpointing not run: {r.get('skipped', {}).get('torch_checkpointing', 'not in --modes')}"),
         f"  ratios              blocking/DCP {r['ratio_blocking_vs_dcp']:.4f} (target <= 0.02),"
         f" blocking/DCP+stager {r['ratio_blocking_vs_dcp_stager']:.3f},"
+        + (f" blocking/torch_checkpointing {r['ratio_blocking_vs_torch_checkpointing']:.3f},"
+           if "ratio_blocking_vs_torch_checkpointing" in r else "") +
         f" flush/direct {r['ratio_flush_vs_direct']:.2f} (target >= 0.90),"
         f" CPU/floor {r['ratio_cpu_vs_floor']:.2f} (target <= 1.30),"
         f" again: flush/direct {r['ratio_warm_flush_vs_direct']:.2f}, CPU/floor {r['ratio_warm_cpu_vs_floor']:.2f}"
@@ -382,6 +481,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds the caller computes between save and wait_snapshot (default 1)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the state lives (cuda: on the current GPU, copied by the CUDA copy stream)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=DEFAULT_REPEATS,
+                   help=f"rounds of every mode, order reversed every other; medians (default {DEFAULT_REPEATS})")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                   help="modes to run, datastates among them (default all)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory here)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--flush-in-process", action="store_true",
@@ -398,7 +501,8 @@ def main(args) -> int:
         print("bench engine --device cuda: no CUDA device is visible to torch here", file=sys.stderr)
         return 2
     result = run(args.size_gb, args.dir, args.cache_gb, args.compute_s, device,
-                 not getattr(args, "flush_in_process", False))
+                 not getattr(args, "flush_in_process", False), getattr(args, "repeats", DEFAULT_REPEATS),
+                 tuple(getattr(args, "modes", MODES)))
     print(json.dumps(result, indent=1, sort_keys=True) if args.json else format_table(result))
     if getattr(args, "plot", None):
         print(f"bench engine: wrote {plot_cpu_vs_floor(result, args.plot)}", file=sys.stderr)

@@ -19,7 +19,9 @@ exit 1 if not). Each step can be preceded by a synthetic forward/backward (``--t
 ``6 * params * tokens`` FLOPs) and followed by a checkpoint (``--checkpoint``: the state copied to
 a host snapshot, host-to-host where it is on the host, and the weights device-to-host).
 
-JSON per variant: median update and iteration seconds (after ``--warmup``), parameters updated per
+The variants alternate over ``--repeats`` rounds (default 3, the order reversed every other round),
+each on a fresh shard. JSON per variant, each figure the median over the rounds with each round's
+under ``<figure>_by_round`` and their max - min under ``<figure>_spread``: median update and iteration seconds (after ``--warmup``), parameters updated per
 second, PCIe GB/s each way (bytes the variant moves per step over the update time), peak device
 memory, and the model's prediction where the split has one.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_ext.arg_types import NONNEG_INT, POSITIVE_INT
+from megatron_ext.bench.common import DEFAULT_REPEATS, figures_over_rounds, round_order
 from megatron_ext.offload.interleaved import StateSlot, InterleavedOffload, adam_update, init_state, update_probe
 from megatron_ext.offload.perf_model import Shape, measure, predict
 from megatron_ext.offload.lanes import lanes_for
@@ -257,8 +261,12 @@ def _fits_on_device(params: int, device: torch.device) -> bool:
     return need <= 0.9 * torch.cuda.mem_get_info(device)[0]
 
 
+def _same_bits(reference: dict, final: dict) -> bool:
+    return all(all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(reference[key], final[key])) for key in reference)
+
+
 def run(params: int, device: torch.device, steps: int, warmup: int, subgroup_numel: int, fractions, strides,
-        tokens: int, checkpoint: bool) -> dict:
+        tokens: int, checkpoint: bool, repeats: int = DEFAULT_REPEATS) -> dict:
     sizes = shard_sizes(params)
     flops = 6.0 * params * tokens
     variants = []
@@ -268,21 +276,26 @@ def run(params: int, device: torch.device, steps: int, warmup: int, subgroup_num
     variants += [(f"static-{f:g}", ("fraction", 0.0), 1.0 - f) for f in fractions]
     variants.append(("interleaved-model", "model", 0.0))
     variants += [(f"interleaved-stride-{s}", ("stride", s), 0.0) for s in strides]
-    results, finals = [], {}
+    rows: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+    identical: dict[str, bool] = {}
+    reference = None  # the first variant's final state in the first round: what every run must give
+    load_before = list(os.getloadavg())
     rates = measure(device, subgroup_numel, update_probe(GROUP))
-    for name, policy, resident in variants:
-        shard = Shard(sizes, device)
-        result, final = run_variant(name, policy, shard, resident, steps, warmup, subgroup_numel, flops,
-                                    checkpoint, rates)
-        results.append(result)
-        finals[name] = final
-        del shard
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    reference = finals[variants[0][0]]
-    identical = {name: all(all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(reference[key], final[key]))
-                           for key in reference) for name, final in finals.items()}
-    return {"device": str(device), "params": params, "tensors": len(sizes), "subgroup_numel": subgroup_numel,
+    for rnd in range(repeats):
+        for name, policy, resident in round_order(variants, rnd):
+            shard = Shard(sizes, device)
+            result, final = run_variant(name, policy, shard, resident, steps, warmup, subgroup_numel, flops,
+                                        checkpoint, rates)
+            rows[name].append(result)
+            if reference is None:
+                reference = final
+            identical[name] = identical.get(name, True) and _same_bits(reference, final)
+            del shard, final
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    results = [{"variant": name, **figures_over_rounds(got, [k for k in got[0] if k != "variant"])}
+               for name, got in rows.items()]
+    return {"repeats": repeats, "load_average_before": load_before, "load_average_after": list(os.getloadavg()),"device": str(device), "params": params, "tensors": len(sizes), "subgroup_numel": subgroup_numel,
             "steps": steps, "warmup": warmup, "tokens": tokens, "checkpoint": checkpoint,
             "rates": {"h2d_gbps": rates.h2d / 1e9, "d2h_gbps": rates.d2h / 1e9,
                       "gpu_params_per_s": rates.gpu_rate, "cpu_params_per_s": rates.cpu_rate},
@@ -304,13 +317,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="synthetic forward/backward of 6*params*tokens FLOPs per step "
                         "(default 16 on a GPU, 0 on a CPU)")
     p.add_argument("--checkpoint", action="store_true", help="a checkpoint (host snapshot) after every step")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=DEFAULT_REPEATS,
+                   help=f"rounds of every variant, order reversed every other (default {DEFAULT_REPEATS})")
     p.add_argument("--out", default=None, help="write the JSON here too")
     p.add_argument("--json", action="store_true", help="print one JSON object (else a table of the variants)")
 
 
 def format_table(result: dict) -> str:
     """The variants' figures, one line each (``--json`` gives every figure)."""
-    lines = [f"bench offload: {result['params']:,} parameters on {result['device']}, {result['steps']} steps",
+    lines = [f"bench offload: {result['params']:,} parameters on {result['device']}, {result['steps']} steps, "
+             f"medians of {result['repeats']} rounds",
              f"{'variant':<22} {'update s':>10} {'iteration s':>12} {'params/s':>12} {'on device':>10} {'same bits':>10}"]
     same = result["bit_identical_to_first"]
     for v in result["variants"]:
@@ -329,7 +345,8 @@ def main(args) -> int:
     result = run(params, device, args.steps or (20 if on_gpu else 3), args.warmup,
                  args.subgroup_numel or max(4096, params // 64),
                  [float(f) for f in args.fractions.split(",") if f], [int(s) for s in args.strides.split(",") if s],
-                 args.tokens if args.tokens is not None else (16 if on_gpu else 0), args.checkpoint)
+                 args.tokens if args.tokens is not None else (16 if on_gpu else 0), args.checkpoint,
+                 getattr(args, "repeats", DEFAULT_REPEATS))
     text = json.dumps(result, indent=1)
     print(text if args.json else format_table(result))
     if args.out:

@@ -15,7 +15,11 @@ save of the whole state per iteration:
   wait on ``staging_completion`` right before the update (DCP's own lazy snapshot);
 * ``dcp_process``: ``AsyncCheckpointerType.PROCESS`` (the upload in a helper process) with one
   ``DefaultStager`` of shared-memory buffers, asynchronous staging, ``staging_completion`` waited
-  for before the update.
+  for before the update;
+* ``torch_checkpointing``: meta-pytorch's ``CheckpointManager`` at its best documented setting
+  (``bench/torch_checkpointing_peer.py``): ``save`` returns at once, staging on its thread into
+  shared memory, its subprocess writing; the update under ``manager.lock()``. Where it cannot run
+  (not installed), the JSON says why under ``skipped``.
 
 Besides the iteration time, each mode reports the training thread's time *off the CPU* during its
 pure-Python work (``offcpu_s_<mode>``: wall time less the thread's own CPU time). The work never
@@ -29,9 +33,11 @@ otherwise take the training thread's core, for every mode alike.
 For DCP a new save first waits for the previous upload (one checkpoint in flight, as torchtitan and
 Megatron-LM do); that wait counts as blocked time. Each mode runs in a fresh process (the GIL is a
 per-process affair, and DCP's helper process or threads must not outlive their mode), rounds
-alternate the modes' order, and the figure per mode is the median iteration over its rounds
-(``ratio_<mode>``: medians' ratio; ``ratio_<mode>_per_round``: the median of each round's ratio to
-that round's ``none``).
+alternate the modes' order (reversed every other round, ``--repeats``, default 3), and the figure per
+mode is the median iteration over its rounds, each round's under ``iter_s_<mode>_by_round`` and their
+spread (max - min) under ``iter_s_<mode>_spread`` (likewise ``blocked_s_``, ``offcpu_s_``);
+``ratio_<mode>``: medians' ratio; ``ratio_<mode>_per_round``: the median of each round's ratio to
+that round's ``none``, each round's under ``ratio_<mode>_by_round``.
 
 The *GIL account* (``--account``) reruns the engine with one part changed at a time: the copies
 off (``copy``), the commit off (``commit``), and the flush's checksums and writes on the engine's
@@ -54,12 +60,15 @@ import threading
 import time
 
 from megatron_ext.arg_types import NONNEG_INT, POSITIVE, POSITIVE_INT, number
+from megatron_ext.bench.common import DEFAULT_REPEATS, figure_over_rounds, round_order
 
 NAME = "python-loop"
 HELP = ("a Python-bound training loop saving every iteration: this engine vs "
-        "DCP async_save (thread, DefaultStager, process), iteration time vs none")
+        "DCP async_save (thread, DefaultStager, process) and torch_checkpointing, iteration time vs none")
 
-MODES = ("none", "datastates", "dcp_async", "dcp_stager", "dcp_process")
+MODES = ("none", "datastates", "dcp_async", "dcp_stager", "dcp_process", "torch_checkpointing")
+#: The modes of other libraries: one that cannot run is reported under ``skipped``, not dropped.
+PEERS = ("dcp_async", "dcp_stager", "dcp_process", "torch_checkpointing")
 #: What the account changes, one at a time (each mode: the engine less that part).
 STAGES = ("copy", "commit", "worker")
 
@@ -135,6 +144,9 @@ class _Saver:
     def before_update(self) -> None:
         return None
 
+    def after_update(self) -> None:
+        return None
+
     def save(self, state: dict, step: int) -> None:
         return None
 
@@ -166,6 +178,29 @@ class _Datastates(_Saver):
 
     def close(self) -> None:
         self.engine.shutdown()
+
+
+class _TorchCheckpointing(_Saver):
+    """torch_checkpointing's manager at its best documented setting; its lock around the update."""
+
+    def __init__(self, state: dict, directory: str):
+        from megatron_ext.bench.torch_checkpointing_peer import Saver
+
+        self.peer = Saver(state, directory)
+        self.lock = None
+
+    def before_update(self) -> None:
+        self.lock = self.peer.update()
+        self.lock.__enter__()  # left by after_update, once the tensors are changed
+
+    def after_update(self) -> None:
+        self.lock.__exit__(None, None, None)
+
+    def save(self, state: dict, step: int) -> None:
+        self.peer.save(state, f"step_{step:05d}")
+
+    def close(self) -> None:
+        self.peer.close()
 
 
 class _Dcp(_Saver):
@@ -225,6 +260,8 @@ def child(mode: str, rounds_n: int, size_gb: float, iters: int, directory: str, 
         saver: _Saver = _Saver()
     elif mode == "datastates":
         saver = _Datastates(state, directory, stage_off)
+    elif mode == "torch_checkpointing":
+        saver = _TorchCheckpointing(state, directory)
     else:
         saver = _Dcp(mode, directory)
     iter_s, blocked_s, offcpu_s = [], [], []
@@ -240,6 +277,7 @@ def child(mode: str, rounds_n: int, size_gb: float, iters: int, directory: str, 
         saver.before_update()  # the snapshot must be complete before the tensors change
         for t in state.values():  # the optimizer's in-place update (a few elements of each tensor)
             t.view(-1)[:1024].add_(1)
+        saver.after_update()
         b1 = time.perf_counter()
         saver.save(state, step)
         b2 = time.perf_counter()
@@ -279,34 +317,46 @@ def _steady(values: list[float], warmup: int) -> float:
     return statistics.median(kept)
 
 
-def run(size_gb: float = 0.25, work_s: float = 0.8, iters: int = 8, repeats: int = 2, warmup: int = 2,
+def run(size_gb: float = 0.25, work_s: float = 0.8, iters: int = 8, repeats: int = DEFAULT_REPEATS, warmup: int = 2,
         modes: tuple[str, ...] = MODES, account: bool = False, directory: str | None = None,
         tensor_mb: float = 64.0) -> dict:
+    from megatron_ext.bench import torch_checkpointing_peer
     from megatron_ext.bench.common import working_dir
 
+    skipped: dict[str, str] = {}
+    if "torch_checkpointing" in modes and torch_checkpointing_peer.missing():
+        skipped["torch_checkpointing"] = torch_checkpointing_peer.missing()
+        modes = tuple(m for m in modes if m != "torch_checkpointing")
     with working_dir(directory, "megatron-ext-bench-") as base:
         rounds_n = calibrate(work_s)
         result: dict = {"size_gb": size_gb, "work_s": work_s, "python_work_rounds": rounds_n, "iters": iters,
                         "repeats": repeats, "warmup_iters": warmup, "tensor_mb": tensor_mb,
-                        "loadavg_start": os.getloadavg()[0]}
+                        "loadavg_start": os.getloadavg()[0], "load_average_before": list(os.getloadavg())}
         runs: dict[str, list[dict]] = {m: [] for m in modes}
         variants = [(m, None) for m in modes]
         if account:
             variants += [("datastates", s) for s in STAGES]
             runs.update({f"datastates_no_{s}": [] for s in STAGES})
         for r in range(repeats):
-            order = variants if r % 2 == 0 else list(reversed(variants))
-            for mode, stage in order:
+            for mode, stage in round_order(variants, r):
                 key = mode if stage is None else f"{mode}_no_{stage}"
+                if key in skipped:
+                    continue
                 _progress(f"round {r + 1}/{repeats}: {key}")
-                runs[key].append(_run_child(mode, rounds_n, size_gb, iters, os.path.join(base, key), stage,
-                                            tensor_mb))
+                try:
+                    runs[key].append(_run_child(mode, rounds_n, size_gb, iters, os.path.join(base, key), stage,
+                                                tensor_mb))
+                except RuntimeError as exc:
+                    if mode not in PEERS:
+                        raise
+                    skipped[key] = f"round {r + 1}: {str(exc).strip().splitlines()[-1]}"
+                    _progress(f"{key} skipped: {skipped[key]}")
+        for key in skipped:
+            runs.pop(key, None)
         for key, outs in runs.items():
-            per_round = [_steady(o["iter_s"], warmup) for o in outs]
-            result[f"iter_s_{key}"] = statistics.median(per_round)
-            result[f"iter_s_{key}_rounds"] = per_round
-            result[f"blocked_s_{key}"] = statistics.median(_steady(o["blocked_s"], warmup) for o in outs)
-            result[f"offcpu_s_{key}"] = statistics.median(_steady(o["offcpu_s"], warmup) for o in outs)
+            for figure in ("iter_s", "blocked_s", "offcpu_s"):
+                result.update(figure_over_rounds(f"{figure}_{key}", [_steady(o[figure], warmup) for o in outs]))
+            result[f"iter_s_{key}_rounds"] = result[f"iter_s_{key}_by_round"]  # the name before issue 56
             cpu: dict[str, float] = {}
             for o in outs:
                 for name, seconds in o["thread_cpu_s"].items():
@@ -318,17 +368,24 @@ def run(size_gb: float = 0.25, work_s: float = 0.8, iters: int = 8, repeats: int
                 result[f"ratio_{key}"] = result[f"iter_s_{key}"] / none
                 # Each round's ratio to the no-checkpoint run of the same round (``none`` and
                 # ``datastates`` always run back to back): less moved by the machine's drift.
-                result[f"ratio_{key}_per_round"] = statistics.median(
-                    a / b for a, b in zip(result[f"iter_s_{key}_rounds"], result["iter_s_none_rounds"]))
+                paired = figure_over_rounds(f"ratio_{key}", [a / b for a, b in zip(
+                    result[f"iter_s_{key}_by_round"], result["iter_s_none_by_round"])])
+                result[f"ratio_{key}_per_round"] = paired.pop(f"ratio_{key}")
+                result.update(paired)
         dcp = [result[f"iter_s_{m}"] for m in ("dcp_async", "dcp_stager", "dcp_process") if m in runs]
         if "datastates" in runs and dcp:
             result["ratio_datastates_vs_best_dcp"] = result["iter_s_datastates"] / min(dcp)
+        if "datastates" in runs and "torch_checkpointing" in runs:
+            result["ratio_datastates_vs_torch_checkpointing"] = (result["iter_s_datastates"]
+                                                                 / result["iter_s_torch_checkpointing"])
+        result["skipped"] = skipped
         if account:  # from the off-CPU times: measured inside each process, so not moved by the machine's drift
             full = result["offcpu_s_datastates"]
             result["gil_account_s_per_iter"] = {
                 "total": full - result["offcpu_s_none"], **{s: full - result[f"offcpu_s_datastates_no_{s}"]
                                                             for s in STAGES}}
         result["loadavg_end"] = os.getloadavg()[0]
+        result["load_average_after"] = list(os.getloadavg())
         return result
 
 
@@ -336,7 +393,8 @@ def format_table(r: dict) -> str:
     lines = [f"{r['size_gb']} GB saved every iteration, {r['work_s']} s of pure-Python work per iteration, "
              f"median of {r['repeats']} rounds (load {r['loadavg_start']:.1f} -> {r['loadavg_end']:.1f})",
              f"  {'mode':<26} {'iteration':>10} {'vs none':>8} {'per round':>10} {'blocked':>9} {'off-CPU':>9}"]
-    for key in [k[len("iter_s_"):] for k in r if k.startswith("iter_s_") and not k.endswith("_rounds")]:
+    for key in [k[len("iter_s_"):] for k in r if k.startswith("iter_s_")
+                and not k.endswith(("_rounds", "_by_round", "_spread"))]:
         ratio, paired = r.get(f"ratio_{key}"), r.get(f"ratio_{key}_per_round")
         lines.append(f"  {key:<26} {r['iter_s_' + key]:>9.3f}s {'' if ratio is None else f'{ratio:>7.3f}x':>8}"
                      f" {'' if paired is None else f'{paired:>8.3f}x':>10}"
@@ -345,6 +403,8 @@ def format_table(r: dict) -> str:
         acc = r["gil_account_s_per_iter"]
         lines.append("  training thread's off-CPU time per iteration, by engine part (engine less that part): "
                      + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in acc.items()))
+    for mode, reason in r.get("skipped", {}).items():
+        lines.append(f"  {mode}: not run: {reason}")
     return "\n".join(lines)
 
 
@@ -353,7 +413,7 @@ def plot(r: dict, path: str) -> str:
 
     keys = [m for m in MODES if f"ratio_{m}" in r]
     labels = {"datastates": "datastates", "dcp_async": "DCP async (thread)", "dcp_stager": "DCP + DefaultStager",
-              "dcp_process": "DCP async (process)"}
+              "dcp_process": "DCP async (process)", "torch_checkpointing": "torch_checkpointing"}
     series = {labels[k]: [r[f"ratio_{k}"]] for k in keys}
     return grouped_bars(path, f"Python-bound loop, {r['size_gb']} GB saved per iteration: iteration time vs none",
                         [f"{r['work_s']} s Python work"], series, "iteration time / no checkpoint")
@@ -368,11 +428,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of pure-Python work per iteration, calibrated once (default 0.8)")
     p.add_argument("--iters", type=number(int, 2), default=8, help="iterations per run (default 8)")
     p.add_argument("--warmup", type=NONNEG_INT, default=2, help="first iterations of each run left out (default 2)")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=2,
+    p.add_argument("--repeats", type=POSITIVE_INT, default=DEFAULT_REPEATS,
                    help="rounds, each running every mode in a fresh process, order reversed every other round "
-                        "(default 2)")
+                        f"(default {DEFAULT_REPEATS})")
     p.add_argument("--modes", nargs="+", default=None, metavar="MODE",
-                   help="none datastates dcp_async dcp_stager dcp_process (default: all)")
+                   help="none datastates dcp_async dcp_stager dcp_process torch_checkpointing (default: all)")
     p.add_argument("--account", action="store_true",
                    help="also the GIL account: the engine with its copies off, its commit off, or its flush in this "
                         "process instead of the I/O worker, one at a time, and each thread's CPU per iteration")

@@ -11,8 +11,10 @@ this run, whatever the method: sequential 16 MiB ``O_DIRECT`` reads by one threa
 ``restore_threads`` threads, and cold buffered reads with the kernel's read-ahead
 (``POSIX_FADV_SEQUENTIAL``) by one stream and by ``restore_threads`` streams. The disk of a shared
 VM drifts 2x from one minute to the next, so the reads and the engine's restore are repeated in
-``repeats`` rounds, each round in a rotated order, each ratio taken within a round; the figures are
-medians over rounds, and every round is reported.
+``repeats`` rounds (default 3), each round in a rotated order, each ratio taken within a round; the
+figures are medians over rounds, every round is reported (``rounds``) and each headline figure
+``X`` has its rounds' values under ``X_by_round`` and their max - min under ``X_spread``. The
+peers' loads (``torch.load``, DCP's ``load``) run in the same rounds.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import time
 import torch
 
 from megatron_ext.arg_types import POSITIVE, POSITIVE_INT
-from megatron_ext.bench.common import (drop_page_cache, ensure_process_group, fresh_dir, make_state, read_seconds,
-                                       state_bytes, working_dir)
+from megatron_ext.bench.common import (DEFAULT_REPEATS, drop_page_cache, ensure_process_group, figure_over_rounds,
+                                       fresh_dir, make_state, read_seconds, state_bytes, working_dir)
 from megatron_ext.engine import CheckpointEngine
 from megatron_ext.engine.read import staged_read
 
@@ -90,9 +92,11 @@ GPU_PATHS = {"stream": _stream, "fresh_buffer": _fresh_buffer}
 
 
 def measure_rounds(engine: CheckpointEngine, checkpoint: str, template: dict, expected: dict, tensor_file: str,
-                   threads: int, repeats: int) -> dict:
-    """``repeats`` rounds of the ceiling reads and the engine's ``load_into``, the order rotated each round."""
-    kinds = [*CEILING_READS, "datastates", *GPU_PATHS]
+                   threads: int, repeats: int, peers: dict | None = None) -> dict:
+    """``repeats`` rounds of the ceiling reads, the engine's ``load_into`` and ``peers`` (name -> a function
+    returning the seconds of one cold load), the order rotated each round."""
+    peers = peers or {}
+    kinds = [*CEILING_READS, "datastates", *GPU_PATHS, *peers]
     nbytes = state_bytes(expected)
     reader = engine.open_checkpoint(checkpoint).reader(FILE)
     staging = staged_read.default_staging(threads)
@@ -111,6 +115,8 @@ def measure_rounds(engine: CheckpointEngine, checkpoint: str, template: dict, ex
                 got["bit_exact"] = all(torch.equal(loaded[k].view(torch.uint8), v.view(torch.uint8))
                                        for k, v in expected.items())
                 del loaded
+            elif kind in peers:
+                got[f"{kind}_s"] = peers[kind]()
             elif kind in GPU_PATHS:
                 for t in template.values():
                     t.zero_()
@@ -130,9 +136,21 @@ def measure_rounds(engine: CheckpointEngine, checkpoint: str, template: dict, ex
         rounds.append(got)
     median = {k: statistics.median(g[k] for g in rounds)
               for k in [*CEILING_READS, "datastates", "datastates_s", "ratio", "stream_s", "fresh_buffer_s",
-                        "stream_vs_fresh"]}
+                        "stream_vs_fresh", *(f"{p}_s" for p in peers)]}
     ceiling = max(median[k] for k in CEILING_READS)
+    spread = {}
+    for name, per_round in (("datastates_restore_s", [g["datastates_s"] for g in rounds]),
+                            ("datastates_restore_gbps", [g["datastates"] for g in rounds]),
+                            ("read_ceiling_gbps", [g["ceiling"] for g in rounds]),
+                            ("datastates_vs_ceiling_median_of_rounds", [g["ratio"] for g in rounds]),
+                            ("gpu_path_stream_vs_fresh_buffer", [g["stream_vs_fresh"] for g in rounds]),
+                            *((f"{p}_s", [g[f"{p}_s"] for g in rounds]) for p in peers),
+                            *((f"datastates_vs_{p}", [g[f"{p}_s"] / g["datastates_s"] for g in rounds])
+                              for p in peers)):
+        spread.update({k: v for k, v in figure_over_rounds(name, per_round).items() if k != name})
     return {
+        **spread,
+        **{f"{p}_s": median[f"{p}_s"] for p in peers},
         "rounds": rounds,
         "datastates_bit_exact": all(g["bit_exact"] for g in rounds),
         "datastates_restore_s": median["datastates_s"],
@@ -154,13 +172,14 @@ def measure_rounds(engine: CheckpointEngine, checkpoint: str, template: dict, ex
     }
 
 
-def run(size_gb: float, directory: str | None = None, threads: int = 4, repeats: int = 3,
+def run(size_gb: float, directory: str | None = None, threads: int = 4, repeats: int = DEFAULT_REPEATS,
         megatron: str = "auto") -> dict:
     with working_dir(directory, "megatron-ext-bench-restore-") as base:
         base = os.path.abspath(base)
         _progress(f"building a {size_gb} GB state and saving it three ways")
         state = make_state(int(size_gb * 1e9))
         nbytes = state_bytes(state)
+        load_before = list(os.getloadavg())
         result: dict = {"state_bytes": nbytes, "restore_threads": threads, "repeats": repeats,
                         "load_avg_start": os.getloadavg()[0]}
 
@@ -188,25 +207,26 @@ def run(size_gb: float, directory: str | None = None, threads: int = 4, repeats:
         result["buffered_cold_gbps"] = buffered_read_gbps(tensor_file)
         result["buffered_warm_gbps"] = buffered_read_gbps(tensor_file)
 
-        _progress(f"{repeats} rounds: O_DIRECT and buffered reads of the engine's file, and the engine's restore")
-        result.update(measure_rounds(engine, "step1", template, state, tensor_file, threads, repeats))
+        def torch_load() -> float:
+            seconds, loaded = _timed(os.path.dirname(pt_path),
+                                     lambda: torch.load(pt_path, map_location="cpu", weights_only=True))
+            del loaded
+            return seconds
+
+        def dcp_load() -> float:  # into existing tensors, as the engine's load_into
+            for t in template.values():
+                t.zero_()
+            return _timed(dcp_dir, functools.partial(dcp.load, template, checkpoint_id=dcp_dir))[0]
+
+        _progress(f"{repeats} rounds: O_DIRECT and buffered reads of the engine's file, the engine's restore, "
+                  "torch.load and DCP load")
+        result.update(measure_rounds(engine, "step1", template, state, tensor_file, threads, repeats,
+                                     {"torch_load": torch_load, "dcp_load": dcp_load}))
         _progress("datastates load into new tensors")
         seconds, loaded = _timed(ds_dir, lambda: engine.load("step1"))
         result["datastates_load_new_tensors_s"] = seconds
         del loaded
         engine.shutdown()
-
-        _progress("torch.load")
-        seconds, loaded = _timed(os.path.dirname(pt_path),
-                                 lambda: torch.load(pt_path, map_location="cpu", weights_only=True))
-        result["torch_load_s"] = seconds
-        del loaded
-
-        _progress("torch.distributed.checkpoint.load")
-        for t in template.values():
-            t.zero_()
-        seconds, _ = _timed(dcp_dir, functools.partial(dcp.load, template, checkpoint_id=dcp_dir))
-        result["dcp_load_s"] = seconds
         del template, state
         gc.collect()
 
@@ -223,6 +243,7 @@ def run(size_gb: float, directory: str | None = None, threads: int = 4, repeats:
                 raise RuntimeError(got["megatron_load_skipped"])
             result.update(got)
         result["load_avg_end"] = os.getloadavg()[0]
+        result["load_average_before"], result["load_average_after"] = load_before, list(os.getloadavg())
         result["workdir"] = base
         return result
 
@@ -278,7 +299,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``megatron-ext bench restore``."""
     p.add_argument("--size-gb", type=POSITIVE, default=2.0, help="state size in GB (default 2)")
     p.add_argument("--threads", type=POSITIVE_INT, default=4, help="restore_threads of the engine (default 4)")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=3,
+    p.add_argument("--repeats", type=POSITIVE_INT, default=DEFAULT_REPEATS,
                    help="rounds of the engine's restore and the reads it is compared with (default 3)")
     p.add_argument("--megatron", default="auto", choices=("auto", "on", "off"),
                    help="also time Megatron-LM's load_checkpoint, datastates vs torch_dist (auto: when the "

@@ -18,9 +18,10 @@ worker). On a machine whose cores the ranks fill, what a checkpoint takes in CPU
 training; the difference from no checkpoints is the checkpoint's CPU per iteration, a figure
 the machine's drift moves less than the wall time.
 
-``--repeats R`` runs the three modes R times, each round in the reverse order of the one before
-(a VM's speed drifts within minutes); every figure is the median over the rounds, and each
-round's own datastates / none ratio is listed.
+``--repeats R`` (default 3) runs the three modes R times, each round in the reverse order of the one
+before (a VM's speed drifts within minutes); every figure (a ratio: within its round) is the median
+over the rounds, with each round's under ``<figure>_by_round`` and their spread (max - min) under
+``<figure>_spread``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import statistics
 import sys
 
 from megatron_ext.arg_types import POSITIVE_INT
-from megatron_ext.bench.common import run_reference_trainer, working_dir
+from megatron_ext.bench.common import (DEFAULT_REPEATS, figures_over_rounds, round_order, run_reference_trainer,
+                                       working_dir)
 from megatron_ext.megatron.checkpoint_layout import TRACKER_FILE, checkpoint_dir
 
 NAME = "train"
@@ -106,68 +108,67 @@ def run_mode(mode: str, base: str, iters: int = 12, nproc: int = 2, save_interva
     return result
 
 
+def round_figures(runs: dict[str, dict]) -> dict:
+    """One round's figures from its three runs (``run_mode`` results by mode); ratios within the round."""
+    got = {}
+    for mode in MODES:
+        got[f"iter_s_{mode}"] = runs[mode]["iter_s"]
+        got[f"cpu_s_per_iter_{mode}"] = runs[mode]["cpu_s_per_iter"]
+    for mode in ("datastates", "megatron_async"):
+        got[f"blocked_s_{mode}"] = runs[mode]["blocked_s"]
+    got["cpu_main_s_per_iter_baseline"] = runs["baseline"]["cpu_main_s_per_iter"]
+    got["cpu_main_s_per_iter_datastates"] = runs["datastates"]["cpu_main_s_per_iter"]
+    got["cpu_engine_s_per_iter_datastates"] = runs["datastates"]["cpu_engine_s_per_iter"]
+    got["ckpt_bytes_per_rank"] = runs["datastates"]["ckpt_bytes_per_rank"]
+    got["ratio_iter_datastates_vs_baseline"] = runs["datastates"]["iter_s"] / runs["baseline"]["iter_s"]
+    got["ratio_iter_megatron_async_vs_baseline"] = runs["megatron_async"]["iter_s"] / runs["baseline"]["iter_s"]
+    got["ratio_blocked_megatron_vs_datastates"] = (runs["megatron_async"]["blocked_s"]
+                                                   / max(runs["datastates"]["blocked_s"], 1e-9))
+    cpu_base, cpu_ds = runs["baseline"]["cpu_s_per_iter"], runs["datastates"]["cpu_s_per_iter"]
+    both = cpu_base is not None and cpu_ds is not None
+    got["ratio_cpu_datastates_vs_baseline"] = cpu_ds / cpu_base if both and cpu_base else None
+    got["datastates_cpu_s_per_gb"] = (cpu_ds - cpu_base) / (got["ckpt_bytes_per_rank"] / 1e9) if both else None
+    return got
+
+
 def run(iters: int = 12, nproc: int = 2, warmup: int = 3, workdir: str | None = None,
-        host_cache_gb: float = 0.5, repeats: int = 1) -> dict:
+        host_cache_gb: float = 0.5, repeats: int = DEFAULT_REPEATS) -> dict:
+    load_before = list(os.getloadavg())
     with working_dir(workdir, "megatron-ext-bench-train-") as base:
         rounds = []
         for k in range(repeats):
-            order = MODES if k % 2 == 0 else MODES[::-1]
             runs = {}
-            for i, mode in enumerate(order, 1):
+            for i, mode in enumerate(round_order(MODES, k), 1):
                 _progress(f"round {k + 1}/{repeats}, {i}/3 {mode}: {iters} iterations on {nproc} CPU ranks")
                 runs[mode] = run_mode(mode, os.path.join(base, f"round{k + 1}"), iters, nproc, 1, warmup, host_cache_gb)
-            rounds.append(runs)
-
-        def median(mode: str, field: str) -> float:
-            return statistics.median(r[mode][field] for r in rounds)
-
-        result = {
-            "nproc": nproc,
-            "repeats": repeats,
-            "iterations_measured": iters - warmup,
-            "iter_s_baseline": median("baseline", "iter_s"),
-            "iter_s_datastates": median("datastates", "iter_s"),
-            "iter_s_megatron_async": median("megatron_async", "iter_s"),
-            "blocked_s_datastates": median("datastates", "blocked_s"),
-            "blocked_s_megatron_async": median("megatron_async", "blocked_s"),
-            "cpu_s_per_iter_baseline": median("baseline", "cpu_s_per_iter"),
-            "cpu_s_per_iter_datastates": median("datastates", "cpu_s_per_iter"),
-            "cpu_s_per_iter_megatron_async": median("megatron_async", "cpu_s_per_iter"),
-            "cpu_main_s_per_iter_baseline": median("baseline", "cpu_main_s_per_iter"),
-            "cpu_main_s_per_iter_datastates": median("datastates", "cpu_main_s_per_iter"),
-            "cpu_engine_s_per_iter_datastates": median("datastates", "cpu_engine_s_per_iter"),
-            "ckpt_bytes_per_rank": median("datastates", "ckpt_bytes_per_rank"),
-            "round_ratios_iter_datastates_vs_baseline": [r["datastates"]["iter_s"] / r["baseline"]["iter_s"]
-                                                         for r in rounds],
-        }
-        result["ratio_iter_datastates_vs_baseline"] = statistics.median(result["round_ratios_iter_datastates_vs_baseline"])
-        result["ratio_blocked_megatron_vs_datastates"] = (
-            result["blocked_s_megatron_async"] / max(result["blocked_s_datastates"], 1e-9))
-        result["ratio_cpu_datastates_vs_baseline"] = statistics.median(
-            r["datastates"]["cpu_s_per_iter"] / r["baseline"]["cpu_s_per_iter"] for r in rounds)
-        result["datastates_cpu_s_per_gb"] = ((result["cpu_s_per_iter_datastates"] - result["cpu_s_per_iter_baseline"])
-                                            / (result["ckpt_bytes_per_rank"] / 1e9))
-        return result
+            rounds.append(round_figures(runs))
+    result = {"nproc": nproc, "repeats": repeats, "iterations_measured": iters - warmup,
+              "load_average_before": load_before, "load_average_after": list(os.getloadavg()),
+              **figures_over_rounds(rounds)}
+    # The name before issue 56 (tests and docs of older runs read it).
+    result["round_ratios_iter_datastates_vs_baseline"] = result["ratio_iter_datastates_vs_baseline_by_round"]
+    return result
 
 
 def format_table(r: dict) -> str:
     return "\n".join([
         f"{r['nproc']} CPU ranks, {r['ckpt_bytes_per_rank'] / 1e6:.1f} MB checkpoint per rank, "
-        f"median of {r['iterations_measured']} iterations, {r['repeats']} round(s)",
+        f"median of {r['iterations_measured']} iterations, {r['repeats']} round(s); load average "
+        f"{r['load_average_before'][0]:.2f}",
         f"  no checkpoints          iteration {r['iter_s_baseline'] * 1000:.1f} ms",
         f"  datastates, every iter  iteration {r['iter_s_datastates'] * 1000:.1f} ms, blocked "
         f"{r['blocked_s_datastates'] * 1000:.1f} ms",
         f"  megatron-core async     iteration {r['iter_s_megatron_async'] * 1000:.1f} ms, blocked "
         f"{r['blocked_s_megatron_async'] * 1000:.1f} ms",
         f"  CPU per iteration       rank 0 and its I/O worker: none {r['cpu_s_per_iter_baseline'] * 1000:.0f} ms, "
-        f"datastates {r['cpu_s_per_iter_datastates'] * 1000:.0f} ms ({r['datastates_cpu_s_per_gb']:.3f} s per GB "
+        f"datastates {r['cpu_s_per_iter_datastates'] * 1000:.0f} ms ({r['datastates_cpu_s_per_gb'] or float('nan'):.3f} s per GB "
         f"checkpointed), megatron-core async {r['cpu_s_per_iter_megatron_async'] * 1000:.0f} ms",
         f"  of which                training thread: none {r['cpu_main_s_per_iter_baseline'] * 1000:.0f} ms, datastates "
         f"{r['cpu_main_s_per_iter_datastates'] * 1000:.0f} ms; datastates' own threads and I/O worker "
         f"{r['cpu_engine_s_per_iter_datastates'] * 1000:.0f} ms",
         f"  ratios                  datastates/baseline iteration {r['ratio_iter_datastates_vs_baseline']:.3f} "
         f"(target <= 1.05; rounds {', '.join(f'{x:.3f}' for x in r['round_ratios_iter_datastates_vs_baseline'])}), "
-        f"CPU {r['ratio_cpu_datastates_vs_baseline']:.3f}, "
+        f"CPU {r['ratio_cpu_datastates_vs_baseline'] or float('nan'):.3f}, "
         f"megatron/datastates blocked {r['ratio_blocked_megatron_vs_datastates']:.1f}x (target >= 5)",
     ])
 
@@ -176,8 +177,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``megatron-ext bench train``."""
     p.add_argument("--iters", type=POSITIVE_INT, default=12)
     p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel)")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=1,
-                   help="rounds of the three modes, each in the reverse order of the one before (figures: medians)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=DEFAULT_REPEATS,
+                   help="rounds of the three modes, each in the reverse order of the one before (figures: medians; "
+                        f"default {DEFAULT_REPEATS})")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
     p.add_argument("--json", action="store_true")
 

@@ -13,7 +13,7 @@ from helpers.procs import child_env
 
 def test_bench_commit_json_and_per_rank_costs_independent_of_world_size(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megatron_ext", "bench", "commit", "--ranks", "8", "64",
-                           "--tensors", "5", "--checkpoints", "2", "--dir", str(tmp_path), "--json"],
+                           "--tensors", "5", "--checkpoints", "2", "--repeats", "1", "--dir", str(tmp_path), "--json"],
                           capture_output=True, text=True, env=child_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
@@ -23,6 +23,7 @@ def test_bench_commit_json_and_per_rank_costs_independent_of_world_size(tmp_path
         assert {"ranks", "tensors_per_rank", "commit_latency_s", "metadata_ops_per_rank", "rank0_cpu_s",
                 "manifest_bytes"} <= set(row)
         assert row["tensors_per_rank"] == 5 and row["commit_latency_s"] > 0 and row["manifest_bytes"] > 0
+        assert len(row["commit_latency_s_by_round"]) == 1 and row["commit_latency_s_spread"] == 0
     # a handful of calls (report: mkdir, temp file, rename, directory fsync), whatever the world size; which
     # rank creates .reports first (one stat more or less) varies
     assert 0 < rows[64]["metadata_ops_per_rank"] <= rows[8]["metadata_ops_per_rank"] + 1 <= 11
