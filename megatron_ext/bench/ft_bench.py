@@ -28,9 +28,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from megatron_ext.arg_types import NONNEG_INT, POSITIVE_INT, number
-from megatron_ext.bench.common import working_dir
-from megatron_ext.bench.megatron_e2e_bench import MODELS
+from megatron_ext.bench.common import DEFAULT_REPEATS, round_order, working_dir
+from megatron_ext.bench.megatron_e2e_bench import MODELS, add_job_arguments
 from megatron_ext.procs import run_logged
 from megatron_ext.testing import megatron_lm
 
@@ -115,7 +114,7 @@ def _summary(values: list[float]) -> dict:
 
 
 def run(iters: int = 12, warmup: int = 3, size: str = "default", workdir: str | None = None, nproc: int = 2,
-        modes: tuple[str, ...] = MODES, repeats: int = 3) -> dict:
+        modes: tuple[str, ...] = MODES, repeats: int = DEFAULT_REPEATS) -> dict:
     missing = megatron_lm.nvrx_missing()
     if missing:
         raise RuntimeError(missing)
@@ -128,7 +127,7 @@ def run(iters: int = 12, warmup: int = 3, size: str = "default", workdir: str | 
     by_round: dict[str, list[dict]] = {mode: [] for mode in modes}
     with working_dir(workdir, "megatron-ext-bench-ft-") as base:
         for rnd in range(repeats):
-            for i, mode in enumerate(modes if rnd % 2 == 0 else modes[::-1], 1):
+            for i, mode in enumerate(round_order(modes, rnd), 1):
                 _progress(f"round {rnd + 1}/{repeats}, {i}/{len(modes)} {mode}: {iters} iterations on {nproc} "
                           f"CPU ranks under ft_launcher ({size} model)")
                 view = run_mode(mode, Path(base), checkout, iters, warmup, MODELS[size], nproc, f"{mode}-{rnd}")
@@ -143,6 +142,8 @@ def run(iters: int = 12, warmup: int = 3, size: str = "default", workdir: str | 
         for figure in FIGURES:
             entry[figure] = _summary([v for view in views for v in view[figure]])
             entry[f"{figure}_by_round"] = [_summary(view[figure]) for view in views]
+            medians = [r["median"] for r in entry[f"{figure}_by_round"] if r["n"]]
+            entry[f"{figure}_spread"] = max(medians) - min(medians) if medians else None  # of the rounds' medians
         result["modes"][mode] = entry
     if "none" in by_round:
         none = result["modes"]["none"]
@@ -183,16 +184,7 @@ def format_table(r: dict) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``megatron-ext bench ft-heartbeats``."""
-    p.add_argument("--iters", type=number(int, 3), default=12, help="iterations per job (default 12)")
-    p.add_argument("--warmup", type=NONNEG_INT, default=3, help="step sections left out, from the first (default 3)")
-    p.add_argument("--size", choices=tuple(MODELS), default="default",
-                   help="default: ~150 MB of checkpoint per rank; tiny: the tests' GPT, a quick check")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run (default all)")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=3,
-                   help="rounds of every mode, order reversed every other (default 3)")
-    p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel, default 2)")
-    p.add_argument("--dir", default=None, help="work directory, kept (default: a temporary one here, removed)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_job_arguments(p, MODES, 3, "step sections left out, from the first (default 3)")
 
 
 def main(args) -> int:

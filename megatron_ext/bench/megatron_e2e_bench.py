@@ -268,19 +268,23 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``megatron-ext bench megatron-e2e``."""
-    p.add_argument("--iters", type=number(int, 2), default=12, help="iterations per job (default 12)")
-    p.add_argument("--warmup", type=NONNEG_INT, default=3,
-                   help="iterations left out of the median, from the first (default 3)")
+def add_job_arguments(p: argparse.ArgumentParser, modes: tuple[str, ...], min_iters: int, warmup_help: str) -> None:
+    """The options of the benches that run Megatron-LM's own loop (this one and ``ft-heartbeats``)."""
+    p.add_argument("--iters", type=number(int, min_iters), default=12, help="iterations per job (default 12)")
+    p.add_argument("--warmup", type=NONNEG_INT, default=3, help=warmup_help)
     p.add_argument("--size", choices=tuple(MODELS), default="default",
                    help="default: ~150 MB of checkpoint per rank; tiny: the tests' GPT, a quick check")
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run (default all)")
+    p.add_argument("--modes", nargs="+", choices=modes, default=list(modes), help="modes to run (default all)")
     p.add_argument("--repeats", type=POSITIVE_INT, default=DEFAULT_REPEATS,
                    help=f"rounds of every mode, order reversed every other; medians over all (default {DEFAULT_REPEATS})")
     p.add_argument("--nproc", type=POSITIVE_INT, default=2, help="CPU ranks (data parallel, default 2)")
     p.add_argument("--dir", default=None, help="work directory, kept (default: a temporary one here, removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``megatron-ext bench megatron-e2e``."""
+    add_job_arguments(p, MODES, 2, "iterations left out of the median, from the first (default 3)")
 
 
 def main(args) -> int:

@@ -100,9 +100,10 @@ def test_round_figures_are_ratios_within_the_round_and_every_figure_has_its_roun
 
     def runs(base: float) -> dict:
         one = {"iter_s": base, "cpu_s_per_iter": 2 * base, "cpu_main_s_per_iter": base, "cpu_engine_s_per_iter": 0.0,
-               "blocked_s": 0.1, "ckpt_bytes_per_rank": 1e9}
-        return {"baseline": one, "datastates": {**one, "iter_s": 1.5 * base, "cpu_engine_s_per_iter": 0.5},
-                "megatron_async": {**one, "iter_s": 3 * base, "blocked_s": 1.0}}
+               "blocked_s": 0.1, "ckpt_bytes_per_rank": 1e9, "save_call_cpu_s": None}
+        return {"baseline": one, "datastates": {**one, "iter_s": 1.5 * base, "cpu_engine_s_per_iter": 0.5,
+                                                "save_call_cpu_s": 0.01 * base},
+                "megatron_async": {**one, "iter_s": 3 * base, "blocked_s": 1.0, "save_call_cpu_s": 0.05 * base}}
 
     rounds = [train_bench.round_figures(runs(b)) for b in (1.0, 2.0, 4.0)]
     assert [r["ratio_iter_datastates_vs_baseline"] for r in rounds] == [1.5, 1.5, 1.5]
@@ -110,3 +111,4 @@ def test_round_figures_are_ratios_within_the_round_and_every_figure_has_its_roun
     assert got["iter_s_baseline"] == 2.0 and got["iter_s_baseline_by_round"] == [1.0, 2.0, 4.0]
     assert got["iter_s_baseline_spread"] == 3.0 and got["ratio_blocked_megatron_vs_datastates"] == 10.0
     assert got["datastates_cpu_s_per_gb"] == 0.0
+    assert got["save_call_cpu_s_by_round"] == [0.01, 0.02, 0.04] and got["save_call_cpu_s_megatron_async"] == 0.1
