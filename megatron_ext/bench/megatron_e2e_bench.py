@@ -136,7 +136,8 @@ def run_mode(mode: str, base: Path, checkout: Path, iters: int, warmup: int, mod
     if mode != "none":
         args += ["--save", str(save), "--save-interval", "1"]
     log_path = run_dir / "train.log"
-    cmd = megatron_lm.torchrun_command(nproc, args, checkout)
+    save_cpu = run_dir / "save_cpu.jsonl"
+    cmd = megatron_lm.torchrun_command(nproc, args, checkout, record_save_cpu=str(save_cpu))
     code = run_logged(cmd, megatron_lm.environment(), str(log_path), RUN_TIMEOUT_S)
     log = log_path.read_text(errors="replace")
     if code != 0:
@@ -150,6 +151,9 @@ def run_mode(mode: str, base: Path, checkout: Path, iters: int, warmup: int, mod
               "megatron_elapsed_s": statistics.median([e for _, e in measured.values() if e is not None] or [0.0]),
               "iterations_timed": list(measured), "iter_s_runs": [t for t, _ in measured.values()],
               "iter_s_warmup": {k: t for k, (t, _) in times.items() if k <= warmup}}
+    calls = [json.loads(line) for line in Path(f"{save_cpu}.0").read_text().splitlines()] if mode != "none" else []
+    kept = [c["cpu_s"] for c in calls if c["iteration"] > warmup]
+    result["save_call_cpu_s"] = statistics.median(kept) if kept else None  # rank 0's training thread
     if mode != "none":
         last = save / f"iter_{iters:07d}"
         result["ckpt_bytes_per_rank"] = tree_bytes(str(last)) / nproc if last.is_dir() else None
@@ -193,6 +197,8 @@ def run(iters: int = 12, warmup: int = 3, size: str = "default", workdir: str | 
               "targets": {"datastates_vs_none": TARGET_VS_NONE, "torch_dist_vs_datastates": TARGET_VS_TORCH_DIST},
               "modes": runs, "skipped": skipped, "peers_not_run": PEERS_NOT_RUN}
     for mode, r in runs.items():
+        if mode != "none":
+            result[f"save_call_cpu_s_{mode}"] = r["save_call_cpu_s"]
         result[f"iter_s_{mode}"] = r["iter_s"]
         result[f"iter_s_{mode}_by_round"] = r["iter_s_by_round"]
         result[f"iter_s_{mode}_spread"] = r["iter_s_spread"]
@@ -224,6 +230,7 @@ def _merged(rounds: list[dict]) -> dict:
     merged = {"iter_s": statistics.median(t for r in rounds for t in r["iter_s_runs"]),
               **{k: v for k, v in figure_over_rounds("iter_s", [r["iter_s"] for r in rounds]).items() if k != "iter_s"},
               **figure_over_rounds("megatron_elapsed_s", [r["megatron_elapsed_s"] for r in rounds]),
+              **figure_over_rounds("save_call_cpu_s", [r.get("save_call_cpu_s") for r in rounds]),
               "iterations_timed": [k for r in rounds for k in r["iterations_timed"]],
               "iter_s_runs": [t for r in rounds for t in r["iter_s_runs"]], "rounds": rounds}
     if "ckpt_bytes_per_rank" in rounds[0]:
@@ -247,11 +254,12 @@ def format_table(r: dict) -> str:
     lines = [f"Megatron-LM pretrain_gpt.py, {r['size']} Llama-style model, {r['nproc']} CPU ranks{size}",
              f"{r['timing']}; median of iterations {r['warmup'] + 1}-{r['iterations']}{rounds} ({left_out}, "
              f"left out); load average {load}",
-             f"  {'mode':38s} {'s/iteration':>11s} {'vs none':>8s} {'Megatron timer':>15s}"]
+             f"  {'mode':38s} {'s/iteration':>11s} {'vs none':>8s} {'Megatron timer':>15s} {'save call CPU':>14s}"]
     for mode, m in r["modes"].items():
         ratio = r.get(f"ratio_{mode}_vs_none")
+        save_cpu = m.get("save_call_cpu_s")
         lines.append(f"  {_LABELS[mode]:38s} {m['iter_s']:11.3f} {f'{ratio:.3f}x' if ratio else '':>8s} "
-                     f"{m['megatron_elapsed_s']:14.3f}s")
+                     f"{m['megatron_elapsed_s']:14.3f}s {f'{save_cpu * 1e3:.1f} ms' if save_cpu else '':>14s}")
     if "ratio_datastates_vs_none" in r:
         ok = r["ratio_datastates_vs_none"] <= TARGET_VS_NONE
         lines.append(f"  target: datastates <= {TARGET_VS_NONE:.2f}x of none: {r['ratio_datastates_vs_none']:.3f}x "
@@ -264,7 +272,8 @@ def format_table(r: dict) -> str:
         lines.append(f"  {mode}: failed, not run: {reason}")
     for name, peer in r.get("peers_not_run", {}).items():
         lines.append(f"  not run: {peer['flags']}: {peer['reason']}")
-    lines.append("  (Megatron timer: its 'elapsed time per iteration', which stops around the save)")
+    lines.append("  (Megatron timer: its 'elapsed time per iteration', which stops around the save; save call CPU: "
+                 "rank 0's training thread inside each save_checkpoint call, median)")
     return "\n".join(lines)
 
 

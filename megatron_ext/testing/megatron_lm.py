@@ -2,7 +2,7 @@
 
     torchrun ... -m megatron_ext.testing.megatron_lm [--checkout DIR] [--record FILE]
         [--kill-at-iteration N] [--sigterm-at-iteration N] [--expire-duration-at-iteration N]
-        [--exit-at-iteration N] [--record-logits DIR] [--record-ft FILE]
+        [--exit-at-iteration N] [--record-logits DIR] [--record-ft FILE] [--record-save-cpu FILE]
         -- <pretrain_gpt.py arguments>
 
 or the same under nvidia-resiliency-ext's ``ft_launcher`` (``torchrun_command(ft_launcher=[...])``).
@@ -344,6 +344,34 @@ def _install_ft_recorder(path: str) -> None:
     atexit.register(write)
 
 
+def _install_save_cpu_recorder(path: str) -> None:
+    """The training thread's CPU seconds inside each ``save_checkpoint`` call of the loop, whichever
+    format saves (``bench megatron-e2e``'s ``save_call_cpu_s``): on a GPU node that thread launches
+    the kernels, so a save call's CPU is the iteration's."""
+    import atexit
+    import time
+
+    from megatron.training import training
+
+    inner = training.save_checkpoint
+    calls: list[tuple[int, float]] = []
+
+    def save_checkpoint(iteration, *args: Any, **kwargs: Any):
+        before = time.thread_time()
+        try:
+            return inner(iteration, *args, **kwargs)
+        finally:
+            calls.append((iteration, time.thread_time() - before))
+
+    training.save_checkpoint = save_checkpoint
+
+    def write() -> None:
+        with open(f"{path}.{os.environ.get('RANK', '0')}", "w") as out:
+            out.writelines(json.dumps({"iteration": i, "cpu_s": c}) + "\n" for i, c in calls)
+
+    atexit.register(write)
+
+
 def _is_recording_rank() -> bool:
     from megatron.core import parallel_state as ps
 
@@ -595,7 +623,8 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
                      committed_before_kill: int | None = None, before_load: str | None = None,
                      script: str = "pretrain_gpt.py", exit_at: int | None = None,
                      record_logits: str | None = None, inprocess_fault_at: int | None = None,
-                     ft_launcher: list[str] | None = None, record_ft: str | None = None) -> list[str]:
+                     ft_launcher: list[str] | None = None, record_ft: str | None = None,
+                     record_save_cpu: str | None = None) -> list[str]:
     """torchrun on this machine running ``script`` (``pretrain_gpt.py``) of ``checkout`` through this harness;
     with ``ft_launcher`` (its own options, e.g. ``--ft-rank-section-timeouts ...``) nvidia-resiliency-ext's
     launcher instead, whose rank monitors watch the ranks (run it with ``environment(nvrx=True)``)."""
@@ -626,6 +655,8 @@ def torchrun_command(nproc: int, megatron_args: list[str], checkout: Path, recor
         harness += ["--inprocess-fault-at-iteration", str(inprocess_fault_at)]
     if record_ft is not None:
         harness += ["--record-ft", str(record_ft)]
+    if record_save_cpu is not None:
+        harness += ["--record-save-cpu", str(record_save_cpu)]
     cmd = torchrun(nproc, *harness, "--", *CPU_FLAGS, *megatron_args)
     if ft_launcher is not None:  # the same options: ft_launcher is torchrun's launcher with the monitors added
         cmd[1:3] = ["-m", "nvidia_resiliency_ext.fault_tolerance.launcher", *ft_launcher]
@@ -681,7 +712,8 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
         signal_at: int | None = None, expire_at: int | None = None, late_copies: bool = False,
         committed_before_kill: int | None = None, before_load: str | None = None,
         exit_at: int | None = None, record_logits: str | None = None,
-        inprocess_fault_at: int | None = None, record_ft: str | None = None) -> None:
+        inprocess_fault_at: int | None = None, record_ft: str | None = None,
+        record_save_cpu: str | None = None) -> None:
     """Run ``script`` (a checkout's ``pretrain_gpt.py``) as ``__main__`` with ``argv`` on CPU ranks."""
     from megatron_ext.testing.cpu_emulation import enable_cpu_emulation
     from megatron_ext.testing.emulated_nccl import enable_emulated_nccl
@@ -712,6 +744,8 @@ def run(script: Path, argv: list[str], record: str | None = None, kill_at: int |
         _install_logits_recorder(record_logits)
     if record_ft:
         _install_ft_recorder(record_ft)
+    if record_save_cpu:
+        _install_save_cpu_recorder(record_save_cpu)
     if kill_at is not None:
         _install_killer(kill_at, committed_before_kill, _checkpoint_flags(argv).save)
     if exit_at is not None:
@@ -805,6 +839,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--record-ft", metavar="FILE",
                         help="under ft_launcher: each rank writes the fault-tolerance messages it sent (section "
                              "opened or closed, with its time) to FILE.<rank> as JSON lines")
+    parser.add_argument("--record-save-cpu", metavar="FILE",
+                        help="each rank writes the training thread's CPU seconds in each save_checkpoint call "
+                             "of the training loop to FILE.<rank> as JSON lines {iteration, cpu_s}")
     opts = parser.parse_args(argv[:split])
     if opts.committed_before_kill is not None and (opts.kill_at_iteration is None
                                                    or _checkpoint_flags(argv[split + 1:]).save is None):
@@ -821,7 +858,8 @@ def main(argv: list[str] | None = None) -> None:
         signal_at=opts.sigterm_at_iteration, expire_at=opts.expire_duration_at_iteration,
         late_copies=opts.late_copies, committed_before_kill=opts.committed_before_kill,
         before_load=opts.before_load, exit_at=opts.exit_at_iteration, record_logits=opts.record_logits,
-        inprocess_fault_at=opts.inprocess_fault_at_iteration, record_ft=opts.record_ft)
+        inprocess_fault_at=opts.inprocess_fault_at_iteration, record_ft=opts.record_ft,
+        record_save_cpu=opts.record_save_cpu)
 
 
 if __name__ == "__main__":

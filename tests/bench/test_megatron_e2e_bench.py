@@ -76,4 +76,6 @@ def test_every_mode_gives_iteration_timings(tmp_path, capsys):
     assert r["skipped"] == {}
     for mode in ("datastates", "torch_dist", "torch_dist_async", "torch_dist_async_constant"):  # each saved the last
         assert r["modes"][mode]["ckpt_bytes_per_rank"] > 0, mode
+        assert r[f"save_call_cpu_s_{mode}"] > 0 and len(r["modes"][mode]["save_call_cpu_s_by_round"]) == 1, mode
+    assert r["modes"]["none"]["save_call_cpu_s"] is None  # no save call
     assert "wall time between consecutive iteration log lines" in megatron_e2e_bench.format_table(r)
