@@ -150,6 +150,11 @@ def _flag_destinations() -> tuple[tuple[str, str], ...]:
     return tuple((flag.key, flag.kwargs["dest"]) for flag in engine_flags())
 
 
+def flag_destination(key: str) -> str:
+    """The attribute of the parsed flags that holds engine key ``key``'s ``--datastates-*`` flag."""
+    return dict(_flag_destinations())[key]
+
+
 def adapter_engine_config(args: Any) -> dict:
     """``engine_config_from_args`` with Megatron's classes on the allow-list: what the adapter's engine and loads use."""
     cfg = engine_config_from_args(args)

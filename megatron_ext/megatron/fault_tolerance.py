@@ -31,22 +31,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import sys
 from typing import Any, Callable, Iterator
 
-from megatron_ext.engine.config import EngineConfig
+from megatron_ext.engine.config import EngineConfig, flag_name
+from megatron_ext.megatron.args import flag_destination
 
 log = logging.getLogger("megatron_ext.megatron")
 
 #: The part of an FT timeout an engine wait may take.
 SHARE = 0.8
 
-#: engine key -> (its flag, the FT sections its waits fall in; ``None``: out of section).
-_WAITS = {
-    "snapshot_timeout_s": ("--datastates-snapshot-timeout-s", ("step", None)),
-    "persist_timeout_s": ("--datastates-persist-timeout-s", ("checkpointing", "setup")),
-}
+#: engine key -> the FT sections its waits fall in (``None``: out of section).
+_WAITS = {"snapshot_timeout_s": ("step", None), "persist_timeout_s": ("checkpointing", "setup")}
 
 
 def _ft_integration() -> Any:
@@ -78,12 +75,12 @@ class FtTimeouts:
     def bound(self, key: str) -> tuple[float, str] | None:
         """``SHARE`` of the shortest timeout among the sections ``key``'s waits fall in, with that section."""
         found = [(t, "out-of-section" if s is None else s)
-                 for s in _WAITS[key][1]
+                 for s in _WAITS[key]
                  for t in [self.out_of_section if s is None else self.sections.get(s)] if t is not None]
         if not found:
             return None
         timeout, section = min(found)
-        return round(SHARE * timeout, 3), f"{section} {_seconds(timeout)} s"
+        return round(SHARE * timeout, 3), f"{section} {timeout:g} s"
 
 
 def order_at_start_up(args: Any) -> list[str]:
@@ -101,28 +98,27 @@ def order_engine_timeouts(args: Any, ft: FtTimeouts) -> list[str]:
     check that the configuration does not change mid-run all see the bounded values.
     """
     problems, lowered = [], []
-    for key, (flag, _) in _WAITS.items():
+    for key in _WAITS:
         bound = ft.bound(key)
         if bound is None:
             continue
         limit, section = bound
-        dest = flag.removeprefix("--").replace("-", "_")
+        flag, dest = flag_name(key), flag_destination(key)
         given = getattr(args, dest, None)
         if given is None:
             if getattr(EngineConfig, key) > limit:
                 setattr(args, dest, limit)
-                lowered.append(f"{flag} {_seconds(limit)}")
+                lowered.append(f"{flag} {limit:g}")
         elif given > limit:
-            problems.append(f"{flag} {_seconds(given)} is longer than {SHARE:.0%} of nvidia-resiliency-ext's "
-                            f"{section} timeout (at most {_seconds(limit)}): a stalled checkpoint would be killed "
+            problems.append(f"{flag} {given:g} is longer than {SHARE:.0%} of nvidia-resiliency-ext's "
+                            f"{section} timeout (at most {limit:g}): a stalled checkpoint would be killed "
                             f"by the rank monitor before the engine's error names it; lower {flag} or raise that "
                             "FT timeout")
     if lowered and _rank() == 0:  # every rank's monitor has the launcher's timeouts
+        timeouts = [*ft.sections.items(), ("out-of-section", ft.out_of_section)]
         log.warning("[datastates] fault tolerance: %s (%.0f%% of the rank monitor's timeouts %s), so an engine wait "
-                 "ends in its own error first", ", ".join(lowered), 100 * SHARE,
-                 ", ".join(f"{s} {_seconds(t)} s" for s, t in [*ft.sections.items(),
-                                                              ("out-of-section", ft.out_of_section)]
-                           if t is not None))
+                    "ends in its own error first", ", ".join(lowered), 100 * SHARE,
+                    ", ".join(f"{s} {t:g} s" for s, t in timeouts if t is not None))
     return problems
 
 
@@ -147,8 +143,8 @@ class WaitBounds:
         limit, section = bound
         if self._noticed.get(key) != limit:
             self._noticed[key] = limit
-            log.warning("[datastates] fault tolerance: the rank monitor's %s timeout is now shorter than %s %s: "
-                        "this wait ends after %s s", section, _WAITS[key][0], _seconds(own), _seconds(limit))
+            log.warning("[datastates] fault tolerance: the rank monitor's %s timeout is now shorter than %s %g: "
+                        "this wait ends after %g s", section, flag_name(key), own, limit)
         return limit
 
     def snapshot(self) -> float:
@@ -178,6 +174,3 @@ def _rank() -> int:
 
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
-
-def _seconds(value: float) -> str:
-    return f"{value:g}" if math.isfinite(value) else str(value)

@@ -321,55 +321,56 @@ def _native_loads_torch_adam(load_checkpoint: Callable) -> Callable:
 
 
 # ---------------------------------------------------------------------------- recording, killing
+def _rows_written_at_exit(path: str) -> list[dict]:
+    """A list whose rows this rank writes to ``path.<rank>`` as JSON lines when its process exits
+    (the recorders' output: one file per rank, no rank waits for another)."""
+    import atexit
+
+    rows: list[dict] = []
+
+    def write() -> None:
+        with open(f"{path}.{os.environ.get('RANK', '0')}", "w") as out:
+            out.writelines(json.dumps(row) + "\n" for row in rows)
+
+    atexit.register(write)
+    return rows
+
+
 def _install_ft_recorder(path: str) -> None:
     """Every section message a rank sends its rank monitor, timed on the training thread when it is sent:
     how long a step or a save keeps the monitor waiting (``bench ft-heartbeats``)."""
-    import atexit
     import time
 
     from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
-    sent: list[tuple[float, str, str]] = []
+    sent = _rows_written_at_exit(path)
     for method, action in (("start_section", "open"), ("end_section", "close")):
         def send(self, section, _inner=getattr(RankMonitorClient, method), _action=action):
-            sent.append((time.monotonic(), section, _action))
+            sent.append({"t": time.monotonic(), "section": section, "action": _action})
             return _inner(self, section)
 
         setattr(RankMonitorClient, method, send)
-
-    def write() -> None:
-        with open(f"{path}.{os.environ.get('RANK', '0')}", "w") as out:
-            out.writelines(json.dumps({"t": t, "section": name, "action": a}) + "\n" for t, name, a in sent)
-
-    atexit.register(write)
 
 
 def _install_save_cpu_recorder(path: str) -> None:
     """The training thread's CPU seconds inside each ``save_checkpoint`` call of the loop, whichever
     format saves (``bench megatron-e2e``'s ``save_call_cpu_s``): on a GPU node that thread launches
     the kernels, so a save call's CPU is the iteration's."""
-    import atexit
     import time
 
     from megatron.training import training
 
     inner = training.save_checkpoint
-    calls: list[tuple[int, float]] = []
+    calls = _rows_written_at_exit(path)
 
     def save_checkpoint(iteration, *args: Any, **kwargs: Any):
         before = time.thread_time()
         try:
             return inner(iteration, *args, **kwargs)
         finally:
-            calls.append((iteration, time.thread_time() - before))
+            calls.append({"iteration": iteration, "cpu_s": time.thread_time() - before})
 
     training.save_checkpoint = save_checkpoint
-
-    def write() -> None:
-        with open(f"{path}.{os.environ.get('RANK', '0')}", "w") as out:
-            out.writelines(json.dumps({"iteration": i, "cpu_s": c}) + "\n" for i, c in calls)
-
-    atexit.register(write)
 
 
 def _is_recording_rank() -> bool:
