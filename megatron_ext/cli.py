@@ -84,6 +84,15 @@ def _which(p: argparse.ArgumentParser, what: str) -> None:
     which.add_argument("--checkpoint", metavar="NAME", help=f"{what} the checkpoint directory NAME under DIR")
 
 
+def _refuse_url(path: str, what: str, why: str) -> None:
+    """A tool that works on file-system paths only, given a URL (``s3://`` or another scheme): one line naming it
+    (``os.makedirs`` would otherwise make a local directory named ``s3:``)."""
+    from megatron_ext.engine.config import url_refusal
+
+    if url_refusal(path, what) is not None:
+        raise ValueError(f"{what} {path!r} is a URL: {why}")
+
+
 def _print_json(value) -> None:
     import json
 
@@ -139,11 +148,18 @@ def _inspect(sub) -> None:
         import os
 
         from megatron_ext import locate
+        from megatron_ext.engine.format.catalog import checkpoint_dirs
+        from megatron_ext.engine.object_store import is_object_url
         from megatron_ext.engine.read.inspect import describe, format_rows
         from megatron_ext.progress import Progress
 
         root, only = locate.resolve_many(args.dir, args.iteration, args.checkpoint)
-        total = 1 if only is not None else len(os.listdir(root)) if os.path.isdir(root) else 0
+        if only is not None:
+            total = 1
+        elif is_object_url(root):  # one listing of the prefixes under the root
+            total = len(checkpoint_dirs(root))
+        else:
+            total = len(os.listdir(root)) if os.path.isdir(root) else 0
         with Progress("inspect", None, total, quiet=args.quiet or total <= 8) as progress:
             rows = describe(root, args.local_dir, only, classify=locate.kind_of, progress=progress.update)
         if args.json:
@@ -179,6 +195,7 @@ def _export(sub) -> None:
         from megatron_ext.progress import Progress
 
         parse_size(args.max_shard_size)  # a bad size is refused before anything is read
+        _refuse_url(args.out, "the output directory", "export writes local files: give a path")
         if args.to == "hf" and args.names == "megatron":
             raise ValueError("--to hf writes Hugging Face names; --names megatron goes with --to safetensors")
         names = "hf" if args.to == "hf" else args.names or "megatron"
@@ -228,6 +245,10 @@ def _convert(sub) -> None:
         from megatron_ext.megatron import convert, hf_import
         from megatron_ext.progress import Progress
 
+        _refuse_url(args.dir, "DIR", "convert reads and writes Megatron-LM's torch_dist (and Hugging Face) directories "
+                    "through the file system; copy the checkpoint to a path first (`megatron-ext export` reads s3:// "
+                    "directly)")
+        _refuse_url(args.out, "the output directory", "convert writes through the file system: give a path")
         layout_flags = {"--tp": args.tp, "--pp": args.pp, "--dp": args.dp,
                         "--make-vocab-size-divisible-by": args.make_vocab_size_divisible_by}
         from_hf = os.path.isdir(args.dir) and hf_import.is_hf_directory(args.dir)
@@ -325,11 +346,12 @@ def bench_modules() -> tuple:
     """The benchmark modules, in the order ``bench --help`` lists them. Each declares its subcommand:
     ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``main(args) -> int`` (exit status)."""
     from megatron_ext.bench import (commit_bench, deepspeed_bench, engine_bench, ft_bench, megatron_e2e_bench,
-                                    offload_bench, overload_bench, param_sync_bench, python_loop_bench, recovery_bench,
-                                    replica_bench, restore_bench, suite, train_bench)
+                                    object_store_bench, offload_bench, overload_bench, param_sync_bench,
+                                    python_loop_bench, recovery_bench, replica_bench, restore_bench, suite, train_bench)
 
     return (engine_bench, python_loop_bench, param_sync_bench, restore_bench, train_bench, megatron_e2e_bench,
-            ft_bench, deepspeed_bench, overload_bench, replica_bench, recovery_bench, commit_bench, offload_bench, suite)
+            ft_bench, deepspeed_bench, overload_bench, replica_bench, recovery_bench, commit_bench, offload_bench,
+            object_store_bench, suite)
 
 
 def _declare_benches(bench: argparse.ArgumentParser) -> None:

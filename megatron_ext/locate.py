@@ -19,9 +19,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from megatron_ext.engine import CheckpointError
-from megatron_ext.engine.format.catalog import list_committed, read_manifest
+from megatron_ext.engine import CheckpointError, object_store
+from megatron_ext.engine.format.catalog import checkpoint_dirs, list_committed, manifest_exists, read_manifest
 from megatron_ext.engine.format.names import MANIFEST, REPORTS, valid_name
+from megatron_ext.engine.object_store import is_object_url, resolve_root
 
 MEGATRON, DEEPSPEED, ENGINE = "megatron", "deepspeed", "engine"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -40,16 +41,44 @@ class Located:
 
     @property
     def path(self) -> str:
-        return os.path.join(self.root, self.name)
+        return _join(self.root, self.name)
+
+
+def _join(root: str, name: str) -> str:
+    return object_store.join(root, name) if is_object_url(root) else os.path.join(root, name)
+
+
+def _has_dir(root: str, name: str) -> bool:
+    """Whether ``root`` holds a directory ``name`` (on the object-store level: objects under that prefix)."""
+    if is_object_url(root):
+        return name in checkpoint_dirs(root)
+    return os.path.isdir(os.path.join(root, name))
+
+
+def _is_root(path: str) -> bool:
+    """A directory checkpoints may live under; any object-store prefix is one (an empty one lists nothing)."""
+    return is_object_url(path) or os.path.isdir(path)
 
 
 def is_checkpoint_dir(path: str) -> bool:
     """A checkpoint's own directory: it holds a manifest, or rank reports (an interrupted save)."""
+    if is_object_url(path):
+        return manifest_exists(path) or bool(object_store.list_children(object_store.join(path, REPORTS))[1])
     return os.path.lexists(os.path.join(path, MANIFEST)) or os.path.isdir(os.path.join(path, REPORTS))
 
 
 def split(path: str) -> tuple[str, str | None]:
     """(root, checkpoint name) of a checkpoint's own directory; (path, None) for any other directory."""
+    if is_object_url(path):
+        url = object_store.ObjectUrl.parse(path)  # a bad URL is a ValueError naming it
+        try:
+            own = bool(url.key) and is_checkpoint_dir(url.url)
+        except OSError as exc:  # no such bucket, refused credentials, no server: said of the URL asked for
+            raise CheckpointError(f"{url.url}: {exc.strerror or exc}") from None
+        if own:
+            root, _, name = url.url.rpartition("/")
+            return root, name
+        return url.url, None
     path = os.path.normpath(path)
     if is_checkpoint_dir(path):
         absolute = os.path.abspath(path)
@@ -77,7 +106,7 @@ def kind_of(manifest: dict) -> str:
 def _names_for_iteration(root: str, iteration: int) -> list[str]:
     """Directory names ``--iteration N`` may mean under ``root``, existing ones first."""
     candidates = [f"iter_{iteration:07d}", f"global_step{iteration}"]
-    present = [n for n in candidates if os.path.isdir(os.path.join(root, n))]
+    present = [n for n in candidates if _has_dir(root, n)]
     if present:
         return present
     by_version = [name for name, manifest in list_committed(root) if manifest.get("version") == iteration]
@@ -105,8 +134,11 @@ def _tracked(root: str) -> str | None:
                               f"iter_{int(t):07d}" if t.isdigit() else None),
                              (DEEPSPEED_TRACKER, lambda t: t if valid_name(t) else None)):
         try:
-            with open(os.path.join(root, tracker), encoding="utf-8") as f:
-                text = f.read(256).strip()
+            if is_object_url(root):  # more than 256 bytes is refused: not a tracker
+                text = object_store.get(object_store.join(root, tracker), max_bytes=256).decode("utf-8").strip()
+            else:
+                with open(os.path.join(root, tracker), encoding="utf-8") as f:
+                    text = f.read(256).strip()
         except (OSError, UnicodeDecodeError):
             continue
         name = to_name(text)
@@ -128,7 +160,7 @@ def newest(root: str) -> str | None:
 def resolve(path: str, iteration: int | None = None, checkpoint: str | None = None) -> Located:
     """The one committed checkpoint ``path`` (+ ``--iteration``/``--checkpoint``) means; the newest if not named."""
     root, own = split(path)
-    if not os.path.isdir(root):
+    if not _is_root(root):
         raise CheckpointError(f"{path} is not a directory")
     asked = name_of(root, iteration, checkpoint) if own is None else own
     if own is not None and (iteration is not None or checkpoint is not None):
@@ -140,13 +172,14 @@ def resolve(path: str, iteration: int | None = None, checkpoint: str | None = No
         if asked is None:
             raise CheckpointError(f"no committed checkpoint under {root} (`megatron-ext inspect {root}` lists what "
                                   "is there)")
-    directory = os.path.join(root, asked)
-    manifest = read_manifest(directory) if os.path.isdir(directory) else None
+    directory = _join(root, asked)
+    present = _has_dir(root, asked)
+    manifest = read_manifest(directory) if present else None
     if manifest is None:
-        why = "no such directory" if not os.path.isdir(directory) else "no manifest.json: not committed"
+        why = "no such directory" if not present else f"no {MANIFEST}: not committed"
         raise CheckpointError(f"{directory} is not a committed datastates checkpoint ({why}); "
                               f"`megatron-ext inspect {root}` lists the committed ones")
-    return Located(os.path.abspath(root), asked, manifest, kind_of(manifest))
+    return Located(resolve_root(root), asked, manifest, kind_of(manifest))
 
 
 def resolve_many(path: str, iteration: int | None = None, checkpoint: str | None = None) -> tuple[str, str | None]:
@@ -158,7 +191,7 @@ def resolve_many(path: str, iteration: int | None = None, checkpoint: str | None
             if other != own:
                 raise CheckpointError(f"{path} is checkpoint {own}, but --iteration/--checkpoint asks for {other}")
         return root, own
-    if not os.path.isdir(root):
+    if not _is_root(root):
         raise CheckpointError(f"{path} is not a directory")
     return root, name_of(root, iteration, checkpoint)
 

@@ -3,6 +3,9 @@ session's warm ranks."""
 
 import pytest
 
+#: The object-store tests' S3 server and buckets (s3_server, s3_bucket, s3_root).
+pytest_plugins = ["helpers.s3_fixtures"]
+
 
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False,

@@ -20,7 +20,9 @@ import typing
 from typing import Any, Mapping
 
 from .errors import CheckpointError, ConfigError
+from . import object_store
 from .files import private_dir, probe_write
+from .object_store import is_object_url
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -82,7 +84,8 @@ class EngineConfig:
     chunk_size_mb: float = _knob(
         16.0, "unit of copy and write; at most a quarter of the cache (shrunk for tiny caches)", unit="MiB")
     save_dir: str | None = _knob(
-        None, "default checkpoint root (the shared level); callers may pass another per save",
+        None, "default checkpoint root (the shared level): a directory, or an object store as "
+              "s3://bucket/prefix (docs/ARCHITECTURE.md, \"The object-store level\"); callers may pass another per save",
         flag_elsewhere="--save")
     local_dir: str | None = _knob(
         None, "node-local level (e.g. NVMe scratch): ranks flush here first, a background stage copies to "
@@ -99,7 +102,8 @@ class EngineConfig:
     telemetry_path: str | None = _knob(
         None, "JSON lines, one per checkpoint and level (`{rank}` is replaced); its directory is proven at "
               "start-up by writing a file there (so `/proc`, which root's `os.access` calls writable, is refused "
-              "then)", none_means="`<save_dir>/datastates_telemetry/rank-{rank:05d}.jsonl`", metavar="PATH")
+              "then)", none_means="`<save_dir>/datastates_telemetry/rank-{rank:05d}.jsonl`; none with an object-store `save_dir`",
+        metavar="PATH")
     pickle_fallback: bool = _knob(
         False, "store non-tensor objects the safe encoder does not know with pickle (loaded only with "
                "`allow_pickle=True`; DeepSpeed: `\"allow_pickle\": true` in `datastates_ckpt`)")
@@ -226,7 +230,7 @@ class EngineConfig:
         if not (0 < self.chunk_size_mb <= 4096):
             raise ConfigError(f"chunk_size_mb must be in (0, 4096], got {self.chunk_size_mb}")
         for name in ("save_dir", "local_dir", "replica_dir", "telemetry_path"):
-            object.__setattr__(self, name, _path(getattr(self, name), name))
+            object.__setattr__(self, name, _path(getattr(self, name), name, object_ok=name == "save_dir"))
         if self.telemetry_path is not None:
             try:
                 self.telemetry_path.format(rank=0)
@@ -257,6 +261,9 @@ class EngineConfig:
             # Replication pairs ranks checkpoint by checkpoint in commit order; a checkpoint skipped
             # at different moments on different ranks would break the pairing.
             raise ConfigError("peer_replica cannot be combined with overload_policy \"supersede\"; use \"wait\"")
+        if self.peer_replica and is_object_url(self.save_dir):
+            raise ConfigError("peer_replica is not available with an object-store save_dir (s3://) yet; "
+                              "use a node-local level (local_dir) for fast restarts instead")
         value = self.ranks_per_node
         if value is not None and (type(value) is not int or value < 1):
             raise ConfigError(f"ranks_per_node must be a whole number >= 1, got {value!r}")
@@ -279,7 +286,7 @@ class EngineConfig:
     def _check_directories_apart(self) -> None:
         """Two levels in one directory would overwrite each other's files: equal or nested is an error."""
         dirs = [(n, getattr(self, n)) for n in ("save_dir", "local_dir") + (("replica_dir",) if self.peer_replica else ())
-                if getattr(self, n) is not None]
+                if getattr(self, n) is not None and not is_object_url(getattr(self, n))]
         for i, (name_a, a) in enumerate(dirs):
             for name_b, b in dirs[i + 1:]:
                 real_a, real_b = os.path.realpath(a), os.path.realpath(b)
@@ -301,7 +308,9 @@ class EngineConfig:
         full: list[tuple[str, str]] | None = [] if full_ok else None
         for name in ("save_dir", "local_dir"):
             path = getattr(self, name)
-            if path is not None:
+            if is_object_url(path):
+                check_object_root(path, name)
+            elif path is not None:
                 check_writable_dir(path, name, full=full)
         if self.peer_replica and self.replica_dir is not None:
             check_writable_dir(self.replica_dir, "replica_dir", private=True, full=full)
@@ -321,7 +330,7 @@ class EngineConfig:
     def telemetry_file(self, rank: int) -> str | None:
         """This rank's telemetry file: ``telemetry_path`` with {rank}, else under ``save_dir``, else none."""
         path = self.telemetry_path
-        if path is None and self.save_dir is not None:
+        if path is None and self.save_dir is not None and not is_object_url(self.save_dir):
             path = os.path.join(self.save_dir, "datastates_telemetry", "rank-{rank:05d}.jsonl")
         return path.format(rank=rank) if path is not None else None
 
@@ -349,28 +358,38 @@ def _number(value: Any, name: str) -> None:
         raise ConfigError(f"{name} must be a finite number, got {value!r}")
 
 
-def _path(value: Any, name: str) -> str | None:
-    """A configured path as a non-empty string (``os.PathLike`` accepted), else ConfigError."""
+def _path(value: Any, name: str, object_ok: bool = False) -> str | None:
+    """A configured path as a non-empty string (``os.PathLike`` accepted), else ConfigError;
+    ``object_ok``: an ``s3://bucket/prefix`` URL too (the object-store level), in its one spelling."""
     if value is None:
         return None
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
     if type(value) is not str or not value or "\0" in value:
         raise ConfigError(f"{name} must be a path (a non-empty string), got {value!r}")
-    refusal = url_refusal(value, name)
+    if object_ok and is_object_url(value):
+        try:
+            return object_store.normalize(value)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc}") from None
+    refusal = url_refusal(value, name, object_ok)
     if refusal is not None:
         raise ConfigError(refusal)
     return value
 
 
-def url_refusal(path: str, what: str) -> str | None:
-    """Why ``path``, given as ``what``, is refused: it is a URL (``s3://bucket/prefix``, ``msc://``,
-    ``gs://``...), which ``os.makedirs`` would make a local directory named ``s3:``. None for a path."""
+def url_refusal(path: str, what: str, object_ok: bool = False) -> str | None:
+    """Why ``path``, given as ``what``, is refused: it is a URL that is not an accepted object-store
+    root (``msc://``, ``gs://``..., or ``s3://`` where only a path fits), which ``os.makedirs`` would
+    make a local directory named ``s3:``. None for a path (or, with ``object_ok``, an ``s3://`` URL)."""
     match = _URL_SCHEME.match(path)
-    if match is None:
+    if match is None or (object_ok and is_object_url(path)):
         return None
-    return (f"{what} {path!r} is a {match.group(1).lower()}:// URL; megatron_ext reads and writes file systems "
-            "only (a POSIX path: node-local, Lustre, GPFS, NFS); object storage is not supported yet")
+    if object_ok:
+        return (f"{what} {path!r} is a {match.group(1).lower()}:// URL; the object-store level takes "
+                "s3://bucket/prefix (any S3-compatible server, AWS_ENDPOINT_URL), else give a POSIX path")
+    return (f"{what} {path!r} is a {match.group(1).lower()}:// URL; it must be a POSIX path (node-local, Lustre, "
+            "GPFS, NFS): only the shared level (save_dir) may be an s3:// object store")
 
 
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")  # RFC 3986's scheme, then the authority's "//"
@@ -405,6 +424,17 @@ def _check_creatable_dir(path: str, what: str, full: list | None = None) -> None
         if _no_room(exc, what, existing, full):
             return
         raise ConfigError(f"{what} {path!r} is not a writable directory ({exc.strerror or exc})") from None
+
+
+def check_object_root(url: str, what: str) -> None:
+    """At start-up: the bucket exists, the credentials are accepted and writes are allowed, else one
+    line saying which (``object_store.probe_root``: a probe object written and deleted)."""
+    try:
+        object_store.probe_root(url)
+    except ImportError:
+        raise ConfigError(f"{what} {url!r}: the object-store level needs boto3 (pip install 'megatron_ext[s3]')") from None
+    except OSError as exc:
+        raise ConfigError(f"{what} {url!r}: {exc.strerror or exc}") from None
 
 
 def check_writable_dir(path: str, what: str = "directory", private: bool = False, full: list | None = None) -> None:

@@ -23,6 +23,7 @@ import torch
 from . import faults
 from .config import EngineConfig, check_retention_count
 from .device import rank_device
+from .object_store import resolve_root
 from .errors import CheckpointError, ConfigError
 from .format.catalog import list_committed
 from .format.names import RUN_ID
@@ -361,7 +362,7 @@ class CheckpointEngine:
         root = root or self.config.save_dir
         if root is None:
             raise ConfigError("no checkpoint directory: pass root= or set save_dir in the config")
-        return os.path.abspath(root)
+        return resolve_root(root)
 
     def _writable_root(self, root: str | None) -> str:
         """The root a save or commit goes to; on rank 0 the job's lock on it (taken at first use)."""

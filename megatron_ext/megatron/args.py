@@ -17,6 +17,7 @@ from typing import Any
 
 from megatron_ext.engine.config import EngineConfig, engine_flags, flag_name, url_refusal
 from megatron_ext.engine.errors import ConfigError
+from megatron_ext.engine.object_store import is_object_url, normalize
 from megatron_ext.megatron.host_cache_size import AUTO
 from megatron_ext.megatron.safe_classes import megatron_safe_classes
 
@@ -200,6 +201,37 @@ def _unsupported_megatron_features(args: Any) -> list[str]:
     return problems
 
 
+#: Megatron-LM (core_v0.19.0) features that write files under ``--save`` themselves, with ``os.makedirs`` and
+#: ``open``: each is (attribute, its flag, what it writes, the flag that moves it elsewhere or None).
+_WRITES_UNDER_SAVE = (
+    ("log_progress", "--log-progress", "progress.txt", None),
+    ("enable_ft_package", "--enable-ft-package", "ft_state.json (the fault-tolerance timeouts)", None),
+    ("wandb_project", "--wandb-project", "the wandb run directory", "--wandb-save-dir"),
+    ("rl_profile", "--rl-profile", "profiles/", "--rl-profile-dir"),
+    ("save_params_interval", "--save-params-interval", "the parameter dumps", None),
+    ("save_wgrads_interval", "--save-wgrads-interval", "the gradient dumps", None),
+    ("save_dgrads_interval", "--save-dgrads-interval", "the gradient dumps", None),
+    ("save_activations_interval", "--save-activations-interval", "the activation dumps", None),
+    ("save_tokens_per_expert_interval", "--save-tokens-per-expert-interval", "the tokens-per-expert dumps", None),
+)
+
+
+def _file_system_uses_of_save(args: Any) -> list[str]:
+    """Megatron-LM features that would write under an ``s3://`` ``--save`` through the file system: there the
+    URL is a relative path, so each would make a local directory named ``s3:`` instead (refused by name)."""
+    save = getattr(args, "save", None)
+    if not is_object_url(save):
+        return []
+    problems = []
+    for attr, flag, what, elsewhere in _WRITES_UNDER_SAVE:
+        elsewhere_dest = elsewhere and elsewhere[2:].replace("-", "_")
+        if getattr(args, attr, None) and not (elsewhere_dest and getattr(args, elsewhere_dest, None)):
+            moved = f" (or give {elsewhere} a path)" if elsewhere else ""
+            problems.append(f"{flag}: Megatron-LM writes {what} under --save through the file system, where "
+                            f"{save!r} would be a local directory named 's3:'; drop {flag}{moved} or save to a path")
+    return problems
+
+
 def validate_datastates_args(args: Any) -> None:
     """Reject flag combinations the engine cannot honour, with one clear message, before training."""
     if getattr(args, "datastates_interleaved_offload", False):  # an optimizer option: with or without --use-datastates
@@ -231,10 +263,18 @@ def validate_datastates_args(args: Any) -> None:
         problems.append("--use-datastates does not support --load-main-params-from-ckpt")
     if getattr(args, "save", None) is None:
         problems.append("--use-datastates needs --save")
-    for flag in ("save", "load", "pretrained_checkpoint"):
-        refusal = url_refusal(getattr(args, flag, None) or "", f"--{flag.replace('_', '-')}")
+    for flag in ("save", "load", "pretrained_checkpoint", "non_persistent_global_ckpt_dir"):
+        # Roots the adapter's own saves and loads use: an s3:// object store or a path, no other URL.
+        value, name = getattr(args, flag, None) or "", f"--{flag.replace('_', '-')}"
+        refusal = url_refusal(value, name, object_ok=True)
+        if refusal is None and is_object_url(value):
+            try:
+                normalize(value)
+            except ValueError as exc:
+                refusal = f"{name}: {exc}"
         if refusal is not None:
             problems.append(refusal)
+    problems += _file_system_uses_of_save(args)
     if getattr(args, "use_torch_fsdp2", False) or getattr(args, "use_megatron_fsdp", False):
         problems.append("--use-datastates does not support FSDP")
     fp8_moments = [flag for flag in ("exp_avg_dtype", "exp_avg_sq_dtype")

@@ -34,11 +34,13 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from megatron_ext.engine import CheckpointError
+from megatron_ext.engine import CheckpointError, object_store
 from megatron_ext.engine.files import atomic_write
+from megatron_ext.engine.format.catalog import manifest_exists
 from megatron_ext.engine.format.names import MANIFEST
 from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions
 from megatron_ext.engine.format.entries import FileEntry
+from megatron_ext.engine.object_store import is_object_url
 from megatron_ext.megatron.safe_classes import megatron_classes
 
 log = logging.getLogger("megatron_ext.megatron")
@@ -47,6 +49,7 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"  # a tracker holding this names the checkpoint directory "release" (iteration 0)
 NON_PERSISTENT_SUBDIR = "non_persistent"  # Megatron-LM's default home of non-persistent checkpoints
 CHECKPOINT_VERSION = 3.0  # the Megatron-LM checkpoint version this layout answers to
+TRACKER_MAX_BYTES = 4096  # an iteration number or "release": more is not a tracker
 
 # The parts of a rank's state (see the module docstring).
 SHARDS, RNG, RERUN_STATE, COMMON, META = "shards", "rng", "rerun_state_machine", "common", "meta"
@@ -58,8 +61,19 @@ def checkpoint_name(iteration: int | str) -> str:
     return RELEASE if iteration == RELEASE else f"iter_{iteration:07d}"
 
 
+def root_spelling(root: str | None) -> str | None:
+    """A --save/--load root as the adapter passes it on: an ``s3://`` URL in its one spelling (no trailing
+    slash, so names join onto it as keys), a path unchanged (the engine makes it absolute)."""
+    return object_store.normalize(root) if is_object_url(root) else root
+
+
+def join(root: str, name: str) -> str:
+    """``name`` under ``root``: a path, or on the object-store level a key (``object_store.join``)."""
+    return object_store.join(root, name) if is_object_url(root) else os.path.join(root, name)
+
+
 def checkpoint_dir(root: str, iteration: int | str) -> str:
-    return os.path.join(root, checkpoint_name(iteration))
+    return join(root, checkpoint_name(iteration))
 
 
 def rank_file_name(rank: int) -> str:
@@ -79,13 +93,18 @@ def read_options(**overrides: Any) -> ReadOptions:
 
 
 def is_datastates_checkpoint(directory: str) -> bool:
-    """A directory the engine committed (it has a manifest)."""
+    """A directory the engine committed (it has a manifest; on the object-store level, a manifest object)."""
+    if is_object_url(directory):
+        return manifest_exists(directory)
     return os.path.isfile(os.path.join(directory, MANIFEST))
 
 
 def is_megatron_lm_format(directory: str) -> bool:
-    """A checkpoint Megatron-LM wrote itself: torch_dist (``metadata.json``) or legacy torch (``mp_rank_*``)."""
-    if not os.path.isdir(directory) or is_datastates_checkpoint(directory):
+    """A checkpoint Megatron-LM wrote itself: torch_dist (``metadata.json``) or legacy torch (``mp_rank_*``).
+
+    Never on the object-store level: Megatron-LM's own formats are read through the file system, so an
+    ``s3://`` checkpoint is one of ours or none (the load then says it is not committed)."""
+    if is_object_url(directory) or not os.path.isdir(directory) or is_datastates_checkpoint(directory):
         return False
     return os.path.isfile(os.path.join(directory, "metadata.json")) or any(
         name.startswith("mp_rank_") for name in os.listdir(directory))
@@ -93,13 +112,19 @@ def is_megatron_lm_format(directory: str) -> bool:
 
 # ---------------------------------------------------------------------------- tracker
 def read_tracker(directory: str) -> int | str | None:
-    """The tracker's iteration, ``RELEASE``, or None when there is no tracker."""
-    path = os.path.join(directory, TRACKER_FILE)
+    """The tracker's iteration, ``RELEASE``, or None when there is no tracker (a file, or an object under an
+    ``s3://`` root: one GET, a missing object or bucket being no tracker)."""
+    path = join(directory, TRACKER_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read().strip()
+        if is_object_url(path):
+            text = object_store.get(path, max_bytes=TRACKER_MAX_BYTES).decode("utf-8").strip()
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read().strip()
     except FileNotFoundError:
         return None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is not text: not an iteration number or '{RELEASE}'") from None
     if text == RELEASE:
         return RELEASE
     if not text.isdigit():
@@ -108,8 +133,13 @@ def read_tracker(directory: str) -> int | str | None:
 
 
 def write_tracker(directory: str, iteration: int | str) -> None:
-    """Name ``iteration`` the latest checkpoint under ``directory``, atomically."""
-    atomic_write(os.path.join(directory, TRACKER_FILE), str(iteration).encode())
+    """Name ``iteration`` the latest checkpoint under ``directory``, atomically (an object is written whole:
+    one PUT under an ``s3://`` root)."""
+    path, data = join(directory, TRACKER_FILE), str(iteration).encode()
+    if is_object_url(path):
+        object_store.put(path, data)
+    else:
+        atomic_write(path, data)
 
 
 def tracker_writer(directory: str, iteration: int | str, rank: int) -> Callable[[dict], None]:

@@ -9,14 +9,13 @@ where only megatron-core (no ``megatron.training``) is installed.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from megatron_ext.engine.errors import CheckpointError
 from megatron_ext.megatron import optimizer_state
-from megatron_ext.megatron.checkpoint_layout import NON_PERSISTENT_SUBDIR
+from megatron_ext.megatron.checkpoint_layout import NON_PERSISTENT_SUBDIR, join, root_spelling
 
 if TYPE_CHECKING:
     from megatron_ext.engine import CheckpointEngine
@@ -223,11 +222,12 @@ def rerun_state(native: Any, data_iterator: Any) -> dict | None:
 def save_root(args: Any, non_persistent: bool) -> str:
     """Where a checkpoint goes: ``--save``, or for a non-persistent one Megatron-LM's global directory."""
     if not non_persistent:
-        return args.save
+        return root_spelling(args.save)
     if getattr(args, "non_persistent_ckpt_type", None) != "global":
         raise CheckpointError(f"non-persistent checkpoint of type {getattr(args, 'non_persistent_ckpt_type', None)}: "
                               "--use-datastates writes 'global' ones (its node-local level is --datastates-local-dir)")
-    return getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(args.save, NON_PERSISTENT_SUBDIR)
+    return root_spelling(getattr(args, "non_persistent_global_ckpt_dir", None)) or join(root_spelling(args.save),
+                                                                                        NON_PERSISTENT_SUBDIR)
 
 
 class megatron_lm_formats:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
@@ -40,6 +39,7 @@ from megatron_ext.engine.device import rank_device
 from megatron_ext.engine.errors import CheckpointError
 from megatron_ext.engine.format.catalog import list_committed, read_manifest
 from megatron_ext.engine.host_cache import HostCache
+from megatron_ext.engine.object_store import resolve_root
 from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions, open_committed
 from megatron_ext import te_extra_state
 from megatron_ext.megatron import core_state, hf_llama, optimizer_forms, optimizer_load, saved_run
@@ -54,6 +54,7 @@ from megatron_ext.megatron.checkpoint_layout import (
     is_megatron_lm_format,
     read_run_meta,
     read_tracker,
+    root_spelling,
 )
 from megatron_ext.megatron.core_state import NATIVE_FORMATS
 from megatron_ext.megatron.host_cache_size import checkpoint_rank_bytes
@@ -151,8 +152,8 @@ class CheckpointLoad:
     def run(self) -> tuple[int, Any]:
         """``(iteration, num_floating_point_operations_so_far)`` of the checkpoint loaded; ``(0, 0)`` for none."""
         args, native = self.args, self.native
-        load_dir = getattr(args, self.request.load_arg, None)
-        pretrained = getattr(args, "pretrained_checkpoint", None)
+        load_dir = root_spelling(getattr(args, self.request.load_arg, None))
+        pretrained = root_spelling(getattr(args, "pretrained_checkpoint", None))
         finetune_from_pretrained = pretrained is not None and (load_dir is None or read_tracker(load_dir) is None)
         if finetune_from_pretrained:  # as Megatron-LM: no checkpoint of this run yet, so fine-tune from that one
             log.warning("[datastates] no checkpoint in %s: fine-tuning from the pretrained checkpoint in %s",
@@ -261,7 +262,7 @@ class CheckpointLoad:
                                         device=rank_device())
                     options = ReadOptions.from_config(config, rank=rank, staging=staging,
                                                       classes=config.allowed_classes())
-                    ckpt = open_committed(os.path.abspath(root), name, options)
+                    ckpt = open_committed(resolve_root(root), name, options)
                 self.rank_bytes = _rank_bytes(ckpt.manifest, ckpt.checkpoint)
                 level = ckpt.agree_level(rank, world)  # every rank node-local, or every rank shared
                 log.info("[datastates] rank %d reads %s from the %s level", rank, ckpt.checkpoint, level)

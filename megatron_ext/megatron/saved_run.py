@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from typing import Any
 
 import torch
@@ -26,8 +25,10 @@ from megatron_ext.megatron.checkpoint_layout import (
     checkpoint_dir,
     file_of_rank,
     is_datastates_checkpoint,
+    join,
     read_tracker,
     restore_rng_state,
+    root_spelling,
 )
 from megatron_ext.megatron.core_state import save_root
 from megatron_ext.megatron.shard_reads import ModelMismatch
@@ -45,6 +46,7 @@ def choose(load_dir: str | None, args: Any) -> tuple[str, int | str] | None:
     """
     if load_dir is None:
         return None
+    load_dir = root_spelling(load_dir)
     iteration = read_tracker(load_dir)
     if iteration is None:
         committed = [m["version"] for _, m in list_committed(load_dir) if isinstance(m.get("version"), int)]
@@ -56,10 +58,11 @@ def choose(load_dir: str | None, args: Any) -> tuple[str, int | str] | None:
         iteration = args.ckpt_step
     if getattr(args, "non_persistent_ckpt_type", None) == "global":
         np_root = save_root(args, non_persistent=True) if getattr(args, "save", None) else (
-            getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(load_dir, NON_PERSISTENT_SUBDIR))
+            root_spelling(getattr(args, "non_persistent_global_ckpt_dir", None))
+            or join(load_dir, NON_PERSISTENT_SUBDIR))
         np_iteration = read_tracker(np_root)
         if np_iteration == RELEASE:
-            raise CheckpointError(f"{os.path.join(np_root, TRACKER_FILE)}: a non-persistent checkpoint cannot be a "
+            raise CheckpointError(f"{join(np_root, TRACKER_FILE)}: a non-persistent checkpoint cannot be a "
                                   "release")
         if np_iteration is not None and (iteration is None or iteration == RELEASE or np_iteration >= iteration):
             log.warning("[datastates] loading the non-persistent checkpoint of iteration %d from %s", np_iteration,

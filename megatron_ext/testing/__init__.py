@@ -12,6 +12,8 @@
   loaded machine's slower commits cannot leave nothing to resume from.
 * ``torch_dist_layout``: a megatron-core ``torch_dist`` checkpoint of any TP x PP x DP layout (the
   180-GPU template's, for ``convert``), every rank's shards saved by megatron-core from one process.
+* ``s3_server``: a real S3 server (SeaweedFS's ``weed mini`` on loopback ports) for the object-store
+  level's tests and ``bench object-store``: identities, kill, restart, pause (SIGSTOP).
 * ``demo``: the engine alone on a toy model (``megatron-ext demo``).
 * ``main_job``: the README's main job (``megatron-ext main-job``, ``scripts/run_main.sh``):
   ``pretrain_gpt.py`` through ``megatron_lm`` with ``--use-datastates --save-interval 1``, SIGKILL,

@@ -10,4 +10,6 @@
 * ``hostile``: the hostile-checkpoint suite's library (genuine checkpoints, re-sealing, audit hook).
 * ``device_scenarios``: the restore scenarios run on a GPU (``tests/gpu``) and on the CPU.
 * ``slurm_cluster``: a real one-node Slurm in a private directory.
+* ``s3_fixtures``: the object-store tests' fixtures (a pytest plugin): one S3 server per test run,
+  a fresh bucket per test (``s3_server``, ``s3_bucket``, ``s3_root``).
 """

@@ -41,8 +41,12 @@ CASES = {
                                      "drop --optimizer-offload-fraction 0.5"),
     "interleaved_offload": (["--datastates-interleaved-offload", "--optimizer-cpu-offload",
                              "--use-precision-aware-optimizer", "--use-distributed-optimizer"], None),
-    # An object-store URL would be made a local directory named "s3:" (until object storage lands).
-    "save_s3": (["--save", "s3://bucket/run1"], "--save 's3://bucket/run1' is a s3:// URL; megatron_ext reads and writes file systems only"),
+    # Only s3:// is an object store here; another scheme would be made a local directory named "gs:".
+    "save_gs": (["--save", "gs://bucket/run1"], "--save 'gs://bucket/run1' is a gs:// URL; the object-store level "
+                                                "takes s3://bucket/prefix"),
+    # Megatron-LM writes progress.txt under --save through the file system: refused with an s3:// --save.
+    "save_s3_log_progress": (["--save", "s3://bucket/run1", "--log-progress"],
+                             "--log-progress: Megatron-LM writes progress.txt under --save through the file system"),
     "load_msc": (["--load", "msc://profile/run1"], "--load 'msc://profile/run1' is a msc:// URL"),
     # NVRx's local checkpoints would be a second, unsynchronised node-local copy: the engine has its own level.
     "nvrx_local_checkpoints": (["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", "/tmp/x"],

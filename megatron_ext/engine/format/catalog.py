@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import os
 
+from .. import object_store
 from ..errors import CheckpointError
+from ..object_store import is_object_url
 from .names import MANIFEST
 from .validation import MAX_MANIFEST_BYTES, parse_json, read_bounded, validate_manifest
 
@@ -36,9 +38,29 @@ def run_of(manifest: dict) -> str:
     return manifest.get("attempt_of") or manifest["run_id"]
 
 
-def _identity(checkpoint_dir: str) -> tuple[int, int, int]:
+def _identity(checkpoint_dir: str) -> tuple:
+    if is_object_url(checkpoint_dir):  # an object's ETag changes with every write of it
+        return object_store.identity(os.path.join(checkpoint_dir, MANIFEST))
     st = os.lstat(os.path.join(checkpoint_dir, MANIFEST))
     return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def manifest_exists(checkpoint_dir: str) -> bool:
+    """Whether ``checkpoint_dir`` has a manifest (committed, or being judged): one ``lstat`` or ``HEAD``."""
+    path = os.path.join(checkpoint_dir, MANIFEST)
+    return object_store.exists(path) if is_object_url(path) else os.path.lexists(path)
+
+
+def checkpoint_dirs(root: str) -> list[str]:
+    """The names of the entries under ``root`` that may be checkpoints (not hidden; directories, or
+    on the object-store level common prefixes); empty if ``root`` does not exist."""
+    if is_object_url(root):
+        return [name for name in object_store.list_children(root)[0] if not name.startswith(".")]
+    try:
+        names = os.listdir(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [n for n in names if not n.startswith(".") and os.path.isdir(os.path.join(root, n))]
 
 
 def remember_committed(cache: dict, checkpoint_dir: str, manifest: dict) -> None:
@@ -59,14 +81,8 @@ def list_committed(root: str, cache: dict | None = None) -> list[tuple[str, dict
     same root after every commit reads and validates each manifest once.
     """
     found = []
-    try:
-        names = os.listdir(root)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    for name in names:
+    for name in checkpoint_dirs(root):
         path = os.path.join(root, name)
-        if name.startswith(".") or not os.path.isdir(path):
-            continue
         if cache is not None:
             try:
                 key = _identity(path)

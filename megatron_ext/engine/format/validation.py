@@ -4,13 +4,16 @@ each rank report, each tensor file's header against its index, and every number 
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
 from typing import Any
 
 from ..errors import CheckpointError
+from .. import object_store
 from ..files import open_regular
+from ..object_store import is_object_url
 from .entries import ListedFile
 from .names import FORMAT_NAME, REPORTS, RUN_ID, report_name, valid_name
 from .tensor_file import INT64_MAX, TORCH_DTYPES, SafetensorsHeader, read_header, shape_elements
@@ -41,7 +44,10 @@ class FormatViolation(Exception):
 
 def read_bounded(path: str, limit: int, exact: int | None = None, missing_ok: bool = False) -> bytes | None:
     """A regular file's bytes (never through a symlink), its real size held to ``exact`` (a
-    manifest's claim) or at most ``limit`` before anything is read; None if missing and ``missing_ok``."""
+    manifest's claim) or at most ``limit`` before anything is read; None if missing and ``missing_ok``.
+    On the object-store level the same, from the object (its length checked before its bytes are read)."""
+    if is_object_url(path):
+        return _read_object_bounded(path, limit, exact, missing_ok)
     fd = open_regular(path, missing_ok=missing_ok)
     if fd is None:
         return None
@@ -59,6 +65,25 @@ def read_bounded(path: str, limit: int, exact: int | None = None, missing_ok: bo
         os.close(fd)
     if len(raw) != size:
         raise CheckpointError(f"{path}: changed while it was being read ({len(raw)} bytes, not {size})")
+    return raw
+
+
+def _read_object_bounded(url: str, limit: int, exact: int | None, missing_ok: bool) -> bytes | None:
+    try:
+        raw = object_store.get(url, max_bytes=limit if exact is None else max(exact, 0))
+    except FileNotFoundError:
+        if missing_ok:
+            return None
+        raise CheckpointError(f"{url}: missing") from None
+    except OSError as exc:
+        if exc.errno == errno.EFBIG:
+            raise CheckpointError(f"{url}: larger than {limit if exact is None else exact} bytes"
+                                  + ("" if exact is None else " (the manifest's size)")) from None
+        raise CheckpointError(f"{url}: cannot be read: {exc.strerror or exc}") from None
+    if exact is not None and len(raw) != exact:
+        raise CheckpointError(f"{url}: has {len(raw)} bytes, the manifest says {exact}")
+    if len(raw) > limit:
+        raise CheckpointError(f"{url}: larger than {limit} bytes")
     return raw
 
 

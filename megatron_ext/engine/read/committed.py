@@ -12,13 +12,14 @@ from typing import Mapping, Protocol
 from ..collectives import all_reduce_int
 from ..config import EngineConfig
 from ..errors import CheckpointError
+from ..object_store import is_object_url, resolve_root
 from ..format import codec
 from ..format.catalog import read_manifest
 from ..format.entries import FileEntry, ListedFile, TensorEntry
 from ..format.manifest import TensorIndex
 from ..format.names import LEVEL_LOCAL, LEVEL_PEER, LEVEL_SHARED
 from ..host_cache import HostCache
-from . import file_reader
+from . import file_reader, object_fetch
 from .entries import CommittedManifest
 
 
@@ -100,7 +101,7 @@ class CommittedCheckpoint:
                  recovered: dict[str, str] | None = None):
         """``manifest`` must come from ``read_manifest`` (validated); ``open_committed`` builds this."""
         options = options or ReadOptions()
-        self.root, self.checkpoint, self.manifest, self.options = os.path.abspath(root), checkpoint, manifest, options
+        self.root, self.checkpoint, self.manifest, self.options = resolve_root(root), checkpoint, manifest, options
         #: The same manifest in the form the save side hands to ``on_committed`` (entries.py): typed header and files.
         self.committed = CommittedManifest.loaded(manifest, os.path.join(self.root, checkpoint))
         self.local_dir, self.verify, self.classes = options.local_dir, options.verify, options.classes
@@ -207,10 +208,17 @@ class CommittedCheckpoint:
                 base, chosen = self.recovered[name], LEVEL_PEER
             self.levels_used.add(chosen)
             options = self.options
-            self._readers[name] = file_reader.FileReader(
-                base, self.listed(name), options.verify, level=chosen, run_id=self.manifest["run_id"], classes=options.classes,
+            listed = self.listed(name)
+            fetched = None
+            if is_object_url(base):  # the object-store level: the file's objects fetched first
+                base = fetched = object_fetch.fetch(self.root, self.checkpoint, listed.file, options.local_dir)
+            reader = file_reader.FileReader(
+                base, listed, options.verify, level=chosen, run_id=self.manifest["run_id"], classes=options.classes,
                 format_version=self.manifest["format_version"],
                 threads=options.threads, o_direct=options.o_direct, timeout_s=options.timeout_s, staging=options.staging)
+            if fetched is not None:
+                object_fetch.release_with(reader, fetched)
+            self._readers[name] = reader
         return self._readers[name]
 
 

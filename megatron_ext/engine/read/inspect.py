@@ -10,11 +10,13 @@ from __future__ import annotations
 import os
 from typing import Callable
 
+from .. import object_store
 from ..errors import CheckpointError
 from ..files import tree_bytes
-from ..format.catalog import commit_order, read_manifest
+from ..format.catalog import checkpoint_dirs, commit_order, manifest_exists, read_manifest
+from ..object_store import is_object_url
 from ..format.entries import FileEntry
-from ..format.names import ERROR_REPORT_SUFFIX, MANIFEST, REPORTS, SKIP_REPORT_SUFFIX
+from ..format.names import ERROR_REPORT_SUFFIX, REPORTS, SKIP_REPORT_SUFFIX
 from .committed import CommittedCheckpoint, ReadOptions, open_committed
 
 
@@ -34,18 +36,21 @@ def describe(root: str, local_dir: str | None = None, only: str | None = None,
     ``classify(manifest)`` names a committed checkpoint's kind (the row's ``kind``), e.g. which
     framework wrote it; ``progress(nbytes, checkpoints)`` is called after each checkpoint.
     """
-    if not os.path.isdir(root):
+    on_objects = is_object_url(root)
+    if not (on_objects or os.path.isdir(root)):
         raise CheckpointError(f"{root} is not a directory")
     rows = []
-    names = [only] if only is not None else sorted(os.listdir(root))
+    names = [only] if only is not None else sorted(checkpoint_dirs(root))
     for name in names:
         path = os.path.join(root, name)
-        if name.startswith(".") or not os.path.isdir(path):
+        if name.startswith(".") or not (on_objects or os.path.isdir(path)):
             continue
-        has_manifest = os.path.lexists(os.path.join(path, MANIFEST))
-        if not has_manifest and not os.path.isdir(os.path.join(path, REPORTS)):
+        has_manifest = manifest_exists(path)
+        reports = _reports(path)
+        if not has_manifest and reports is None:
             continue
-        row = {"checkpoint": name, "committed": False, "bytes_on_disk": tree_bytes(path)}
+        stored = sum(size for _, size in object_store.walk(path)) if on_objects else tree_bytes(path)
+        row = {"checkpoint": name, "committed": False, "bytes_on_disk": stored}
         try:
             manifest = read_manifest(path) if has_manifest else None
         except CheckpointError as exc:
@@ -71,7 +76,7 @@ def describe(root: str, local_dir: str | None = None, only: str | None = None,
                 levels.append("local")
             row["levels"] = levels
         else:
-            reports = os.listdir(os.path.join(path, REPORTS)) if os.path.isdir(os.path.join(path, REPORTS)) else []
+            reports = reports or []
             row["rank_reports"] = len([r for r in reports if not r.endswith((ERROR_REPORT_SUFFIX, SKIP_REPORT_SUFFIX))])
             row["error_reports"] = len([r for r in reports if r.endswith(ERROR_REPORT_SUFFIX)])
             row["skip_reports"] = len([r for r in reports if r.endswith(SKIP_REPORT_SUFFIX)])
@@ -79,6 +84,15 @@ def describe(root: str, local_dir: str | None = None, only: str | None = None,
         if progress is not None:
             progress(row.get("bytes", 0), 1)
     return rows
+
+
+def _reports(checkpoint_dir: str) -> list[str] | None:
+    """The names in a checkpoint's ``.reports``, or None if it has none."""
+    reports = os.path.join(checkpoint_dir, REPORTS)
+    if is_object_url(reports):
+        names = object_store.list_children(reports)[1]
+        return names or None
+    return os.listdir(reports) if os.path.isdir(reports) else None
 
 
 def _layout_text(layout: dict) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from typing import Callable
 
 import xxhash
@@ -23,11 +24,13 @@ import xxhash
 from ..errors import CheckpointError
 from ..files import open_regular
 from ..format import codec
-from ..format.catalog import read_manifest
+from ..format.catalog import checkpoint_dirs, manifest_exists, read_manifest
 from ..format.digest import PIECEWISE_FROM_VERSION, tensor_file_digest
 from ..format.names import MANIFEST, valid_name
 from ..format.sidecar import read_sidecar
 from ..format.validation import read_listed_header
+from ..object_store import is_object_url, resolve_root
+from . import object_fetch
 from .committed import CommittedCheckpoint, ReadOptions, open_committed
 from ..format.entries import TensorEntry
 
@@ -98,7 +101,14 @@ def _check_tensor_file(root: str, committed: CommittedCheckpoint, name: str, dee
     """The tensor file against the manifest: regular, its size, its header exactly, and (deep) every checksum."""
     file = committed.file(name)
     path = os.path.join(root, file.tensor_file)
-    fd = open_regular(path)
+    if is_object_url(root):  # the objects fetched, then checked as a file; errors name the object
+        base = object_fetch.fetch(root, committed.checkpoint, file, None)
+        try:
+            fd = open_regular(os.path.join(base, file.tensor_file))
+        finally:
+            shutil.rmtree(base, ignore_errors=True)  # the open descriptor keeps the bytes readable
+    else:
+        fd = open_regular(path)
     try:
         header = read_listed_header(fd, committed.listed(name), committed.run_id, path)
         if deep:
@@ -157,7 +167,7 @@ def problem_of(root: str, checkpoint: str, exc: CheckpointError) -> Problem:
     (for checks above the engine's, such as an adapter's)."""
     text = str(exc)
     head, sep, rest = text.partition(": ")
-    base = os.path.abspath(root) + os.sep
+    base = resolve_root(root) + os.sep
     if sep and head.startswith(base):
         return Problem(checkpoint, head[len(base):], rest)
     return Problem(checkpoint, f"{checkpoint}/", text)
@@ -166,17 +176,16 @@ def problem_of(root: str, checkpoint: str, exc: CheckpointError) -> Problem:
 def checkpoints_under(root: str) -> list[str]:
     """Directories under ``root`` that hold a manifest (readable or not), by name."""
     try:
-        names = os.listdir(root)
+        names = checkpoint_dirs(root)
     except OSError as exc:
         raise CheckpointError(f"{root}: cannot be listed: {exc.strerror or exc}") from None
-    return sorted(n for n in names if not n.startswith(".") and os.path.isdir(os.path.join(root, n))
-                  and os.path.lexists(os.path.join(root, n, MANIFEST)))
+    return sorted(n for n in names if manifest_exists(os.path.join(root, n)))
 
 
 def verify_root(root: str, iteration_checkpoint: str | None = None, deep: bool = True,
                 progress: "Callable[[int, int], None] | None" = None) -> tuple[list[str], list[Problem]]:
     """(checkpoints checked, problems): one checkpoint if named, else every committed one."""
-    if not os.path.isdir(root):
+    if not (is_object_url(root) or os.path.isdir(root)):
         raise CheckpointError(f"{root} is not a directory")
     if iteration_checkpoint is not None and not valid_name(iteration_checkpoint):
         raise CheckpointError(f"{iteration_checkpoint!r} is not a checkpoint name (one directory name under {root})")

@@ -25,7 +25,6 @@ from typing import Callable
 
 from ..config import EngineConfig, OverloadPolicy
 from ..errors import CheckpointError
-from ..files import atomic_write_json
 from ..format.names import REPORTS, skip_report_name
 from ..host_cache import HostCache
 from ..telemetry import Telemetry
@@ -227,13 +226,13 @@ class SkipSettler:
             return
         if not job.advance(JobState.DISCARDED):
             return  # settled already
+        report = None
         if job.skipped.by_rank == self.rank:
             self.channel.notify_skip(job_key(job), job.skipped)  # the others drop it before the decision
             reports = os.path.join(job.root, job.checkpoint, REPORTS)  # the record, for inspect
-            os.makedirs(reports, exist_ok=True)
-            atomic_write_json(os.path.join(reports, skip_report_name(self.rank, job.tag)),
-                              job.skipped.report(self.rank, job.tag, job.version))
-        self.writer.submit(Discard(job))  # behind the checkpoint's last chunk: removes its files
+            report = (os.path.join(reports, skip_report_name(self.rank, job.tag)),
+                      job.skipped.report(self.rank, job.tag, job.version))
+        self.writer.submit(Discard(job, report))  # behind the checkpoint's last chunk: removes its files
 
 
 class PeerSkips:

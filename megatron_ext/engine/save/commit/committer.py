@@ -40,17 +40,19 @@ from typing import TYPE_CHECKING, Callable
 
 from ... import faults
 from ...errors import CheckpointError, CheckpointSkipped
-from ...files import atomic_write
+from ...format.catalog import manifest_exists
 from ...format.manifest import MANIFEST_SHARES, assemble_manifest, encode_json, merge_summaries, summarize_heads
 from ...format.names import LEVEL_HOST, LEVEL_LOCAL, LEVEL_SHARED, MANIFEST, REPORTS, report_name
 from ...format.report import durable_share, rank_report
 from ...format.validation import check_report
+from ...object_store import is_object_url
 from ...read.entries import CommittedManifest
 from ...threads import CpuMeter, EngineThread
 from ..context import SaveContext
 from ..job.jobs import CheckpointJob, CommitOutcome, JobState
 from ..job.signal import CommitSignal
 from ..lifecycle.retention import remove_unlisted
+from ..flow.io_ops import write_whole
 from .coordination import COMMITTED, SKIPPED, Collected, CommitChannel, DecisionTimeout, ShareDamaged
 from .records import CommitDecision, RankStatus, job_key
 
@@ -276,9 +278,9 @@ class Committer:
         return status
 
     def _atomic_write(self, path: str, data: bytes) -> None:
-        """Temp file, fsync, rename, directory fsync: eight system calls, one request to the worker."""
+        """Temp file, fsync, rename, directory fsync (one PUT on the object-store level): one request to the worker."""
         if self.io is None:
-            atomic_write(path, data)
+            write_whole(path, data)
         else:
             self.io.atomic_write(path, data)
 
@@ -425,8 +427,12 @@ class Committer:
         attempt_of = self.run_id if job.tag != self.run_id else None  # a second save of this id in this run
         header, data = assemble_manifest(job.checkpoint, job.tag, job.version, self.world_size, summary, shares,
                                          attempt_of)
+        may_remove = self.may_remove(job.root)
+        # A new directory holds no other run's files. An object store has no directories: there a
+        # manifest found before this one's write (one HEAD) says the id was committed before.
+        replaced = may_remove and is_object_url(ckpt_dir) and manifest_exists(ckpt_dir)
         self._atomic_write(path, data)
         self._manifest_bytes[key] = summary[0]  # for the outcome (``_commit``)
-        if self.may_remove(job.root) and not job.created(ckpt_dir):  # a new directory holds no other run's files
+        if may_remove and (replaced if is_object_url(ckpt_dir) else not job.created(ckpt_dir)):
             remove_unlisted(ckpt_dir, job.tag)
         return header

@@ -66,6 +66,7 @@ from typing import Any, Callable, Mapping
 import xxhash
 
 from ...errors import CheckpointError
+from ...object_store import resolve_root
 from ..job.skip import SkipRecord
 
 #: What a rank says about a checkpoint it will not commit (else it posts a durable head), and what
@@ -99,7 +100,7 @@ def share_seed(key: str, world_size: int) -> int:
 
 def checkpoint_key(root: str, checkpoint: str, tag: str) -> str:
     """The store prefix of one attempt at a checkpoint (roots are hashed: keys stay short)."""
-    digest = hashlib.sha1(os.path.abspath(root).encode("utf-8", "surrogatepass")).hexdigest()[:10]
+    digest = hashlib.sha1(resolve_root(root).encode("utf-8", "surrogatepass")).hexdigest()[:10]
     return f"{digest}/{checkpoint}/{tag}"
 
 

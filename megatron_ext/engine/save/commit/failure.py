@@ -15,9 +15,9 @@ import threading
 
 from ...config import OnFailure
 from ...errors import CheckpointError
-from ...files import atomic_write_json
 from ...format.names import REPORTS, report_name
 from ...telemetry import Telemetry
+from ..flow.io_ops import write_record
 from ..job.jobs import CheckpointJob
 from ..job.signal import CommitSignal
 from ..job.table import JobTable
@@ -92,9 +92,8 @@ class FailureHandler:
         ranks learn of it through the commit store, not from this file."""
         try:
             reports = os.path.join(job.root, job.checkpoint, REPORTS)
-            os.makedirs(reports, exist_ok=True)
-            atomic_write_json(os.path.join(reports, report_name(self.rank, self.run_id, error=True)),
-                              {"rank": self.rank, "run_id": self.run_id, "error": message})
+            write_record(os.path.join(reports, report_name(self.rank, self.run_id, error=True)),
+                         {"rank": self.rank, "run_id": self.run_id, "error": message})
         except OSError:
             pass  # the file system itself may be what failed; the error stands without its record
 

@@ -21,27 +21,33 @@ from __future__ import annotations
 
 import errno
 import itertools
+import logging
 import os
 from typing import TYPE_CHECKING, Callable
 
 from ... import faults
 from ...device import bind_thread
 from ...errors import CheckpointError
+from ... import object_store
 from ...files import supports_o_direct
+from ...object_store import is_object_url
 from ...format.names import LEVEL_LOCAL, LEVEL_SHARED
 from ...host_cache import HostCache
 from ..context import SaveContext
 from ..job.jobs import CheckpointJob, FileJob
 from ..job.messages import Chunk, Discard
+from .io_ops import write_record
 from .io_worker import IoChannel
 from .worker import QueueWorker
 
 if TYPE_CHECKING:
     from ..job.signal import CommitSignal
 
+log = logging.getLogger("megatron_ext.engine")
+
 
 def _use_direct(setting, directory: str) -> bool:
-    if setting is False:
+    if setting is False or is_object_url(directory):  # an object store has no O_DIRECT: its writes are requests
         return False
     ok = supports_o_direct(directory)
     if setting is True and not ok:
@@ -147,7 +153,8 @@ class RankWriter(QueueWorker):
         number = self._open[id(fjob)] = next(self._numbers)
         spans = [bound for s in fjob.layout.spans for bound in (s.start, s.end)]
         self._direct.attempt(root, directory, lambda direct: self.io.run(
-            number, chunk.offset, cache_offset, chunk.nbytes, path=path, direct=direct, spans=spans))
+            number, chunk.offset, cache_offset, chunk.nbytes, path=path, direct=direct, spans=spans,
+            size=fjob.layout.size))
         faults.stop_point("mid_flush")
 
     def _finish(self, fjob: FileJob) -> None:
@@ -175,6 +182,12 @@ class RankWriter(QueueWorker):
         """Every earlier chunk of the skipped checkpoint has passed: remove its files."""
         job = item.job
         try:
+            if item.report is not None:
+                try:
+                    write_record(*item.report)
+                except OSError as exc:  # the record is for inspect: its loss loses no checkpoint
+                    log.warning("[datastates] rank %d: could not write the skip report %s: %s",
+                                self.ctx.rank, item.report[0], exc)
             for f in job.files:
                 self._abort(f)
                 remove_files(self.ctx.directory(f, self.level), f)
@@ -243,6 +256,9 @@ class LevelStager(QueueWorker):
 
 def remove_files(root: str, job: FileJob) -> None:
     """Delete one saved file's tensor file and sidecar under a level's root, if present."""
+    if is_object_url(root):
+        object_store.delete([os.path.join(root, rel) for rel in (job.tensor_rel, job.sidecar_rel)])
+        return
     for rel in (job.tensor_rel, job.sidecar_rel):
         try:
             os.unlink(os.path.join(root, rel))

@@ -21,13 +21,16 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import mmap
 import os
 from typing import Any, Callable, ClassVar
 
 import xxhash
 
+from ... import object_store
 from ...files import ChunkFile, atomic_write, fsync_dir, round_up, write_durable
+from ...object_store import is_object_url
 from ...format.digest import FileChecksums, FileDigest, cuts_of
 from ...priority import lowest_cpu_priority
 from ...threads import name_os_thread
@@ -57,6 +60,7 @@ class RunRequest:
     path: str | None = None
     direct: bool = False
     spans: tuple[int, ...] | None = None  # start0, end0, start1, end1, ...: in file order
+    size: int | None = None  # the whole file's, on its first run (an upload's part size follows it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +132,7 @@ class _OpenFile:
 
     __slots__ = ("out", "spans", "digest")
 
-    def __init__(self, out: ChunkFile, spans: list[int]):
+    def __init__(self, out: "ChunkFile | object_store.Upload", spans: list[int]):
         self.out = out
         self.spans = spans  # [start0, end0, start1, end1, ...]: each tensor's bytes in the file, in file order
         cuts = cuts_of(spans[0], zip(spans[0::2], spans[1::2])) if spans else []
@@ -156,13 +160,14 @@ class FileIo:
         self._bounce: mmap.mmap | None = None  # ``stage``'s page-aligned buffer, made at its first use
 
     def run(self, file: int, offset: int, cache: int, nbytes: int, *, path: str | None = None,
-            direct: bool = False, spans: list[int] | None = None) -> None:
+            direct: bool = False, spans: list[int] | None = None, size: int | None = None) -> None:
         """File bytes [offset, offset + nbytes) from cache bytes [cache, cache + nbytes): checksummed
         (on the second thread) while written. The file's first run gives its ``path`` (created, with
-        O_DIRECT if ``direct``) and its tensors' ``spans``."""
+        O_DIRECT if ``direct``; on the object-store level a multipart upload, its parts straight
+        from the cache), its tensors' ``spans`` and its ``size``."""
         if path is not None:
             self.abort(file)  # a first run again (retried without O_DIRECT): start over
-            self._files[file] = _OpenFile(ChunkFile(path, direct), list(spans or ()))
+            self._files[file] = _OpenFile(_writer(path, direct, size), list(spans or ()))
         f = self._files[file]
         data = self.buffer[cache:cache + nbytes]
         written = self.buffer[cache:cache + round_up(nbytes)] if f.out.direct else data
@@ -190,8 +195,11 @@ class FileIo:
         durably, fsync their directory once. Returns its checksums."""
         f = self._files.pop(file)
         f.out.close(size, sync_dir=False)
-        write_durable(sidecar_path, sidecar)
-        fsync_dir(os.path.dirname(sidecar_path))
+        if is_object_url(sidecar_path):  # an object is durable once its write is answered
+            object_store.put(sidecar_path, sidecar)
+        else:
+            write_durable(sidecar_path, sidecar)
+            fsync_dir(os.path.dirname(sidecar_path))
         file_digest = f.digest.hexdigest()
         pieces = {(start, end): digest for start, end, digest in f.digest.pieces}
         tensors = []
@@ -211,17 +219,19 @@ class FileIo:
             f.out.abort()
 
     def atomic_write(self, path: str, data: bytes) -> None:
-        atomic_write(path, data)
+        write_whole(path, data)
 
     def stage(self, src: str, dst: str, direct: bool, expected: str | None, chunk_bytes: int,
               cuts: list[int] | None = None) -> None:
         """Copy ``src`` to ``dst`` durably through a bounce buffer, checksumming on the way (in
         pieces at ``cuts`` for a tensor file): a corrupt copy (``expected`` differs) never passes unnoticed."""
+        if is_object_url(dst):  # parts of an upload go up in parallel: read enough for all of them
+            chunk_bytes = max(chunk_bytes, object_store.CONCURRENCY * object_store.PART_BYTES)
         if self._bounce is None or len(self._bounce) != chunk_bytes:
             self._bounce = mmap.mmap(-1, chunk_bytes)
         view = memoryview(self._bounce)
         size = os.path.getsize(src)
-        out = ChunkFile(dst, direct)
+        out = _writer(dst, direct, size)
         digest = FileDigest(cuts)
         try:
             with open(src, "rb", buffering=0) as source:
@@ -233,18 +243,39 @@ class FileIo:
                     digest.update(view[:n])
                     out.write_at(done, view[:round_up(n)] if out.direct else view[:n])
                     done += n
+            if expected is not None and digest.hexdigest() != expected:  # before an upload completes
+                raise IoError(f"checksum mismatch while staging {src} to the shared level")
         except BaseException:
             out.abort()
             raise
         out.close(size)
-        if expected is not None and digest.hexdigest() != expected:
-            raise IoError(f"checksum mismatch while staging {src} to the shared level")
 
     def close(self) -> None:
         for file in list(self._files):
             self.abort(file)
         if self._checksums is not None:
             self._checksums.shutdown(wait=True)
+
+
+def _writer(path: str, direct: bool, size: int | None) -> "ChunkFile | object_store.Upload":
+    """What a file is written through: a ``ChunkFile``, or on the object-store level an upload."""
+    return object_store.Upload(path, size) if is_object_url(path) else ChunkFile(path, direct)
+
+
+def write_whole(path: str, data: bytes) -> None:
+    """A small file (a report, a manifest) all or nothing: temp file, fsync, rename and directory
+    fsync on a file system; one PUT on the object-store level (an object appears whole or not at all)."""
+    if is_object_url(path):
+        object_store.put(path, data)
+    else:
+        atomic_write(path, data)
+
+
+def write_record(path: str, record: dict) -> None:
+    """A small JSON record (a failure or skip report) written whole, its directory made if needed."""
+    if not is_object_url(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_whole(path, json.dumps(record, indent=1, sort_keys=True).encode("utf-8"))
 
 
 def _checksum_thread_start(lowest_priority: bool) -> None:
@@ -264,7 +295,7 @@ def _checksum(f: _OpenFile, data: memoryview, offset: int) -> None:
 #: and of the worker process. A handler takes the ``FileIo`` and the request; it returns the reply.
 OPERATIONS: dict[str, Callable[[FileIo, Any], Any]] = {
     RunRequest.op: lambda io, r: io.run(r.file, r.offset, r.cache, r.nbytes, path=r.path, direct=r.direct,
-                                        spans=None if r.spans is None else list(r.spans)),
+                                        spans=None if r.spans is None else list(r.spans), size=r.size),
     FinishRequest.op: lambda io, r: io.finish(r.file, r.size, r.sidecar_path, r.sidecar),
     AbortRequest.op: lambda io, r: io.abort(r.file),
     AtomicWriteRequest.op: lambda io, r: io.atomic_write(r.path, r.data),
@@ -281,5 +312,5 @@ def perform(io: FileIo, request: Any) -> Any:
     return handler(io, request)
 
 
-__all__ = ["FileIo", "IoError", "OPERATIONS", "perform", "RunRequest", "FinishRequest", "AbortRequest",
+__all__ = ["FileIo", "IoError", "OPERATIONS", "perform", "write_whole", "write_record", "RunRequest", "FinishRequest", "AbortRequest",
            "AtomicWriteRequest", "StageRequest", "Failure"]

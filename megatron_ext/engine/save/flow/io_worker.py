@@ -109,8 +109,8 @@ class IoChannel:
         raise NotImplementedError
 
     def run(self, file: int, offset: int, cache: int, nbytes: int, *, path: str | None = None,
-            direct: bool = False, spans: list[int] | None = None) -> None:
-        self.call(RunRequest(file, offset, cache, nbytes, path, direct, None if spans is None else tuple(spans)))
+            direct: bool = False, spans: list[int] | None = None, size: int | None = None) -> None:
+        self.call(RunRequest(file, offset, cache, nbytes, path, direct, None if spans is None else tuple(spans), size))
 
     def finish(self, file: int, size: int, sidecar_path: str, sidecar: bytes) -> FileChecksums:
         return self.call(FinishRequest(file, size, sidecar_path, bytes(sidecar)))

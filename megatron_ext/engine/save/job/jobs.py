@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ...config import OverloadPolicy
 from ...errors import CheckpointError
 from ...format.names import LEVEL_SHARED
+from ...object_store import is_object_url
 from ...format.report import file_entry
 from ...format.tensor_file import FileLayout
 from .deadlines import StageDeadline
@@ -370,6 +371,9 @@ class CheckpointJob:
         held across the ``mkdir`` so that ``created`` names the one thread that made it."""
         with self._directory_lock:
             if path in self._directories:
+                return
+            if is_object_url(path):  # an object store has no directories: a key's prefix is enough
+                self._directories.add(path)
                 return
             try:
                 os.mkdir(path)

@@ -30,9 +30,12 @@ class Chunk:
 
 @dataclasses.dataclass(eq=False)
 class Discard:
-    """Sent down the flush pipeline behind a skipped checkpoint's last chunk: remove its files."""
+    """Sent down the flush pipeline behind a skipped checkpoint's last chunk: remove its files, and
+    write the skip ``report`` (path, record) of the rank that skipped it; the writer's thread does
+    that I/O, never the snapshot thread (on a stalled object store a write can take seconds)."""
 
     job: CheckpointJob
+    report: tuple[str, dict] | None = None
 
 
 @dataclasses.dataclass(eq=False)

@@ -15,11 +15,13 @@ import logging
 import os
 import uuid
 
+from . import object_root
 from . import lock as dir_lock
 from . import retention
 from ...collectives import all_reduce_int
 from ...config import EngineConfig
 from ...errors import CheckpointError
+from ...object_store import is_object_url, resolve_root
 
 log = logging.getLogger("megatron_ext.engine")
 
@@ -56,10 +58,10 @@ class DirectoryOwnership:
         collective = run_id is None and self.world_size > 1
         run_id = run_id or uuid.uuid4().hex[:12]
         problem: str | None = None
-        save_dir = os.path.abspath(self.config.save_dir) if self.config.save_dir else None
+        save_dir = resolve_root(self.config.save_dir) if self.config.save_dir else None
         if self.rank == 0 and save_dir and not self.read_only:
             try:
-                self.locks[save_dir] = lock = dir_lock.acquire(save_dir, run_id, "save_dir")
+                self.locks[save_dir] = lock = _acquire(save_dir, run_id, "save_dir")
                 if self.config.remove_partial_on_start and lock.held:
                     removed, self.freed_bytes = retention.remove_partial(save_dir, set(lock.runs))
                     if removed:
@@ -96,15 +98,16 @@ class DirectoryOwnership:
         """On rank 0, the job's lock on ``root`` (created if missing), taken at its first use."""
         if self.rank != 0 or root in self.locks:
             return
-        try:
-            os.makedirs(root, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(f"cannot create checkpoint directory {root}: {exc.strerror or exc}") from None
-        self.locks[root] = dir_lock.acquire(root, self.run_id, "checkpoint directory")
+        if not is_object_url(root):
+            try:
+                os.makedirs(root, exist_ok=True)
+            except OSError as exc:
+                raise CheckpointError(f"cannot create checkpoint directory {root}: {exc.strerror or exc}") from None
+        self.locks[root] = _acquire(root, self.run_id, "checkpoint directory")
 
     def holds(self, root: str) -> bool:
         """Whether this rank may remove things under ``root``: it holds the lock of that directory."""
-        lock = self.locks.get(os.path.abspath(root))
+        lock = self.locks.get(resolve_root(root))
         return lock is not None and lock.held
 
     @property
@@ -118,12 +121,20 @@ class DirectoryOwnership:
         if lock is not None:
             return set(lock.runs) if lock.held else set()
         if root not in self._runs_of_root:  # other ranks: the lock file's record, read once
-            self._runs_of_root[root] = set(dir_lock.runs_of(root)) | {self.run_id}
+            runs = object_root.runs_of(root) if is_object_url(root) else dir_lock.runs_of(root)
+            self._runs_of_root[root] = set(runs) | {self.run_id}
         return self._runs_of_root[root]
 
     def release(self) -> None:
         for lock in list(self.locks.values()) + ([self.local_lock] if self.local_lock else []):
             lock.release()
+
+
+def _acquire(root: str, run_id: str, what: str):
+    """The job's hold on a root: the directory's flock, or on the object-store level its run record."""
+    if is_object_url(root):
+        return object_root.acquire(root, run_id, what)
+    return dir_lock.acquire(root, run_id, what)
 
 
 __all__ = ["DirectoryOwnership"]

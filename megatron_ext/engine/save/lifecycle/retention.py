@@ -30,11 +30,13 @@ from typing import TYPE_CHECKING, Callable
 from ... import faults
 from ...errors import CheckpointError
 from ...files import tree_bytes
-from ...format.catalog import list_committed, read_manifest, remember_committed, run_of
+from ...format.catalog import list_committed, manifest_exists, read_manifest, remember_committed, run_of
+from ...object_store import is_object_url
 from ...format.names import MANIFEST, REPORTS, RUN_FILE
 from ..flow.worker import QueueWorker
 from ..job.jobs import CheckpointJob
 from ..job.table import JobTable
+from . import object_root
 
 if TYPE_CHECKING:
     from ..replicas.replica import PeerReplicas
@@ -97,6 +99,9 @@ def hide(directory: str) -> str | None:
 
 def hide_and_remove(directory: str) -> None:
     """Atomically take a checkpoint out of sight, then delete it."""
+    if is_object_url(directory):
+        object_root.remove_checkpoint(directory)
+        return
     hidden = hide(directory)
     if hidden is not None:
         faults.stop_point("mid_retention")
@@ -124,6 +129,14 @@ def remove_unlisted(ckpt_dir: str, run_id: str | None = None) -> int:
     crashed attempt at this checkpoint. With ``run_id`` (rank 0 after writing its manifest) only
     other runs' files, and only under a manifest of that run. Returns the bytes freed; the
     manifest's files always stay, and usually there is nothing to remove and nothing is read."""
+    if is_object_url(ckpt_dir):
+        try:
+            manifest = read_manifest(ckpt_dir)
+        except CheckpointError:
+            return 0
+        if manifest is None or (run_id is not None and manifest["run_id"] != run_id):
+            return 0
+        return object_root.remove_unlisted(ckpt_dir, manifest, run_id=run_id)
     try:
         leftovers = [n for n in os.listdir(ckpt_dir) if (m := RUN_FILE.search(n)) and m.group(1) != run_id]
     except OSError:
@@ -166,6 +179,8 @@ def remove_partial(root: str, runs: set[str] = frozenset()) -> tuple[list[str], 
     ``runs``: the runs that held ``root``'s lock; a directory without ``.reports`` counts only
     with files of one of them.
     """
+    if is_object_url(root):
+        return object_root.remove_partial(root, runs)
     return _sweep(root, runs, lambda name, path: os.path.lexists(os.path.join(path, MANIFEST)), remove_unlisted)
 
 
@@ -176,7 +191,7 @@ def remove_uncommitted_local(local_root: str, shared_root: str, runs: set[str]) 
     The local level holds no manifest of its own: a checkpoint is committed when the shared level's
     manifest exists (one ``lstat`` per local checkpoint, once at start-up).
     """
-    return _sweep(local_root, runs, lambda name, path: os.path.lexists(os.path.join(shared_root, name, MANIFEST)),
+    return _sweep(local_root, runs, lambda name, path: manifest_exists(os.path.join(shared_root, name)),
                   lambda path: 0)
 
 
