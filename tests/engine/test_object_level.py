@@ -47,6 +47,21 @@ def uploads(root: str) -> list:
     return object_store.client().list_multipart_uploads(Bucket=u.bucket, Prefix=u.prefix).get("Uploads", [])
 
 
+def killer(server, checkpoint: str):
+    """A fault hook that SIGKILLs ``server`` right before the second run of ``checkpoint``'s tensor
+    file is uploaded (its first run's parts are up: an upload the server then holds incomplete);
+    returns the offsets of the runs it saw and the hook."""
+    runs: list[int] = []
+
+    def hook(level, path, offset, nbytes):
+        if checkpoint in path and path.endswith(".safetensors"):
+            runs.append(offset)
+            if len(runs) == 2:
+                server.kill()
+
+    return runs, hook
+
+
 def test_checkpoints_round_trip_through_an_object_store(s3_root):
     config = {"save_dir": s3_root, "host_cache_size": 0.004, "chunk_size_mb": 1, "keep_last": 2, **FAST}
     with CheckpointEngine(config) as engine:
@@ -118,14 +133,7 @@ def test_the_server_killed_mid_upload_commits_nothing_and_the_next_start_aborts_
     checkpoint commits, the first still loads, and the next start-up aborts the upload left behind."""
     config = {"save_dir": s3_root, "host_cache_size": 0.06, "chunk_size_mb": 4, "on_failure": "continue", **FAST}
     big = {"w": torch.randn(9_000_000, generator=torch.Generator().manual_seed(1))}  # 36 MB: a run of 32 MB, then 4
-    runs = []
-
-    def kill_at_second_run(level, path, offset, nbytes):
-        if "iter_0000002" in path and path.endswith(".safetensors"):
-            runs.append(offset)
-            if len(runs) == 2:
-                s3_server.kill()
-
+    runs, kill_at_second_run = killer(s3_server, "iter_0000002")
     engine = CheckpointEngine(config)
     try:
         engine.save(state(1), "iter_0000001", version=1)
@@ -167,14 +175,7 @@ def test_the_server_killed_mid_upload_commits_nothing_and_the_next_start_aborts_
 def test_the_server_killed_mid_upload_stops_the_engine_under_on_failure_stop(s3_server, s3_root):
     config = {"save_dir": s3_root, "host_cache_size": 0.06, "chunk_size_mb": 4, **FAST}
     big = {"w": torch.randn(9_000_000, generator=torch.Generator().manual_seed(2))}
-    runs = []
-
-    def kill_at_second_run(level, path, offset, nbytes):
-        if path.endswith(".safetensors") and "iter_0000002" in path:
-            runs.append(offset)
-            if len(runs) == 2:
-                s3_server.kill()
-
+    runs, kill_at_second_run = killer(s3_server, "iter_0000002")
     engine = CheckpointEngine(config)
     try:
         engine.save(state(1), "iter_0000001", version=1)
