@@ -142,9 +142,13 @@ def _b64(data: bytes) -> str:
 class Encoder:
     """Walks a nested state once: collects tensors (in order) and builds the JSON skeleton."""
 
-    def __init__(self, pickle_fallback: bool = False, classes: Mapping[ClassKey, type] | None = None):
+    def __init__(self, pickle_fallback: bool = False, classes: Mapping[ClassKey, type] | None = None,
+                 prepare: bool = True):
+        """``prepare=False``: ``tensors`` holds each tensor as given, unchecked and not detached; the
+        caller runs ``prepare_tensor`` on those it keeps (``file_plan``: not on a reused plan's)."""
         self.pickle_fallback = pickle_fallback
         self.classes = allowed_classes(classes)
+        self.prepare = prepare
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self._names: set[str] = set()
 
@@ -159,7 +163,9 @@ class Encoder:
         # Plain keys and plain lists take no call per member: a Megatron rank's state has thousands of
         # them (shard metadata) and this runs on the training thread at every save.
         if cls is dict and all(type(k) is str and not k.startswith(TAG) for k in value):
-            return {k: v if type(v) in _AS_IS else self.encode(v, _join(path, k)) for k, v in value.items()}
+            return {k: v if (kind := type(v)) in _AS_IS
+                    else list(v) if kind is list and all(type(x) in _AS_IS for x in v)
+                    else self.encode(v, _join(path, k)) for k, v in value.items()}
         if cls in (dict, collections.OrderedDict):
             items = [[self.encode(k, path), self.encode(v, _join(path, k))] for k, v in value.items()]
             if cls is dict and all(isinstance(k, str) and not k.startswith(TAG) for k in value):
@@ -170,6 +176,8 @@ class Encoder:
                 return list(value)
             return [self.encode(v, _join(path, i)) for i, v in enumerate(value)]
         if cls is tuple:
+            if all(type(v) in _AS_IS for v in value):  # Python's RNG state: 625 numbers
+                return {TAG + "tuple": list(value)}
             return {TAG + "tuple": [self.encode(v, _join(path, i)) for i, v in enumerate(value)]}
         allowed = self.classes.get(class_key(cls)) is cls
         if isinstance(value, enum.Enum):
@@ -227,14 +235,20 @@ class Encoder:
                 n += 1
             name = f"{name}#{n}"
         self._names.add(name)
-        if tensor.layout != torch.strided:
-            raise EncodeError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) tensors can be "
-                              "checkpointed: convert it with .to_dense() first")
-        tensor = tensor.detach()
-        if tensor.is_conj() or tensor.is_neg():  # lazy conjugate/negative views have no plain bytes
-            tensor = tensor.resolve_conj().resolve_neg()
-        self.tensors.append((name, tensor))
+        self.tensors.append((name, prepare_tensor(name, tensor) if self.prepare else tensor))
         return name
+
+
+def prepare_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What a file holds of ``tensor``: it detached (a view, no copy), its lazy conjugate or negative
+    bit resolved; ``EncodeError`` unless it is dense."""
+    if tensor.layout != torch.strided:
+        raise EncodeError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) tensors can be "
+                          "checkpointed: convert it with .to_dense() first")
+    tensor = tensor.detach()
+    if tensor.is_conj() or tensor.is_neg():  # lazy conjugate/negative views have no plain bytes
+        tensor = tensor.resolve_conj().resolve_neg()
+    return tensor
 
 
 def _join(path: str, key: Any) -> str:

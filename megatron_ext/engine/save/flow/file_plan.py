@@ -27,6 +27,51 @@ def check_names(checkpoint: str, name: str) -> None:
         raise ValueError(f"checkpoint id {checkpoint!r} must be one non-hidden directory name")
 
 
+#: The tensor classes a plan may be reused for: their metadata is the tensor's own (a subclass's
+#: ``__torch_function__`` could answer for it; the signature below reads it without any).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def tensor_signatures(tensors: list[tuple[str, torch.Tensor]]) -> tuple[tuple, ...] | None:
+    """Each tensor's memory and layout (data pointer, shape, strides, dtype, device), or None when a
+    plan of these tensors may not be reused: a tensor of another class than ``_PLAIN``, not dense, or
+    with a lazy conjugate or negative bit (its file holds a resolved copy, made at the save).
+
+    Read with torch's Python overrides off (``DisableTorchFunction``): these are the tensor's own
+    fields, and a function mode (the CPU emulation of tests) would otherwise cost a Python call each.
+    """
+    for _, t in tensors:
+        if type(t) not in _PLAIN:
+            return None
+    with torch._C.DisableTorchFunction():
+        for _, t in tensors:
+            if t.layout is not torch.strided or t.is_conj() or t.is_neg():
+                return None
+        return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for _, t in tensors)
+
+
+@dataclasses.dataclass(eq=False)
+class ReusablePlan:
+    """What a save of the same tensors again reuses (``CheckpointEngine.save(reuse=True)``): the
+    detached tensors, their byte views and the file's layout but its metadata.
+
+    Reused only when the new state's tensors have the same names, in the same order, and the same
+    ``tensor_signatures``: the same memory, shape, strides, dtype and device, so the views kept here
+    read exactly the bytes the new tensors hold (they keep that memory alive, so no other
+    allocation can take its address). Anything else plans the file afresh.
+    """
+
+    names: tuple[str, ...]  # in the state's order
+    signatures: tuple[tuple, ...]
+    tensors: list[torch.Tensor]  # prepared (detached), in the state's order
+    body: tensor_file.BodyPlan
+    sources: list[torch.Tensor]  # what each tensor is copied from (``byte_source``), in file order
+
+    def matches(self, tensors: list[tuple[str, torch.Tensor]], signatures: tuple[tuple, ...] | None) -> bool:
+        return (signatures is not None and len(tensors) == len(self.names)
+                and signatures == self.signatures and tuple(n for n, _ in tensors) == self.names)
+
+
 @dataclasses.dataclass(eq=False)
 class PlannedFile:
     """One saved state, encoded: its sidecar, its tensors and the layout of its tensor file."""
@@ -37,21 +82,35 @@ class PlannedFile:
     sidecar: bytes
     tensors: list[torch.Tensor]
     layout: tensor_file.FileLayout
+    plan: ReusablePlan | None = None  # for the next save of the same tensors (with ``reusable``)
+    reused: bool = False  # whether ``previous`` was reused
 
     @classmethod
     def encode(cls, state: Any, checkpoint: str, name: str, rank: int, tag: str, *, pickle_fallback: Any,
-               classes: Any) -> "PlannedFile":
-        """Non-tensor values are encoded now, so later changes to them do not reach the checkpoint."""
-        encoder = codec.Encoder(pickle_fallback=pickle_fallback, classes=classes)
+               classes: Any, previous: ReusablePlan | None = None, reusable: bool = False) -> "PlannedFile":
+        """Non-tensor values are encoded now, so later changes to them do not reach the checkpoint.
+
+        ``previous``: the plan of an earlier save of this file, reused if the tensors match it;
+        ``reusable``: keep this save's plan (``plan``) for the next one.
+        """
+        encoder = codec.Encoder(pickle_fallback=pickle_fallback, classes=classes, prepare=False)
         skeleton = encoder.encode(state)
         sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton}, separators=(",", ":")).encode("utf-8")
+        raw = encoder.tensors
         # A sidecar no loader would read (too large, too many values) is refused now, not at load.
-        check_sidecar_volume(sidecar, len(encoder.tensors), f"checkpoint {checkpoint}, file {name!r}")
-        layout = tensor_file.plan(encoder.tensors, {"checkpoint": checkpoint, "name": name, "rank": str(rank),
-                                                    "run_id": tag})
-        for span in layout.spans:  # torch calls here, not on the copy thread (copier.py)
-            span.tensor = byte_source(span.tensor)
-        return cls(checkpoint, name, tag, sidecar, [t for _, t in encoder.tensors], layout)
+        check_sidecar_volume(sidecar, len(raw), f"checkpoint {checkpoint}, file {name!r}")
+        metadata = {"checkpoint": checkpoint, "name": name, "rank": str(rank), "run_id": tag}
+        signatures = tensor_signatures(raw) if previous is not None or reusable else None
+        if previous is not None and previous.matches(raw, signatures):
+            return cls(checkpoint, name, tag, sidecar, previous.tensors, previous.body.layout(metadata, previous.sources),
+                       previous, reused=True)
+        tensors = [(n, codec.prepare_tensor(n, t)) for n, t in raw]
+        body = tensor_file.plan_body(tensors)
+        sources = [byte_source(tensors[i][1]) for i in body.order]  # torch calls here, not on the copy thread
+        prepared = [t for _, t in tensors]
+        plan = (ReusablePlan(tuple(n for n, _ in raw), signatures, prepared, body, sources)
+                if reusable and signatures is not None else None)
+        return cls(checkpoint, name, tag, sidecar, prepared, body.layout(metadata, sources), plan)
 
     def file_job(self, job: CheckpointJob, copier: CpuCopier, gate: Any = None, extra: dict | None = None) -> FileJob:
         """The file's record under ``job``; its copies follow the copier's stream from now (or, with a
@@ -67,4 +126,4 @@ class PlannedFile:
         return fjob
 
 
-__all__ = ["PlannedFile", "check_names"]
+__all__ = ["PlannedFile", "ReusablePlan", "check_names", "tensor_signatures"]
