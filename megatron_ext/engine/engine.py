@@ -101,7 +101,8 @@ class CheckpointEngine:
         self.jobs = JobTable(self.run_id)
         self._files: list[FileJob] = []  # saved files whose snapshot wait_snapshot has not seen done
         self._plans: dict[str, Any] = {}  # file name -> its last ``reuse`` save's plan (file_plan.ReusablePlan)
-        self.plan_reuses = 0  # saves that reused the plan of the file's previous save
+        self.plan_reuses = 0  # saves that reused the layout of the file's previous save
+        self.views_renewed = 0  # tensors of those that got a new view (their memory moved)
         self._closed = False
         self.last_load_level: str | None = None
         self.blocked_total_s = 0.0  # all time the caller spent in save() and wait_snapshot()
@@ -132,7 +133,8 @@ class CheckpointEngine:
 
         ``reuse``: keep this file's plan (its tensors' views and layout, ``file_plan.ReusablePlan``)
         and reuse it at the next ``reuse`` save of a file of the same name whose tensors have the same
-        names, memory, shapes, strides and dtypes (a training loop saving the same model again); any
+        names, shapes and dtypes (a training loop saving the same model again): each tensor in the
+        same memory with the same strides keeps its view, the others get a new one; any other
         difference plans the file afresh. The kept views hold the tensors' memory until that next
         save or ``shutdown``.
         """
@@ -156,6 +158,7 @@ class CheckpointEngine:
         if planned.plan is not None:
             self._plans[name] = planned.plan
         self.plan_reuses += planned.reused
+        self.views_renewed += planned.renewed
         if job is None:
             job = self.skips.new_job(root, checkpoint, version, tag)  # its policy under a full cache
             self.committer.track(self.jobs.add(job))

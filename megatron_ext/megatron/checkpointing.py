@@ -234,7 +234,7 @@ class MegatronCheckpointer:
                           timeout=self.bounds.snapshot)
         name = checkpoint_name(RELEASE if release else iteration)
         engine.save(state, name, rank_file_name(rank), root=root, version=iteration, extra=rank_extra(objects, layout),
-                    gate=gate)
+                    gate=gate, reuse=True)
         engine.commit(name, root=root, on_committed=tracker_writer(root, RELEASE if release else iteration, rank),
                       keep_last=1 if non_persistent_ckpt else None)
         log.info("[datastates] iteration %d: %scheckpoint recorded in %.4fs (%d tensors, %d objects owned here)",

@@ -55,7 +55,7 @@ def test_same_tensors_reuse_the_plan_and_values_are_fresh(make_engine):
         engine.wait_snapshot()
         states[-1] = (states[-1][0], expected)
     engine.wait_persisted()
-    assert engine.plan_reuses == 3
+    assert (engine.plan_reuses, engine.views_renewed) == (3, 0)
     _check(engine, states)
 
 
@@ -69,26 +69,29 @@ def test_a_changed_structure_plans_afresh_and_saves_exactly(make_engine):
     grown["w"] = params["w"].clone()
     grown["w"].resize_(5, 8).fill_(2.0)
     steps.append(("c3", _state(3, grown)))  # a resized tensor
-    steps.append(("c4", _state(4, {**grown, "b": grown["b"].to(torch.float16)})))  # a dtype change
-    other = {**grown, "i": torch.arange(7) * 3}  # another object of the same shape: copied from the new one
-    steps.append(("c5", _state(5, other)))
+    half = {**grown, "b": grown["b"].to(torch.float16)}
+    steps.append(("c4", _state(4, half)))  # a dtype change
+    other = {**half, "i": torch.arange(7) * 3}  # another object of the same shape: copied from the new one
+    steps.append(("c5", _state(5, other)))  # the layout is reused, "i" gets a view of its new memory
     steps.append(("c6", _state(6, {k: other[k] for k in reversed(other)})))  # the same tensors, another order
     renamed = dict(other)
     renamed["j"] = renamed.pop("i")
     steps.append(("c7", _state(7, renamed)))  # a renamed tensor
     steps.append(("c8", _state(8, renamed)))  # reused again
     expected = _save_all(engine, steps)
-    assert engine.plan_reuses == 2  # c1 and c8
+    assert (engine.plan_reuses, engine.views_renewed) == (3, 1)  # c1, c5 (its new "i"), c8
     _check(engine, expected)
 
 
-def test_a_view_of_other_memory_is_not_reused(make_engine):
+def test_a_view_of_other_memory_gets_a_new_view(make_engine):
     engine = make_engine(**TINY)
     base = torch.arange(20, dtype=torch.float32)
     steps = [("c0", {"v": base[0:10]}), ("c1", {"v": base[0:10]}), ("c2", {"v": base[5:15]}),
              ("c3", {"v": base[0:20:2]}), ("c4", {"v": base.view(2, 10)[:, :5]})]
     expected = _save_all(engine, steps)
-    assert engine.plan_reuses == 1  # c1: a new view object of the same memory
+    # c1: a new view object of the same memory; c2: the same shape in other memory, c3 with other strides
+    # (each a new view); c4: another shape, planned afresh
+    assert (engine.plan_reuses, engine.views_renewed) == (3, 2)
     _check(engine, expected)
 
 
@@ -150,5 +153,19 @@ def test_the_same_object_changed_in_place_is_planned_afresh(make_engine):
     expected += _save_all(engine, [("c3", {"t": t})])
     t.data = torch.ones(3, 4, dtype=torch.float64)
     expected += _save_all(engine, [("c4", {"t": t}), ("c5", {"t": t})])
-    assert engine.plan_reuses == 2  # c1, c5
+    assert (engine.plan_reuses, engine.views_renewed) == (3, 1)  # c1, c2 (other memory: a new view), c5
+    _check(engine, expected)
+
+
+def test_tensors_in_new_memory_each_save_get_new_views(make_engine):
+    """An RNG state (``torch.get_rng_state()``: a new tensor at each call) beside kept weights."""
+    engine = make_engine(**TINY)
+    w = torch.randn(16, 16)
+    expected = []
+    for step in range(3):
+        torch.rand(step + 1)  # the generator moves
+        expected += _save_all(engine, [(f"c{step}", {"w": w, "rng": torch.get_rng_state(), "step": step})])
+        with torch.no_grad():
+            w.mul_(2)
+    assert (engine.plan_reuses, engine.views_renewed) == (2, 2)
     _check(engine, expected)

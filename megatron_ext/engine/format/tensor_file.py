@@ -15,6 +15,7 @@ chunks need alignment, not the tensors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import struct
@@ -159,6 +160,14 @@ class BodyPlan:
     @property
     def data_bytes(self) -> int:
         return self.offsets[-1][1] if self.offsets else 0
+
+    @functools.cached_property
+    def position(self) -> list[int]:
+        """Each planned tensor's place in file order (the inverse of ``order``)."""
+        place = [0] * len(self.order)
+        for k, i in enumerate(self.order):
+            place[i] = k
+        return place
 
     def layout(self, metadata: dict[str, str], sources: list[Any]) -> FileLayout:
         """The file's layout under ``metadata``; ``sources[k]`` is what the k-th tensor in file order is copied from."""

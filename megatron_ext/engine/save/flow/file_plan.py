@@ -55,10 +55,12 @@ class ReusablePlan:
     """What a save of the same tensors again reuses (``CheckpointEngine.save(reuse=True)``): the
     detached tensors, their byte views and the file's layout but its metadata.
 
-    Reused only when the new state's tensors have the same names, in the same order, and the same
-    ``tensor_signatures``: the same memory, shape, strides, dtype and device, so the views kept here
-    read exactly the bytes the new tensors hold (they keep that memory alive, so no other
-    allocation can take its address). Anything else plans the file afresh.
+    The layout is reused when the new state's tensors have the same names, in the same order, with
+    the same shapes and dtypes; each tensor's view when its ``tensor_signatures`` entry is the same
+    too (the same memory, strides and device), so the view kept here reads exactly the bytes the
+    new tensor holds (it keeps that memory alive: no other allocation can take its address). A
+    tensor in new memory (a fresh RNG state, another object) gets a new view; anything else plans
+    the file afresh.
     """
 
     names: tuple[str, ...]  # in the state's order
@@ -67,9 +69,25 @@ class ReusablePlan:
     body: tensor_file.BodyPlan
     sources: list[torch.Tensor]  # what each tensor is copied from (``byte_source``), in file order
 
-    def matches(self, tensors: list[tuple[str, torch.Tensor]], signatures: tuple[tuple, ...] | None) -> bool:
-        return (signatures is not None and len(tensors) == len(self.names)
-                and signatures == self.signatures and tuple(n for n, _ in tensors) == self.names)
+    def renew(self, tensors: list[tuple[str, torch.Tensor]],
+              signatures: tuple[tuple, ...] | None) -> tuple["ReusablePlan", int] | None:
+        """This plan for ``tensors`` (their signatures), with a new view of each tensor whose memory
+        moved, and how many did; None if the layout differs."""
+        old = self.signatures
+        if signatures is None or len(tensors) != len(self.names) or tuple(n for n, _ in tensors) != self.names:
+            return None
+        if signatures == old:
+            return self, 0
+        changed = [i for i, (new, was) in enumerate(zip(signatures, old)) if new != was]
+        if any(signatures[i][1] != old[i][1] or signatures[i][3] != old[i][3] for i in changed):
+            return None  # a shape or dtype: another layout
+        prepared, sources = list(self.tensors), list(self.sources)
+        position = self.body.position
+        for i in changed:
+            name, tensor = tensors[i]
+            prepared[i] = codec.prepare_tensor(name, tensor)
+            sources[position[i]] = byte_source(prepared[i])
+        return ReusablePlan(self.names, signatures, prepared, self.body, sources), len(changed)
 
 
 @dataclasses.dataclass(eq=False)
@@ -83,15 +101,16 @@ class PlannedFile:
     tensors: list[torch.Tensor]
     layout: tensor_file.FileLayout
     plan: ReusablePlan | None = None  # for the next save of the same tensors (with ``reusable``)
-    reused: bool = False  # whether ``previous`` was reused
+    reused: bool = False  # whether ``previous``'s layout was reused
+    renewed: int = 0  # tensors of it given a new view (their memory moved)
 
     @classmethod
     def encode(cls, state: Any, checkpoint: str, name: str, rank: int, tag: str, *, pickle_fallback: Any,
                classes: Any, previous: ReusablePlan | None = None, reusable: bool = False) -> "PlannedFile":
         """Non-tensor values are encoded now, so later changes to them do not reach the checkpoint.
 
-        ``previous``: the plan of an earlier save of this file, reused if the tensors match it;
-        ``reusable``: keep this save's plan (``plan``) for the next one.
+        ``previous``: the plan of an earlier save of this file, reused if the tensors match it
+        (``ReusablePlan.renew``); ``reusable``: keep this save's plan (``plan``) for the next one.
         """
         encoder = codec.Encoder(pickle_fallback=pickle_fallback, classes=classes, prepare=False)
         skeleton = encoder.encode(state)
@@ -101,9 +120,11 @@ class PlannedFile:
         check_sidecar_volume(sidecar, len(raw), f"checkpoint {checkpoint}, file {name!r}")
         metadata = {"checkpoint": checkpoint, "name": name, "rank": str(rank), "run_id": tag}
         signatures = tensor_signatures(raw) if previous is not None or reusable else None
-        if previous is not None and previous.matches(raw, signatures):
-            return cls(checkpoint, name, tag, sidecar, previous.tensors, previous.body.layout(metadata, previous.sources),
-                       previous, reused=True)
+        renewed = previous.renew(raw, signatures) if previous is not None else None
+        if renewed is not None:
+            plan, count = renewed
+            return cls(checkpoint, name, tag, sidecar, plan.tensors, plan.body.layout(metadata, plan.sources),
+                       plan if reusable else None, reused=True, renewed=count)
         tensors = [(n, codec.prepare_tensor(n, t)) for n, t in raw]
         body = tensor_file.plan_body(tensors)
         sources = [byte_source(tensors[i][1]) for i in body.order]  # torch calls here, not on the copy thread
