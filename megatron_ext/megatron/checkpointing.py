@@ -49,7 +49,7 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError
 from megatron_ext.engine.errors import ConfigError
-from megatron_ext.megatron import core_state, fault_tolerance, param_gather, saved_run, sharding
+from megatron_ext.megatron import core_state, fault_tolerance, optimizer_state, param_gather, saved_run, sharding
 from megatron_ext.megatron.args import adapter_engine_config
 from megatron_ext.megatron.checkpoint_layout import (
     RELEASE,
@@ -185,7 +185,7 @@ class MegatronCheckpointer:
         (``sharding.leaf_signature``: every leaf's fields and data memory) is the same; objects' values
         and copied buffers are taken from the new shards each time. Any change takes the full path.
         """
-        key = sharding.leaf_signature(shards)
+        key = sharding.leaf_signature(shards, optimizer_state.kept_leaves(self._kept_optimizer))
         kept = self._kept_split
         if key is not None and kept is not None and kept.key == key:
             return kept.split(shards)

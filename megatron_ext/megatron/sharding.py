@@ -166,7 +166,7 @@ def leaf_fields(leaf: ShardedBase) -> tuple[str, ...]:
     return names
 
 
-def leaf_signature(leaves: list[ShardedBase]) -> tuple | None:
+def leaf_signature(leaves: list[ShardedBase], known: frozenset[int] = frozenset()) -> tuple | None:
     """The exact structure of ``leaves``: each one's class and fields but its data, and of each
     ShardedTensor's data its memory and layout (``file_plan.tensor_signatures``); None when it
     cannot be kept (a leaf that is not a plain ShardedTensor or ShardedObject, such as a factory,
@@ -174,10 +174,16 @@ def leaf_signature(leaves: list[ShardedBase]) -> tuple | None:
 
     Two saves with equal signatures place the same shard ids, sizes and metadata, and each
     ShardedTensor's data is the same memory: what the ownership plan and the owned split read.
+    ``known``: ids of leaves whose fields and data the caller vouches for (the optimizer leaves
+    ``optimizer_state`` keeps, checked by their own key, the same objects again): they stand for
+    themselves. The ``KeptSplit`` made from these leaves holds them, so their ids stay theirs.
     """
     described = []
     tensors = []
     for leaf in leaves:
+        if id(leaf) in known:
+            described.append(id(leaf))
+            continue
         cls = type(leaf)
         if cls is ShardedObject:
             described.append((cls, *[getattr(leaf, n) for n in leaf_fields(leaf)]))
@@ -206,6 +212,7 @@ class KeptSplit:
     objects: dict[str, int]  # shard id -> its leaf's index
     copied: dict[str, int]  # shard id -> its leaf's index (copied at each save)
     meta: dict[str, dict]
+    leaves: list[ShardedBase]  # held: the ids ``leaf_signature`` took as known stay theirs
 
     def split(self, leaves: list[ShardedBase]) -> tuple[dict, dict, dict]:
         tensors = dict(self.tensors)
@@ -225,5 +232,5 @@ def keep_split(key: tuple, leaves: list[ShardedBase], tensors: dict, objects: di
             index[sid] = i
     if any(sid not in index or leaves[index[sid]].data is not objects[sid] for sid in objects):
         return None
-    return KeptSplit(key, {sid: t for sid, t in tensors.items()}, {sid: index[sid] for sid in objects},
-                     {sid: index[sid] for sid in copied}, meta)
+    return KeptSplit(key, dict(tensors), {sid: index[sid] for sid in objects}, {sid: index[sid] for sid in copied},
+                     meta, list(leaves))
