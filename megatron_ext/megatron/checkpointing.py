@@ -184,6 +184,7 @@ class MegatronCheckpointer:
         Kept for the next save (``sharding.KeptSplit``) and reused while the shards' exact structure
         (``sharding.leaf_signature``: every leaf's fields and data memory) is the same; objects' values
         and copied buffers are taken from the new shards each time. Any change takes the full path.
+        The metadata comes as the kept split's ``Frozen`` when there is one (its encoding is reused).
         """
         key = sharding.leaf_signature(shards, optimizer_state.kept_leaves(self._kept_optimizer))
         kept = self._kept_split
@@ -194,7 +195,7 @@ class MegatronCheckpointer:
         tensors, objects, meta = sharding.split_owned(shards, plan)
         self._kept_split = None if key is None else sharding.keep_split(key, shards, tensors, objects, meta,
                                                                          copied & set(tensors))
-        return tensors, objects, meta
+        return tensors, objects, (meta if self._kept_split is None else self._kept_split.meta)
 
     def forget_kept(self) -> None:
         """Drop what saves keep for the next one (it holds views of the model's and optimizer's memory)."""

@@ -22,6 +22,7 @@ import torch
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
 
+from megatron_ext.engine.format.codec import Frozen
 from megatron_ext.engine.save.flow.file_plan import tensor_signatures
 
 
@@ -211,10 +212,10 @@ class KeptSplit:
     tensors: dict[str, torch.Tensor]
     objects: dict[str, int]  # shard id -> its leaf's index
     copied: dict[str, int]  # shard id -> its leaf's index (copied at each save)
-    meta: dict[str, dict]
+    meta: Frozen  # the shards' metadata (``shard_meta``), never changed again: the engine reuses its encoding
     leaves: list[ShardedBase]  # held: the ids ``leaf_signature`` took as known stay theirs
 
-    def split(self, leaves: list[ShardedBase]) -> tuple[dict, dict, dict]:
+    def split(self, leaves: list[ShardedBase]) -> tuple[dict, dict, Frozen]:
         tensors = dict(self.tensors)
         for sid, index in self.copied.items():
             tensors[sid] = leaves[index].data.clone()
@@ -233,4 +234,4 @@ def keep_split(key: tuple, leaves: list[ShardedBase], tensors: dict, objects: di
     if any(sid not in index or leaves[index[sid]].data is not objects[sid] for sid in objects):
         return None
     return KeptSplit(key, dict(tensors), {sid: index[sid] for sid in objects}, {sid: index[sid] for sid in copied},
-                     meta, list(leaves))
+                     Frozen(meta), list(leaves))

@@ -169,3 +169,24 @@ def test_tensors_in_new_memory_each_save_get_new_views(make_engine):
             w.mul_(2)
     assert (engine.plan_reuses, engine.views_renewed) == (2, 2)
     _check(engine, expected)
+
+
+def test_a_frozen_value_is_saved_as_itself_and_its_encoding_reused(make_engine):
+    from megatron_ext.engine import Frozen
+
+    engine = make_engine(**TINY)
+    meta = Frozen({"w": {"shape": [4, 8], "offset": [0, 0]}, "names": ("a", "b")})
+    with_tensor = Frozen({"t": torch.ones(2)})
+    w = torch.randn(4, 8)
+    expected = _save_all(engine, [("c0", {"w": w, "meta": meta, "t": with_tensor}),
+                                  ("c1", {"w": w, "meta": meta, "t": with_tensor})])
+    kept = engine._plans["rank00000"].frozen
+    assert list(kept) == [id(meta)], "the tensor-free one only"
+    skeleton = kept[id(meta)][1]
+    expected += _save_all(engine, [("c2", {"w": w, "meta": meta, "t": with_tensor})])
+    assert engine._plans["rank00000"].frozen[id(meta)][1] is skeleton, "encoded once"
+    for checkpoint, _ in expected:
+        state = engine.load(checkpoint, "rank00000")
+        assert state["meta"] == {"w": {"shape": [4, 8], "offset": [0, 0]}, "names": ("a", "b")}
+        assert torch.equal(state["t"]["t"], torch.ones(2)) and torch.equal(state["w"], w)
+    assert engine.load("c0", "rank00000").keys() == {"w", "meta", "t"}

@@ -68,6 +68,7 @@ class ReusablePlan:
     tensors: list[torch.Tensor]  # prepared (detached), in the state's order
     body: tensor_file.BodyPlan
     sources: list[torch.Tensor]  # what each tensor is copied from (``byte_source``), in file order
+    frozen: dict = dataclasses.field(default_factory=dict)  # the ``codec.Frozen`` values' encodings (``Encoder.frozen``)
 
     def renew(self, tensors: list[tuple[str, torch.Tensor]],
               signatures: tuple[tuple, ...] | None) -> tuple["ReusablePlan", int] | None:
@@ -87,7 +88,7 @@ class ReusablePlan:
             name, tensor = tensors[i]
             prepared[i] = codec.prepare_tensor(name, tensor)
             sources[position[i]] = byte_source(prepared[i])
-        return ReusablePlan(self.names, signatures, prepared, self.body, sources), len(changed)
+        return ReusablePlan(self.names, signatures, prepared, self.body, sources, self.frozen), len(changed)
 
 
 @dataclasses.dataclass(eq=False)
@@ -112,7 +113,8 @@ class PlannedFile:
         ``previous``: the plan of an earlier save of this file, reused if the tensors match it
         (``ReusablePlan.renew``); ``reusable``: keep this save's plan (``plan``) for the next one.
         """
-        encoder = codec.Encoder(pickle_fallback=pickle_fallback, classes=classes, prepare=False)
+        encoder = codec.Encoder(pickle_fallback=pickle_fallback, classes=classes, prepare=False,
+                                memo=previous.frozen if previous is not None else None)
         skeleton = encoder.encode(state)
         sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton}, separators=(",", ":")).encode("utf-8")
         raw = encoder.tensors
@@ -123,13 +125,14 @@ class PlannedFile:
         renewed = previous.renew(raw, signatures) if previous is not None else None
         if renewed is not None:
             plan, count = renewed
-            return cls(checkpoint, name, tag, sidecar, plan.tensors, plan.body.layout(metadata, plan.sources),
-                       plan if reusable else None, reused=True, renewed=count)
+            plan = dataclasses.replace(plan, frozen=encoder.frozen) if reusable else None
+            return cls(checkpoint, name, tag, sidecar, renewed[0].tensors,
+                       renewed[0].body.layout(metadata, renewed[0].sources), plan, reused=True, renewed=count)
         tensors = [(n, codec.prepare_tensor(n, t)) for n, t in raw]
         body = tensor_file.plan_body(tensors)
         sources = [byte_source(tensors[i][1]) for i in body.order]  # torch calls here, not on the copy thread
         prepared = [t for _, t in tensors]
-        plan = (ReusablePlan(tuple(n for n, _ in raw), signatures, prepared, body, sources)
+        plan = (ReusablePlan(tuple(n for n, _ in raw), signatures, prepared, body, sources, encoder.frozen)
                 if reusable and signatures is not None else None)
         return cls(checkpoint, name, tag, sidecar, prepared, body.layout(metadata, sources), plan)
 
