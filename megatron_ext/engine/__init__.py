@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 _PUBLIC = {
     "CheckpointEngine": "engine", "CheckpointError": "errors", "ConfigError": "errors", "CopyGate": "save.flow.copy_gate",
-    "EncodeError": "errors", "EngineConfig": "config", "OnFailure": "config", "OverloadPolicy": "config",
+    "EncodeError": "errors", "EngineConfig": "config", "Frozen": "format.codec", "OnFailure": "config", "OverloadPolicy": "config",
     "UnsafeCheckpointError": "errors", "add_safe_classes": "format.codec", "list_committed": "format.catalog",
     "open_committed": "read.committed", "read_manifest": "format.catalog", "safe_classes": "format.codec",
 }
 
 __all__ = [
-    "CheckpointEngine", "CheckpointError", "ConfigError", "CopyGate", "EncodeError", "EngineConfig", "OnFailure",
+    "CheckpointEngine", "CheckpointError", "ConfigError", "CopyGate", "EncodeError", "EngineConfig", "Frozen", "OnFailure",
     "OverloadPolicy", "UnsafeCheckpointError", "add_safe_classes", "list_committed", "open_committed", "read_manifest",
     "safe_classes",
 ]
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .engine import CheckpointEngine
     from .errors import CheckpointError, ConfigError, EncodeError, UnsafeCheckpointError
     from .format.catalog import list_committed, read_manifest
-    from .format.codec import add_safe_classes, safe_classes
+    from .format.codec import Frozen, add_safe_classes, safe_classes
     from .read.committed import open_committed
     from .save.flow.copy_gate import CopyGate
 

@@ -101,6 +101,9 @@ class CheckpointEngine:
         self.device = rank_device()
         self.jobs = JobTable(self.run_id)
         self._files: list[FileJob] = []  # saved files whose snapshot wait_snapshot has not seen done
+        self._plans: dict[str, Any] = {}  # file name -> its last ``reuse`` save's plan (file_plan.ReusablePlan)
+        self.plan_reuses = 0  # saves that reused the layout of the file's previous save
+        self.views_renewed = 0  # tensors of those that got a new view (their memory moved)
         self._closed = False
         self.last_load_level: str | None = None
         self.blocked_total_s = 0.0  # all time the caller spent in save() and wait_snapshot()
@@ -120,13 +123,21 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------ saving
     def save(self, state: Any, checkpoint: str, name: str | None = None, *, root: str | None = None,
-             version: int | None = None, extra: dict | None = None, gate: CopyGate | None = None) -> FileJob:
+             version: int | None = None, extra: dict | None = None, gate: CopyGate | None = None,
+             reuse: bool = False) -> FileJob:
         """Record ``state`` for checkpoint ``checkpoint``; returns at once, copies run in the background.
 
         The tensors must not be modified until ``wait_snapshot`` returns. Non-tensor values are
         encoded now (save/flow/file_plan.py). ``extra`` (JSON-able)
         is copied into this file's manifest entry, for adapters that index what each file holds.
         ``gate``: the copies wait until it opens (tensors a collective is still filling in).
+
+        ``reuse``: keep this file's plan (its tensors' views and layout, ``file_plan.ReusablePlan``)
+        and reuse it at the next ``reuse`` save of a file of the same name whose tensors have the same
+        names, shapes and dtypes (a training loop saving the same model again): each tensor in the
+        same memory with the same strides keeps its view, the others get a new one; any other
+        difference plans the file afresh. The kept views hold the tensors' memory until that next
+        save or ``shutdown``.
         """
         started = time.monotonic()
         self.failures.check()
@@ -142,7 +153,13 @@ class CheckpointEngine:
             raise CheckpointError(f"checkpoint {checkpoint}: version {version} differs from {job.version}")
         tag = job.tag if job is not None else self.jobs.tag(root, checkpoint)
         planned = PlannedFile.encode(state, checkpoint, name, self.rank, tag,
-                                     pickle_fallback=self.config.pickle_fallback, classes=self.classes)
+                                     pickle_fallback=self.config.pickle_fallback, classes=self.classes,
+                                     previous=self._plans.get(name) if reuse else None, reusable=reuse)
+        self._plans.pop(name, None)
+        if planned.plan is not None:
+            self._plans[name] = planned.plan
+        self.plan_reuses += planned.reused
+        self.views_renewed += planned.renewed
         if job is None:
             job = self.skips.new_job(root, checkpoint, version, tag)  # its policy under a full cache
             self.committer.track(self.jobs.add(job))
@@ -291,6 +308,7 @@ class CheckpointEngine:
         if self._closed:
             return
         self._closed = True
+        self._plans.clear()  # the views they keep hold the caller's memory
         if not normal_end:
             for fjob in self._files:
                 if fjob.gate is not None and not fjob.snapshot_done.is_set():
@@ -327,6 +345,7 @@ class CheckpointEngine:
         if self._closed:
             return {"open": [], "running": [], "cache_freed": False}
         self._closed = True
+        self._plans.clear()
         open_checkpoints = sorted(job.checkpoint for job in self.jobs.jobs() if not job.settled.is_set())
         for fjob in self._files:  # copies still held behind a gate never start: their tensors are the old attempt's
             if fjob.gate is not None and not fjob.snapshot_done.is_set():

@@ -49,7 +49,7 @@ import torch
 
 from megatron_ext.engine import CheckpointEngine, CheckpointError
 from megatron_ext.engine.errors import ConfigError
-from megatron_ext.megatron import core_state, fault_tolerance, param_gather, saved_run, sharding
+from megatron_ext.megatron import core_state, fault_tolerance, optimizer_state, param_gather, saved_run, sharding
 from megatron_ext.megatron.args import adapter_engine_config
 from megatron_ext.megatron.checkpoint_layout import (
     RELEASE,
@@ -84,6 +84,9 @@ class MegatronCheckpointer:
         self._engine_world: Any = None  # the default process group the engine was made in
         self.bounds: fault_tolerance.WaitBounds | None = None  # the engine's waits on the training thread
         self._ft_ordered = False  # fault_tolerance.order_at_start_up ran
+        # What a save keeps for the next one of the same structure (``owned``, ``forget_kept``).
+        self._kept_split: sharding.KeptSplit | None = None
+        self._kept_optimizer: dict = {}
 
     def restarted(self) -> bool:
         """After an in-process restart (nvidia-resiliency-ext's ``--inprocess-restart``, or any caller
@@ -100,6 +103,7 @@ class MegatronCheckpointer:
         if self.engine is None or world is None or world is self._engine_world:
             return False
         engine, self.engine, self.plan, self._engine_key, self.bounds = self.engine, None, None, None, None
+        self.forget_kept()
         left = engine.abandon("an in-process restart: the process groups it committed through are gone")
         log.warning("[datastates] rank %d: in-process restart: the previous attempt's engine stopped (open "
                     "checkpoints abandoned: %s; threads still running: %s; host cache %s); a new engine starts",
@@ -174,6 +178,30 @@ class MegatronCheckpointer:
             log.info("[datastates] shard ownership: bytes per data-parallel rank %s", self.plan.bytes_by_dp_rank)
         return self.plan
 
+    def owned(self, shards: list, model: list, groups: core_state.ParallelGroups) -> tuple[dict, dict, dict]:
+        """(tensors, objects, metadata) of the shards this rank writes (``sharding.split_owned``).
+
+        Kept for the next save (``sharding.KeptSplit``) and reused while the shards' exact structure
+        (``sharding.leaf_signature``: every leaf's fields and data memory) is the same; objects' values
+        and copied buffers are taken from the new shards each time. Any change takes the full path.
+        The metadata comes as the kept split's ``Frozen`` when there is one (its encoding is reused).
+        """
+        key = sharding.leaf_signature(shards, optimizer_state.kept_leaves(self._kept_optimizer))
+        kept = self._kept_split
+        if key is not None and kept is not None and kept.key == key:
+            return kept.split(shards)
+        copied = core_state.copy_buffers_now(shards, model)
+        plan = self.ownership(shards, groups)
+        tensors, objects, meta = sharding.split_owned(shards, plan)
+        self._kept_split = None if key is None else sharding.keep_split(key, shards, tensors, objects, meta,
+                                                                         copied & set(tensors))
+        return tensors, objects, (meta if self._kept_split is None else self._kept_split.meta)
+
+    def forget_kept(self) -> None:
+        """Drop what saves keep for the next one (it holds views of the model's and optimizer's memory)."""
+        self._kept_split = None
+        self._kept_optimizer = {}
+
     # ------------------------------------------------------------------------ save
     def save(self, iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
              checkpointing_context=None, pipeline_rank=None, expert_rank=None, tensor_rank=None,
@@ -210,12 +238,11 @@ class MegatronCheckpointer:
             native.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None),
                                                tp_group=tp_group, pp_group=pp_group, dp_group=dp_group)
         with_optimizer = not getattr(args, "no_save_optim", False)
-        sharded, common = save_preprocess(core_state.sharded_state(model, optimizer, with_optimizer, groups=groups),
+        sharded, common = save_preprocess(core_state.sharded_state(model, optimizer, with_optimizer, groups=groups,
+                                                                   kept=self._kept_optimizer),
                                           validate_access_integrity=False)
         shards = list(sharding.sharded_leaves(sharded))
-        core_state.copy_buffers_now(shards, model)
-        plan = self.ownership(shards, groups)
-        tensors, objects, meta = sharding.split_owned(shards, plan)
+        tensors, objects, meta = self.owned(shards, model, groups)
         rank = torch.distributed.get_rank()
         layout = core_state.parallel_layout(groups)
         rng = None if getattr(args, "no_save_rng", False) else capture_rng_state()
@@ -234,7 +261,7 @@ class MegatronCheckpointer:
                           timeout=self.bounds.snapshot)
         name = checkpoint_name(RELEASE if release else iteration)
         engine.save(state, name, rank_file_name(rank), root=root, version=iteration, extra=rank_extra(objects, layout),
-                    gate=gate)
+                    gate=gate, reuse=True)
         engine.commit(name, root=root, on_committed=tracker_writer(root, RELEASE if release else iteration, rank),
                       keep_last=1 if non_persistent_ckpt else None)
         log.info("[datastates] iteration %d: %scheckpoint recorded in %.4fs (%d tensors, %d objects owned here)",
@@ -257,6 +284,7 @@ class MegatronCheckpointer:
         if self.engine is not None:
             self.engine.shutdown(timeout=self.bounds.persist())
         self.engine, self.plan, self.bounds = None, None, None
+        self.forget_kept()
 
     # ------------------------------------------------------------------------ load
     def load(self, ddp_model, optimizer, opt_param_scheduler, load_arg="load", strict=True,

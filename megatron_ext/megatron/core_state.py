@@ -87,12 +87,13 @@ def _model_metadata(groups: ParallelGroups) -> dict:
 
 
 def sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_format: str | None = None,
-                  is_loading: bool = False, groups: ParallelGroups = ParallelGroups()) -> dict:
+                  is_loading: bool = False, groups: ParallelGroups = ParallelGroups(), kept: dict | None = None) -> dict:
     """The sharded state dict saved (model-space optimizer) or to load into (the checkpoint's optimizer format).
 
     megatron-core's own formats (``NATIVE_FORMATS``: bucket-space ``dp_reshardable`` and the gathered
     ``dp_zero_gather_scatter``, which checkpoints converted from torch_dist carry, and
     ``dp_reshardable`` those saved before the model-space format) are built by megatron-core.
+    ``kept``: the saving caller's optimizer leaves between saves (``optimizer_state.model_space_state_dict``).
     """
     metadata = _model_metadata(groups)
     sharded = {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(model_keys(model), model)}
@@ -101,7 +102,7 @@ def sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_f
             sharded["optimizer"] = optimizer.sharded_state_dict(
                 sharded, is_loading=True, metadata={**metadata, "distrib_optim_sharding_type": optimizer_format})
         else:
-            sharded["optimizer"] = optimizer_state.model_space_state_dict(optimizer, sharded, is_loading)
+            sharded["optimizer"] = optimizer_state.model_space_state_dict(optimizer, sharded, is_loading, kept)
     return sharded
 
 
@@ -144,21 +145,27 @@ def model_kind_mismatch(saved_args: Any, model: list) -> str | None:
     return "it was saved from a HybridModel and this run builds a GPT model; load it with the hybrid entry point"
 
 
-def copy_buffers_now(shards: list, model: list) -> None:
+def copy_buffers_now(shards: list, model: list) -> set[str]:
     """Copy, at the save, every shard that lives in a module buffer rather than a parameter.
 
     The lazy snapshot may read a tensor until the next optimizer step, which is the first thing
     to write parameters. Buffers are written elsewhere: ``--moe-router-enable-expert-bias``
     updates the routers' ``expert_bias`` in ``finalize_model_grads``, before that step, so a lazy
     copy of it could hold the next iteration's value. Buffers are small (one value per expert).
+    Returns the ids of the shards copied (``sharding.KeptSplit`` copies them again at each save).
     """
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    from megatron_ext.megatron.sharding import shard_id
+
     storages = {b.untyped_storage().data_ptr() for chunk in model for b in chunk.buffers() if b.numel()}
+    copied = set()
     for shard in shards:
         data = shard.data if isinstance(shard, ShardedTensor) else None
         if isinstance(data, torch.Tensor) and data.numel() and data.untyped_storage().data_ptr() in storages:
             shard.data = data.clone()
+            copied.add(shard_id(shard))
+    return copied
 
 
 # ---------------------------------------------------------------------------- the parallel layout

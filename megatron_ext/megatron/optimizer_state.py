@@ -38,12 +38,13 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
 from megatron_ext.engine.errors import CheckpointError
+from megatron_ext.engine.save.flow.file_plan import tensor_signatures
 from megatron_ext.megatron import sharding
 from megatron_ext.megatron.optimizer_forms import (
     BEFORE_FIRST_STEP,
@@ -64,11 +65,12 @@ from megatron_ext.megatron.optimizer_forms import (
 )
 
 #: Read by ``convert.py`` from here (the stored forms live in ``optimizer_forms``).
-__all__ = ["Box", "model_boxes", "model_space_state_dict", "param_tensors", "stored_tensors", "with_class_names",
+__all__ = ["Box", "kept_leaves", "model_boxes", "model_space_state_dict", "param_state_key", "param_tensors", "stored_tensors", "with_class_names",
            "with_live_classes"]
 
 
-def model_space_state_dict(optimizer: Any, model_sharded: dict, is_loading: bool = False) -> Any:
+def model_space_state_dict(optimizer: Any, model_sharded: dict, is_loading: bool = False,
+                           kept: dict | None = None) -> Any:
     """The optimizer's sharded state dict, in model space for distributed optimizers.
 
     ``model_sharded`` is the model's sharded state dict (before any preprocessing), whose
@@ -78,6 +80,10 @@ def model_space_state_dict(optimizer: Any, model_sharded: dict, is_loading: bool
     ``init_state_fn``: Adam's two moments, Lion's one). Each such optimizer's common state records
     its stored form (``STORED_FORM``: its class and moment set), which the load compares with the
     run's before anything is read (``optimizer_forms.check_stored_form``).
+
+    ``kept`` (a dict the caller keeps between saves): each distributed optimizer's per-parameter
+    leaves are kept there and reused while ``param_state_key`` is unchanged; the common state
+    (param groups, grad scaler) is read anew at every call.
     """
     optimizers = list(distributed_optimizers(optimizer))
     if not all(is_distributed(opt) for opt in optimizers):
@@ -86,9 +92,19 @@ def model_space_state_dict(optimizer: Any, model_sharded: dict, is_loading: bool
             if isinstance(part, dict) and not is_distributed(opt):
                 part[STORED_FORM] = stored_form(opt)
         return state
-    by_param = model_boxes(model_sharded)
-    states = [_model_space(opt, by_param) for opt in optimizers]
+    by_param = functools.cache(lambda: model_boxes(model_sharded))  # only when some leaves are made anew
+    model = model_key(model_sharded) if kept is not None else None
+    states = [_model_space(opt, by_param, kept, model) for opt in optimizers]
     return states[0] if len(states) == 1 else dict(enumerate(states))
+
+
+def model_key(model_sharded: dict) -> tuple | None:
+    """What ``model_boxes`` reads of the model's sharded state dict, exactly: every leaf's fields and
+    data memory (``sharding.leaf_signature``) and its data object (boxes are found by the parameter
+    object); None with a factory (its pieces are built anew at every call)."""
+    leaves = list(sharding.sharded_leaves(model_sharded))
+    signature = sharding.leaf_signature(leaves)
+    return None if signature is None else (signature, tuple(id(leaf.data) for leaf in leaves))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,10 +280,62 @@ def _common_state(opt: Any) -> dict:
     return with_class_names(state)
 
 
-def _model_space(opt: Any, by_param: dict) -> dict:
+def param_state_key(opt: Any, model: tuple | None) -> tuple | None:
+    """What ``_param_state``'s leaves are made of, exactly: the model's leaves (``model_key``, which
+    decides each parameter's boxes), each parameter slice of this rank, the inner optimizer's
+    tensors of it (which states, their objects, memory and layout: ``file_plan.tensor_signatures``)
+    and the instance id. Every object named by its id here is alive while the key is kept (the
+    model's parameters, the optimizer's tensors, which the kept leaves view). None where the
+    leaves are not kept: a model key of None, a hybrid (CPU offloading) or precision-aware
+    optimizer, whose stored forms and scales are read through structures of their own.
+    """
+    if model is None or hybrid_optimizer(opt) is not None or holds_main_params(opt):
+        return None
+    inner = opt.optimizer
+    described, tensors = [], []
+    for model_param, flat in param_slices(opt):
+        group_index, group_order = opt.model_param_group_index_map[model_param]
+        param = inner.param_groups[group_index]["params"][group_order]
+        state = inner.state.get(param, {})
+        described.append((id(model_param), flat.start, flat.stop, group_index, group_order, id(param),
+                          tuple((k, type(v), id(v)) for k, v in state.items())))
+        tensors.append(("", param))
+        tensors.extend(("", v) for v in state.values() if isinstance(v, torch.Tensor))
+    memory = tensor_signatures(tensors)
+    if memory is None:
+        return None
+    return model, opt.distributed_optimizer_instance_id, tuple(described), memory
+
+
+def _model_space(opt: Any, by_param: Callable[[], dict], kept: dict | None = None, model: tuple | None = None) -> dict:
     form = stored_form(opt)
     refuse_fp8(form)
     state = _common_state(opt)
+    key = param_state_key(opt, model) if kept is not None else None
+    was = kept.get(id(opt)) if kept is not None else None
+    if key is not None and was is not None and was[0] is opt and was[1] == key:
+        param_state = was[2]
+    else:
+        param_state = _param_state(opt, by_param())
+        if kept is not None:
+            kept.pop(id(opt), None)
+            if key is not None:  # the optimizer held: its id stays its own
+                kept[id(opt)] = (opt, key, param_state, frozenset(map(id, sharding.sharded_leaves(param_state))))
+    state["param_state"] = param_state
+    state["param_state_sharding_type"] = MODEL_SPACE
+    state[STORED_FORM] = form
+    if not has_stepped(opt):
+        state[BEFORE_FIRST_STEP] = True  # main params only: the load template must not ask for moments
+    return state
+
+
+def kept_leaves(kept: dict) -> frozenset[int]:
+    """The ids of the leaves ``kept`` holds (made by ``_param_state``, unchanged since, and alive while kept)."""
+    return frozenset().union(*(entry[3] for entry in kept.values()))
+
+
+def _param_state(opt: Any, by_param: dict) -> dict:
+    """Each parameter slice's leaves (``_slice_leaves``) and scales, by its number."""
     param_state = {}
     hdo = hybrid_optimizer(opt)
     sub_states = sub_optimizer_states(hdo) if hdo is not None else None
@@ -285,12 +353,7 @@ def _model_space(opt: Any, by_param: dict) -> dict:
                 f"optimizer.state.{name}{SCALE_SUFFIX}.{first.key}#{flat.start}:{flat.stop}", scale,
                 tuple(first.global_shape), tuple(first.global_offset), replica_id)
         param_state[len(param_state)] = entry
-    state["param_state"] = param_state
-    state["param_state_sharding_type"] = MODEL_SPACE
-    state[STORED_FORM] = form
-    if not has_stepped(opt):
-        state[BEFORE_FIRST_STEP] = True  # main params only: the load template must not ask for moments
-    return state
+    return param_state
 
 
 def _slice_leaves(opt: Any, boxes: list[Box], name: str, tensor: torch.Tensor, flat: slice) -> Any:

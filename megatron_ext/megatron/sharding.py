@@ -22,6 +22,9 @@ import torch
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedObject, ShardedTensor
 
+from megatron_ext.engine.format.codec import Frozen
+from megatron_ext.engine.save.flow.file_plan import tensor_signatures
+
 
 @dataclasses.dataclass
 class FlatShardedTensor(ShardedTensor):
@@ -149,3 +152,86 @@ def split_owned(shards: list[ShardedBase], plan: OwnershipPlan) -> tuple[dict, d
         else:
             tensors[sid] = shard.data
     return tensors, objects, meta
+
+
+# ---------------------------------------------------------------------------- what a save of the same structure keeps
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def leaf_fields(leaf: ShardedBase) -> tuple[str, ...]:
+    """A leaf's dataclass fields but ``data`` (what places it, not what it holds)."""
+    cls = type(leaf)
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.name != "data")
+    return names
+
+
+def leaf_signature(leaves: list[ShardedBase], known: frozenset[int] = frozenset()) -> tuple | None:
+    """The exact structure of ``leaves``: each one's class and fields but its data, and of each
+    ShardedTensor's data its memory and layout (``file_plan.tensor_signatures``); None when it
+    cannot be kept (a leaf that is not a plain ShardedTensor or ShardedObject, such as a factory,
+    whose build functions are new at every call, or data the signature does not cover).
+
+    Two saves with equal signatures place the same shard ids, sizes and metadata, and each
+    ShardedTensor's data is the same memory: what the ownership plan and the owned split read.
+    ``known``: ids of leaves whose fields and data the caller vouches for (the optimizer leaves
+    ``optimizer_state`` keeps, checked by their own key, the same objects again): they stand for
+    themselves. The ``KeptSplit`` made from these leaves holds them, so their ids stay theirs.
+    """
+    described = []
+    tensors = []
+    for leaf in leaves:
+        if id(leaf) in known:
+            described.append(id(leaf))
+            continue
+        cls = type(leaf)
+        if cls is ShardedObject:
+            described.append((cls, *[getattr(leaf, n) for n in leaf_fields(leaf)]))
+        elif isinstance(leaf, ShardedTensor) and isinstance(leaf.data, torch.Tensor):
+            described.append((cls, *[getattr(leaf, n) for n in leaf_fields(leaf)]))
+            tensors.append(("", leaf.data))
+        else:
+            return None
+    memory = tensor_signatures(tensors)
+    return None if memory is None else (tuple(described), memory)
+
+
+@dataclasses.dataclass(eq=False)
+class KeptSplit:
+    """The owned split of a save (``split_owned``), kept for the next save of the same structure.
+
+    ``key``: the leaves' ``leaf_signature`` and whatever else produced them (the optimizer state's
+    ``KeptParamState`` token). The tensors are kept as they were (views of the same memory, which
+    the equal signature guarantees); what a leaf holds that is not its memory is taken from the new
+    leaves: each owned ShardedObject's value, and the data of shards copied at each save (module
+    buffers, ``core_state.copy_buffers_now``), by their place in the leaf list.
+    """
+
+    key: tuple
+    tensors: dict[str, torch.Tensor]
+    objects: dict[str, int]  # shard id -> its leaf's index
+    copied: dict[str, int]  # shard id -> its leaf's index (copied at each save)
+    meta: Frozen  # the shards' metadata (``shard_meta``), never changed again: the engine reuses its encoding
+    leaves: list[ShardedBase]  # held: the ids ``leaf_signature`` took as known stay theirs
+
+    def split(self, leaves: list[ShardedBase]) -> tuple[dict, dict, Frozen]:
+        tensors = dict(self.tensors)
+        for sid, index in self.copied.items():
+            tensors[sid] = leaves[index].data.clone()
+        return tensors, {sid: leaves[index].data for sid, index in self.objects.items()}, self.meta
+
+
+def keep_split(key: tuple, leaves: list[ShardedBase], tensors: dict, objects: dict, meta: dict,
+               copied: set[str]) -> KeptSplit | None:
+    """``split_owned``'s result as a ``KeptSplit`` (``copied``: the shard ids copied at this save), or
+    None if an owned object is not one of ``leaves`` (the same object)."""
+    index = {}
+    for i, leaf in enumerate(leaves):
+        sid = shard_id(leaf)
+        if sid in meta and sid not in index:
+            index[sid] = i
+    if any(sid not in index or leaves[index[sid]].data is not objects[sid] for sid in objects):
+        return None
+    return KeptSplit(key, dict(tensors), {sid: index[sid] for sid in objects}, {sid: index[sid] for sid in copied},
+                     Frozen(meta), list(leaves))

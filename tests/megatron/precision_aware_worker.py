@@ -188,8 +188,8 @@ def main() -> None:
         trainer.train_step(args, it, model3, optimizer3, scheduler3)
     real_model_space = optimizer_state._model_space
 
-    def without_record(opt, by_param):
-        state = real_model_space(opt, by_param)
+    def without_record(opt, by_param, *kept):
+        state = real_model_space(opt, by_param, *kept)
         state.pop(optimizer_forms.STORED_FORM)
         return state
 

@@ -25,6 +25,7 @@ import enum
 import importlib
 import io
 import math
+import operator
 import pickle
 import pickletools
 import re
@@ -139,37 +140,63 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+class Frozen:
+    """A value its owner will not change again (nor anything inside it): saved as the value itself
+    (the file does not tell them apart), and a ``save(..., reuse=True)`` that meets the same
+    ``Frozen`` object again reuses its encoding instead of walking it (``Encoder(memo=)``). Only a
+    value without tensors is reused. Changing the value after wrapping it is the owner's error:
+    later saves would hold the old one."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
 class Encoder:
     """Walks a nested state once: collects tensors (in order) and builds the JSON skeleton."""
 
-    def __init__(self, pickle_fallback: bool = False, classes: Mapping[ClassKey, type] | None = None):
+    def __init__(self, pickle_fallback: bool = False, classes: Mapping[ClassKey, type] | None = None,
+                 prepare: bool = True, memo: Mapping[int, tuple[Frozen, Any]] | None = None):
+        """``prepare=False``: ``tensors`` holds each tensor as given, unchecked and not detached; the
+        caller runs ``prepare_tensor`` on those it keeps (``file_plan``: not on a reused plan's).
+        ``memo``: the encodings of ``Frozen`` values an earlier walk made (its ``frozen``)."""
         self.pickle_fallback = pickle_fallback
         self.classes = allowed_classes(classes)
+        self.prepare = prepare
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self._names: set[str] = set()
+        self._memo = memo or {}
+        self.frozen: dict[int, tuple[Frozen, Any]] = {}  # id -> (the Frozen, its skeleton), met in this walk
 
     def encode(self, value: Any, path: str = "") -> Any:
         cls = type(value)
         if cls in _AS_IS:
             return value
+        if cls is Frozen:
+            return self._frozen(value, path)
         if isinstance(value, torch.Tensor):
             return {TAG + "t": self._add_tensor(path, value)}
         if cls is float:
             return value if math.isfinite(value) else {TAG + "f": repr(value)}  # nan, inf, -inf
         # Plain keys and plain lists take no call per member: a Megatron rank's state has thousands of
         # them (shard metadata) and this runs on the training thread at every save.
-        if cls is dict and all(type(k) is str and not k.startswith(TAG) for k in value):
-            return {k: v if type(v) in _AS_IS else self.encode(v, _join(path, k)) for k, v in value.items()}
+        if cls is dict and _plain_keys(value):
+            return {k: v if (kind := type(v)) in _AS_IS
+                    else list(v) if kind is list and _AS_IS.issuperset(map(type, v))
+                    else self.encode(v, _join(path, k)) for k, v in value.items()}
         if cls in (dict, collections.OrderedDict):
             items = [[self.encode(k, path), self.encode(v, _join(path, k))] for k, v in value.items()]
             if cls is dict and all(isinstance(k, str) and not k.startswith(TAG) for k in value):
                 return {k: v for (k, _), (_, v) in zip(value.items(), items)}
             return {TAG + ("odict" if cls is collections.OrderedDict else "dict"): items}
         if cls is list:
-            if all(type(v) in _AS_IS for v in value):
+            if _AS_IS.issuperset(map(type, value)):
                 return list(value)
             return [self.encode(v, _join(path, i)) for i, v in enumerate(value)]
         if cls is tuple:
+            if _AS_IS.issuperset(map(type, value)):  # Python's RNG state: 625 numbers
+                return {TAG + "tuple": list(value)}
             return {TAG + "tuple": [self.encode(v, _join(path, i)) for i, v in enumerate(value)]}
         allowed = self.classes.get(class_key(cls)) is cls
         if isinstance(value, enum.Enum):
@@ -211,6 +238,17 @@ class Encoder:
             return self.encode(float(value), path)
         return self._refuse(value, path)
 
+    def _frozen(self, value: Frozen, path: str) -> Any:
+        known = self._memo.get(id(value))
+        if known is not None and known[0] is value:  # the same object: held by the memo, so its id is its own
+            self.frozen[id(value)] = known
+            return known[1]
+        tensors = len(self.tensors)
+        skeleton = self.encode(value.value, path)
+        if len(self.tensors) == tensors:
+            self.frozen[id(value)] = (value, skeleton)
+        return skeleton
+
     def _refuse(self, value: Any, path: str) -> Any:
         if self.pickle_fallback:
             return {TAG + "pickle": _b64(pickle.dumps(value, protocol=4))}
@@ -227,14 +265,29 @@ class Encoder:
                 n += 1
             name = f"{name}#{n}"
         self._names.add(name)
-        if tensor.layout != torch.strided:
-            raise EncodeError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) tensors can be "
-                              "checkpointed: convert it with .to_dense() first")
-        tensor = tensor.detach()
-        if tensor.is_conj() or tensor.is_neg():  # lazy conjugate/negative views have no plain bytes
-            tensor = tensor.resolve_conj().resolve_neg()
-        self.tensors.append((name, tensor))
+        self.tensors.append((name, prepare_tensor(name, tensor) if self.prepare else tensor))
         return name
+
+
+def prepare_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """What a file holds of ``tensor``: it detached (a view, no copy), its lazy conjugate or negative
+    bit resolved; ``EncodeError`` unless it is dense."""
+    if tensor.layout != torch.strided:
+        raise EncodeError(f"tensor {name!r} has layout {tensor.layout}; only dense (strided) tensors can be "
+                          "checkpointed: convert it with .to_dense() first")
+    tensor = tensor.detach()
+    if tensor.is_conj() or tensor.is_neg():  # lazy conjugate/negative views have no plain bytes
+        tensor = tensor.resolve_conj().resolve_neg()
+    return tensor
+
+
+_STR = frozenset((str,))
+_TAGGED = operator.methodcaller("startswith", TAG)
+
+
+def _plain_keys(value: dict) -> bool:
+    """Every key a str not starting with ``TAG`` (C-level loops: no Python call per key)."""
+    return _STR.issuperset(map(type, value)) and not any(map(_TAGGED, value))
 
 
 def _join(path: str, key: Any) -> str:

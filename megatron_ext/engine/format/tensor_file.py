@@ -15,6 +15,7 @@ chunks need alignment, not the tensors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import struct
@@ -139,26 +140,69 @@ class FileLayout:
 
 def plan(tensors: list[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> FileLayout:
     """O(number of tensors): reads shapes and dtypes only, never the data."""
-    order = sorted(range(len(tensors)), key=lambda i: -tensors[i][1].element_size())
-    entries: dict[str, dict] = {"__metadata__": dict(metadata, format_version=HEADER_FORMAT_VERSION)}
-    spans: list[TensorSpan] = []
+    body = plan_body(tensors)
+    return body.layout(metadata, [tensors[i][1] for i in body.order])
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyPlan:
+    """The part of a file's layout that depends on its tensors only (names, dtypes, shapes), not on
+    its metadata: a save of the same tensors again (``file_plan.ReusablePlan``) lays its file out
+    from this without a torch call."""
+
+    order: tuple[int, ...]  # file order: indices into the planned tensor list
+    names: tuple[str, ...]  # in file order
+    dtypes: tuple[str, ...]
+    shapes: tuple[list[int], ...]
+    offsets: tuple[tuple[int, int], ...]  # [begin, end) within the data section
+    entries_json: bytes  # the header's JSON object of the tensors (no ``__metadata__``)
+
+    @property
+    def data_bytes(self) -> int:
+        return self.offsets[-1][1] if self.offsets else 0
+
+    @functools.cached_property
+    def position(self) -> list[int]:
+        """Each planned tensor's place in file order (the inverse of ``order``)."""
+        place = [0] * len(self.order)
+        for k, i in enumerate(self.order):
+            place[i] = k
+        return place
+
+    def layout(self, metadata: dict[str, str], sources: list[Any]) -> FileLayout:
+        """The file's layout under ``metadata``; ``sources[k]`` is what the k-th tensor in file order is copied from."""
+        head = json.dumps({"__metadata__": dict(metadata, format_version=HEADER_FORMAT_VERSION)},
+                          separators=(",", ":")).encode("utf-8")
+        # {"__metadata__":{...}} + {"a":...}: the same bytes json.dumps gives for the merged dict.
+        body = head[:-1] + (b"," + self.entries_json[1:] if self.names else b"}")
+        data_start = round_up(8 + len(body))
+        header = struct.pack("<Q", data_start - 8) + body + b" " * (data_start - 8 - len(body))
+        spans = [TensorSpan(name, source, dtype, shape, data_start + begin, data_start + end)
+                 for name, source, dtype, shape, (begin, end)
+                 in zip(self.names, sources, self.dtypes, self.shapes, self.offsets)]
+        return FileLayout(header=header, spans=spans, data_start=data_start, size=data_start + self.data_bytes)
+
+
+def plan_body(tensors: list[tuple[str, torch.Tensor]]) -> BodyPlan:
+    """The tensors' order, entries and offsets: by decreasing element size (see the module docstring)."""
+    sizes = [t.element_size() for _, t in tensors]
+    order = sorted(range(len(tensors)), key=lambda i: -sizes[i])
+    entries: dict[str, dict] = {}
+    names, dtypes, shapes, offsets = [], [], [], []
     offset = 0
     for i in order:
         name, t = tensors[i]
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.numel() * sizes[i]
         dtype = st_dtype(t.dtype)
         shape = list(t.shape)
         entries[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        spans.append(TensorSpan(name, t, dtype, shape, offset, offset + nbytes))
+        names.append(name)
+        dtypes.append(dtype)
+        shapes.append(shape)
+        offsets.append((offset, offset + nbytes))
         offset += nbytes
-    body = json.dumps(entries, separators=(",", ":")).encode("utf-8")
-    data_start = round_up(8 + len(body))
-    body = body + b" " * (data_start - 8 - len(body))
-    header = struct.pack("<Q", len(body)) + body
-    for span in spans:
-        span.start += data_start
-        span.end += data_start
-    return FileLayout(header=header, spans=spans, data_start=data_start, size=data_start + offset)
+    return BodyPlan(tuple(order), tuple(names), tuple(dtypes), tuple(shapes), tuple(offsets),
+                    json.dumps(entries, separators=(",", ":")).encode("utf-8"))
 
 
 @dataclasses.dataclass
