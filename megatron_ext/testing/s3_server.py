@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 #: The package that ships the binary (``weed`` beside the interpreter once installed).
@@ -110,6 +111,7 @@ class S3Server:
         self.paused = False
         self._proc: subprocess.Popen | None = None
         self._admin_client = None
+        self._volumes_at_kill: set[int] = set()  # what ``restart`` waits for the master to know again
 
     # ---------------------------------------------------------------- life cycle
 
@@ -137,10 +139,13 @@ class S3Server:
             return self.start()
         self.kill()
         self._launch()
+        self._wait_volumes(self._volumes_at_kill)
         return self
 
     def kill(self) -> None:
         """SIGKILL the server, as a crash would: no flush, no goodbye to connected clients."""
+        if self.running and not self.paused:
+            self._volumes_at_kill = self._volume_ids()
         proc, self._proc = self._proc, None
         self.paused = False
         if proc is None:
@@ -149,6 +154,32 @@ class S3Server:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         self._remove_sockets()
+
+    def _volume_ids(self) -> set[int]:
+        """The volumes the master knows (its ``/vol/status``); empty if it does not answer."""
+        url = f"http://127.0.0.1:{self.ports['master.port']}/vol/status"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                status = json.loads(reply.read())
+        except (OSError, ValueError):
+            return set()
+        ids = set()
+        for racks in status.get("Volumes", {}).get("DataCenters", {}).values():
+            for nodes in racks.values():
+                for volumes in nodes.values():
+                    ids.update(v.get("Id") for v in volumes or ())
+        return ids
+
+    def _wait_volumes(self, wanted: set[int]) -> None:
+        """After a restart, until the master knows every volume it knew before the kill: the S3 API
+        answers before the volume server has registered them, and a read of an object stored there
+        fails with InternalError until it has (bounded by ``start_timeout_s``)."""
+        deadline = time.monotonic() + self.start_timeout_s
+        while wanted and not wanted <= self._volume_ids():
+            if time.monotonic() > deadline:
+                raise S3ServerError(f"the S3 server on {self.endpoint} came back without its volumes {sorted(wanted)} "
+                                    f"within {self.start_timeout_s:.0f} s; {self.log_path} ends:\n{self.log_tail()}")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """Stop for good. SIGKILL as well: ``weed``'s graceful stop waits 15 s and more on open gRPC
