@@ -22,7 +22,7 @@ import os
 from megatron_ext.engine import CheckpointError, object_store
 from megatron_ext.engine.format.catalog import checkpoint_dirs, list_committed, manifest_exists, read_manifest
 from megatron_ext.engine.format.names import MANIFEST, REPORTS, valid_name
-from megatron_ext.engine.object_store import is_object_url, resolve_root
+from megatron_ext.engine.object_store import is_object_url, resolve_root, under
 
 MEGATRON, DEEPSPEED, ENGINE = "megatron", "deepspeed", "engine"
 MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
@@ -41,11 +41,7 @@ class Located:
 
     @property
     def path(self) -> str:
-        return _join(self.root, self.name)
-
-
-def _join(root: str, name: str) -> str:
-    return object_store.join(root, name) if is_object_url(root) else os.path.join(root, name)
+        return under(self.root, self.name)
 
 
 def _has_dir(root: str, name: str) -> bool:
@@ -172,7 +168,7 @@ def resolve(path: str, iteration: int | None = None, checkpoint: str | None = No
         if asked is None:
             raise CheckpointError(f"no committed checkpoint under {root} (`megatron-ext inspect {root}` lists what "
                                   "is there)")
-    directory = _join(root, asked)
+    directory = under(root, asked)
     present = _has_dir(root, asked)
     manifest = read_manifest(directory) if present else None
     if manifest is None:

@@ -87,6 +87,11 @@ def resolve_root(root: str) -> str:
     return normalize(root) if is_object_url(root) else os.path.abspath(root)
 
 
+def under(root: str, name: str) -> str:
+    """``name`` under a level root: a key below an object-store URL, else a path below a directory."""
+    return join(root, name) if is_object_url(root) else os.path.join(root, name)
+
+
 def join(url: str, *names: str) -> str:
     return "/".join([url.rstrip("/"), *(n.strip("/") for n in names)])
 
@@ -494,7 +499,7 @@ class Upload:
                 pass
 
 
-__all__ = ["SCHEME", "ObjectUrl", "Upload", "is_object_url", "normalize", "resolve_root", "join", "put", "get", "size", "exists",
+__all__ = ["SCHEME", "ObjectUrl", "Upload", "is_object_url", "normalize", "resolve_root", "under", "join", "put", "get", "size", "exists",
            "identity", "read_into", "download", "list_children", "walk", "delete", "delete_tree", "abort_incomplete_uploads",
            "probe_root", "client", "endpoint_url"]
 

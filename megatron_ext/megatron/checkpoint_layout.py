@@ -40,7 +40,7 @@ from megatron_ext.engine.format.catalog import manifest_exists
 from megatron_ext.engine.format.names import MANIFEST
 from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions
 from megatron_ext.engine.format.entries import FileEntry
-from megatron_ext.engine.object_store import is_object_url
+from megatron_ext.engine.object_store import is_object_url, under
 from megatron_ext.megatron.safe_classes import megatron_classes
 
 log = logging.getLogger("megatron_ext.megatron")
@@ -67,13 +67,8 @@ def root_spelling(root: str | None) -> str | None:
     return object_store.normalize(root) if is_object_url(root) else root
 
 
-def join(root: str, name: str) -> str:
-    """``name`` under ``root``: a path, or on the object-store level a key (``object_store.join``)."""
-    return object_store.join(root, name) if is_object_url(root) else os.path.join(root, name)
-
-
 def checkpoint_dir(root: str, iteration: int | str) -> str:
-    return join(root, checkpoint_name(iteration))
+    return under(root, checkpoint_name(iteration))
 
 
 def rank_file_name(rank: int) -> str:
@@ -114,7 +109,7 @@ def is_megatron_lm_format(directory: str) -> bool:
 def read_tracker(directory: str) -> int | str | None:
     """The tracker's iteration, ``RELEASE``, or None when there is no tracker (a file, or an object under an
     ``s3://`` root: one GET, a missing object or bucket being no tracker)."""
-    path = join(directory, TRACKER_FILE)
+    path = under(directory, TRACKER_FILE)
     try:
         if is_object_url(path):
             text = object_store.get(path, max_bytes=TRACKER_MAX_BYTES).decode("utf-8").strip()
@@ -135,7 +130,7 @@ def read_tracker(directory: str) -> int | str | None:
 def write_tracker(directory: str, iteration: int | str) -> None:
     """Name ``iteration`` the latest checkpoint under ``directory``, atomically (an object is written whole:
     one PUT under an ``s3://`` root)."""
-    path, data = join(directory, TRACKER_FILE), str(iteration).encode()
+    path, data = under(directory, TRACKER_FILE), str(iteration).encode()
     if is_object_url(path):
         object_store.put(path, data)
     else:

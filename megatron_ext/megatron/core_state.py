@@ -15,7 +15,8 @@ import torch
 
 from megatron_ext.engine.errors import CheckpointError
 from megatron_ext.megatron import optimizer_state
-from megatron_ext.megatron.checkpoint_layout import NON_PERSISTENT_SUBDIR, join, root_spelling
+from megatron_ext.engine.object_store import under
+from megatron_ext.megatron.checkpoint_layout import NON_PERSISTENT_SUBDIR, root_spelling
 
 if TYPE_CHECKING:
     from megatron_ext.engine import CheckpointEngine
@@ -233,7 +234,7 @@ def save_root(args: Any, non_persistent: bool) -> str:
     if getattr(args, "non_persistent_ckpt_type", None) != "global":
         raise CheckpointError(f"non-persistent checkpoint of type {getattr(args, 'non_persistent_ckpt_type', None)}: "
                               "--use-datastates writes 'global' ones (its node-local level is --datastates-local-dir)")
-    return root_spelling(getattr(args, "non_persistent_global_ckpt_dir", None)) or join(root_spelling(args.save),
+    return root_spelling(getattr(args, "non_persistent_global_ckpt_dir", None)) or under(root_spelling(args.save),
                                                                                         NON_PERSISTENT_SUBDIR)
 
 

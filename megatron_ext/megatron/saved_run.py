@@ -15,6 +15,7 @@ from megatron_ext.engine.errors import CheckpointError
 from megatron_ext.engine.format.catalog import list_committed
 from megatron_ext.engine.format.names import MANIFEST
 from megatron_ext.engine.read.committed import CommittedCheckpoint
+from megatron_ext.engine.object_store import under
 from megatron_ext.megatron.checkpoint_layout import (
     CHECKPOINT_VERSION,
     NON_PERSISTENT_SUBDIR,
@@ -25,7 +26,6 @@ from megatron_ext.megatron.checkpoint_layout import (
     checkpoint_dir,
     file_of_rank,
     is_datastates_checkpoint,
-    join,
     read_tracker,
     restore_rng_state,
     root_spelling,
@@ -59,10 +59,10 @@ def choose(load_dir: str | None, args: Any) -> tuple[str, int | str] | None:
     if getattr(args, "non_persistent_ckpt_type", None) == "global":
         np_root = save_root(args, non_persistent=True) if getattr(args, "save", None) else (
             root_spelling(getattr(args, "non_persistent_global_ckpt_dir", None))
-            or join(load_dir, NON_PERSISTENT_SUBDIR))
+            or under(load_dir, NON_PERSISTENT_SUBDIR))
         np_iteration = read_tracker(np_root)
         if np_iteration == RELEASE:
-            raise CheckpointError(f"{join(np_root, TRACKER_FILE)}: a non-persistent checkpoint cannot be a "
+            raise CheckpointError(f"{under(np_root, TRACKER_FILE)}: a non-persistent checkpoint cannot be a "
                                   "release")
         if np_iteration is not None and (iteration is None or iteration == RELEASE or np_iteration >= iteration):
             log.warning("[datastates] loading the non-persistent checkpoint of iteration %d from %s", np_iteration,

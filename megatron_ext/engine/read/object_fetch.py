@@ -18,14 +18,15 @@ from ..errors import CheckpointError
 from ..format.entries import FileEntry
 
 
-def fetch(root: str, checkpoint: str, file: FileEntry, scratch: str | None) -> str:
-    """``file``'s tensor file and sidecar from ``root`` (an object-store URL) into a new private
-    directory laid out as the checkpoint root is; returns it (``release`` removes it)."""
+def fetch(root: str, checkpoint: str, file: FileEntry, scratch: str | None, sidecar: bool = True) -> str:
+    """``file``'s tensor file and (``sidecar``) its sidecar from ``root`` (an object-store URL) into a
+    new private directory laid out as the checkpoint root is; returns it (``release_with`` removes it)."""
     if scratch:
         os.makedirs(scratch, exist_ok=True)
     base = tempfile.mkdtemp(prefix=".datastates-fetch-", dir=scratch or None)
     try:
-        for relative, size in ((file.tensor_file, file.size), (file.state_file, file.state_size)):
+        wanted = [(file.tensor_file, file.size)] + ([(file.state_file, file.state_size)] if sidecar else [])
+        for relative, size in wanted:
             url = object_store.join(root, relative)
             try:
                 found = object_store.size(url)

@@ -101,8 +101,8 @@ def _check_tensor_file(root: str, committed: CommittedCheckpoint, name: str, dee
     """The tensor file against the manifest: regular, its size, its header exactly, and (deep) every checksum."""
     file = committed.file(name)
     path = os.path.join(root, file.tensor_file)
-    if is_object_url(root):  # the objects fetched, then checked as a file; errors name the object
-        base = object_fetch.fetch(root, committed.checkpoint, file, None)
+    if is_object_url(root):  # the object fetched, then checked as a file; errors name the object
+        base = object_fetch.fetch(root, committed.checkpoint, file, None, sidecar=False)  # read on its own below
         try:
             fd = open_regular(os.path.join(base, file.tensor_file))
         finally:
