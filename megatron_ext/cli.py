@@ -93,6 +93,15 @@ def _refuse_url(path: str, what: str, why: str) -> None:
         raise ValueError(f"{what} {path!r} is a URL: {why}")
 
 
+def _refuse_other_url(path: str, what: str) -> None:
+    """Where an ``s3://`` root is taken: any other URL (``gs://``, ``msc://``) refused in one line."""
+    from megatron_ext.engine.config import url_refusal
+
+    problem = url_refusal(path, what, object_ok=True)
+    if problem is not None:
+        raise ValueError(problem)
+
+
 def _print_json(value) -> None:
     import json
 
@@ -245,10 +254,15 @@ def _convert(sub) -> None:
         from megatron_ext.megatron import convert, hf_import
         from megatron_ext.progress import Progress
 
-        _refuse_url(args.dir, "DIR", "convert reads and writes Megatron-LM's torch_dist (and Hugging Face) directories "
-                    "through the file system; copy the checkpoint to a path first (`megatron-ext export` reads s3:// "
-                    "directly)")
-        _refuse_url(args.out, "the output directory", "convert writes through the file system: give a path")
+        # megatron-core reads and writes torch_dist through the file system, and a Hugging Face directory is
+        # read there: only the datastates side of a conversion may be an s3:// prefix.
+        if args.to == "torch_dist":
+            _refuse_url(args.out, "the output directory", "megatron-core writes torch_dist through the file "
+                        "system: give a path (the datastates source may be s3://)")
+        else:
+            _refuse_url(args.dir, "DIR", "convert reads torch_dist and Hugging Face directories through the file "
+                        "system: give a path (the datastates output may be s3://)")
+            _refuse_other_url(args.out, "the output directory")
         layout_flags = {"--tp": args.tp, "--pp": args.pp, "--dp": args.dp,
                         "--make-vocab-size-divisible-by": args.make_vocab_size_divisible_by}
         from_hf = os.path.isdir(args.dir) and hf_import.is_hf_directory(args.dir)

@@ -322,6 +322,16 @@ def list_children(url: str) -> tuple[list[str], list[str]]:
     return dirs, objects
 
 
+def has_objects(url: str) -> bool:
+    """Whether any object lies under ``url`` (a "directory" exists): one listing of at most one key."""
+    u = ObjectUrl.parse(url)
+    try:
+        reply = client().list_objects_v2(Bucket=u.bucket, Prefix=u.prefix, MaxKeys=1)
+    except Exception as exc:
+        raise _os_error(exc, url, "listing") from None
+    return bool(reply.get("KeyCount") or reply.get("Contents"))
+
+
 def walk(url: str) -> Iterator[tuple[str, int]]:
     """Every object under ``url``, at any depth: (its name below ``url``, its size)."""
     u = ObjectUrl.parse(url)

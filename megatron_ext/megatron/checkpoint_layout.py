@@ -36,7 +36,7 @@ import torch
 
 from megatron_ext.engine import CheckpointError, object_store
 from megatron_ext.engine.files import atomic_write
-from megatron_ext.engine.format.catalog import manifest_exists
+from megatron_ext.engine.format.catalog import entry_exists, manifest_exists
 from megatron_ext.engine.format.names import MANIFEST
 from megatron_ext.engine.read.committed import CommittedCheckpoint, ReadOptions
 from megatron_ext.engine.format.entries import FileEntry
@@ -69,6 +69,17 @@ def root_spelling(root: str | None) -> str | None:
 
 def checkpoint_dir(root: str, iteration: int | str) -> str:
     return under(root, checkpoint_name(iteration))
+
+
+def new_checkpoint_dir(root: str, iteration: int | str) -> str:
+    """Where a tool writes ``iteration``'s checkpoint under ``root`` (a directory, made if missing, or an
+    ``s3://`` prefix): only where nothing is yet, so no earlier checkpoint is mixed with the new one."""
+    path = checkpoint_dir(root, iteration)
+    if entry_exists(path):
+        raise FileExistsError(f"{path} exists; write into a directory without that checkpoint")
+    if not object_store.is_object_url(root):
+        os.makedirs(root, exist_ok=True)
+    return path
 
 
 def rank_file_name(rank: int) -> str:

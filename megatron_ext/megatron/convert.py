@@ -115,14 +115,6 @@ def single_process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _new_checkpoint_dir(out: str, iteration: int) -> str:
-    path = ckpt_layout.checkpoint_dir(out, iteration)
-    if os.path.exists(path):
-        raise FileExistsError(f"{path} exists; convert into a directory without that iteration")
-    os.makedirs(out, exist_ok=True)
-    return path
-
-
 # ------------------------------------------------------------------------------ to torch_dist
 def _sharded_tensor(key: str, data: torch.Tensor, meta: dict) -> Any:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -186,7 +178,7 @@ def to_torch_dist(source: Any, iteration: int | None = None, out: str | None = N
     model_space = sharding_type == MODEL_SPACE
     shards = SavedShards(committed)
     shards.check()  # every shard's metadata and tensor, every key covered: before anything is written
-    target = _new_checkpoint_dir(out, iteration)
+    target = ckpt_layout.new_checkpoint_dir(out, iteration)
 
     def renamed(key: str) -> str:
         # fully_reshardable names the fp32 main copy "param" where the model-space format says "fp32_param".
@@ -433,7 +425,7 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None, chunk_m
                                  "num_floating_point_operations_so_far", "content_metadata", RNG_KEY)}
     saved_common = {**model_common, "optimizer": optimizer_common} if optimizer_common else model_common
     name = ckpt_layout.checkpoint_name(iteration)
-    _new_checkpoint_dir(out, iteration)
+    target = ckpt_layout.new_checkpoint_dir(out, iteration)
     # One writer for every rank's file, one rank after the other, through one buffer of one chunk:
     # memory and processes do not grow with the number of ranks (an engine per rank would hold a
     # host cache and an I/O worker each until rank 0 commits).
@@ -457,6 +449,6 @@ def from_torch_dist(source: str, out: str, iteration: int | None = None, chunk_m
                 progress.update(sum(t.numel() * t.element_size() for t in shards["tensors"].values()), 1)
             per_rank[rank] = None  # its views go; the loaded tensors stay until the end
         writer.commit(on_committed=ckpt_layout.tracker_writer(out, iteration, 0))
-    return {"source": ckpt, "out": os.path.join(out, name), "iteration": iteration, "ranks": world,
+    return {"source": ckpt, "out": target, "iteration": iteration, "ranks": world,
             "shards": shard_count, "layout": layout,
             "optimizer_format": sharding_type, "loads_as": MODEL_SPACE if fully_reshardable else sharding_type}

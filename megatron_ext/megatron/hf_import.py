@@ -245,10 +245,7 @@ def import_hf(source: str, out: str, tp: int = 1, pp: int = 1, dp: int = 1, divi
     dtype = weights.check(shape.hf_shapes())
     rows = hf_llama.padded_rows(shape.vocab, divisible_by, tp)
     name = ckpt_layout.checkpoint_name(ckpt_layout.RELEASE)
-    target = ckpt_layout.checkpoint_dir(out, ckpt_layout.RELEASE)
-    if os.path.exists(target):
-        raise FileExistsError(f"{target} exists; import into a directory without a release checkpoint")
-    os.makedirs(out, exist_ok=True)
+    target = ckpt_layout.new_checkpoint_dir(out, ckpt_layout.RELEASE)
     world = tp * pp * dp
     args = hf_llama.saved_args(shape, tp, pp, dp, divisible_by, dtype)
     if progress is not None:

@@ -1,6 +1,7 @@
 """The object-store level against a real S3 server (SeaweedFS, started once per test run): saves,
 commits, retention, loads, verify and inspect on ``s3://`` roots; four gloo ranks; the server
-killed mid-upload; refusals at start-up; a stalled server under ``supersede``."""
+killed mid-upload; refusals at start-up; a stalled server under ``supersede``; the fetch scratch
+of readers that were killed removed by the next reader."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch
 from megatron_ext.engine import CheckpointEngine, faults, object_store
 from megatron_ext.engine.errors import CheckpointError, ConfigError
 from megatron_ext.engine.format.catalog import list_committed
+from megatron_ext.engine.read import object_fetch
 from megatron_ext.engine.read.inspect import describe
 from megatron_ext.engine.read.verify import verify_root
 
@@ -266,7 +269,23 @@ def test_a_node_local_level_in_front_of_the_object_store_is_read_first_and_the_s
     for path in sorted(local.rglob("*"), reverse=True):
         if path.name != ".datastates.lock":
             path.unlink() if path.is_file() else path.rmdir()
+    # Scratch left by readers killed mid-load: a process that is gone, a pid another process now has
+    # (its start time differs); kept: this live process's own, and a link (never followed).
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True, timeout=60).stdout.strip()
+    me, started = os.getpid(), object_fetch._started(os.getpid())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    stale = [f"{object_fetch.PREFIX}{gone}-{started}-a", f"{object_fetch.PREFIX}{me}-{started + 1}-b"]
+    kept = [f"{object_fetch.PREFIX}{me}-{started}-c"]
+    for name in stale + kept:
+        (local / name / "iter_0000004").mkdir(parents=True)
+        (local / name / "iter_0000004" / "rank00000.safetensors").write_bytes(b"x" * 4096)
+    (local / f"{object_fetch.PREFIX}{gone}-1-link").symlink_to(elsewhere)
     with CheckpointEngine(config) as engine:
         committed = engine.open_checkpoint("iter_0000004")
         assert_same(committed.reader("rank00000").state(), state(4))
         assert committed.levels_used == {"shared"}
+    left = sorted(p.name for p in local.iterdir() if p.name.startswith(object_fetch.PREFIX))
+    assert not set(stale) & set(left) and set(kept) <= set(left), left
+    assert f"{object_fetch.PREFIX}{gone}-1-link" in left and elsewhere.is_dir()

@@ -10,6 +10,9 @@
   the save directory's lock names the run, as the engine's does.
 * Refusals name what they refuse: an existing checkpoint directory, a rank outside the world, a
   file name saved twice, a save after commit; a write that fails names its file.
+* On an ``s3://`` root (the session's real S3 server) it writes the same bytes as on a file system,
+  object for file (its runs are multipart uploads), and the result verifies and loads from there;
+  a checkpoint already under the prefix is refused.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ext.engine import CheckpointEngine, CheckpointError
+from megatron_ext.engine import CheckpointEngine, CheckpointError, object_store
 from megatron_ext.engine.format.names import MANIFEST
 from megatron_ext.engine.read.committed import open_committed
 from megatron_ext.engine.read.verify import verify_checkpoint
@@ -134,3 +137,29 @@ def test_a_failed_write_names_its_file(tmp_path):
         with pytest.raises(OSError) as failed:
             writer.save(0, {"w": torch.ones(3)})
         assert failed.value.filename == str(sidecar)
+
+
+def test_on_an_object_store_it_writes_the_same_objects(tmp_path, s3_root):
+    local = str(tmp_path / "local")
+    _with_writer(local)
+    header = _with_writer(s3_root)
+    assert header["run_id"] == RUN and header["world_size"] == WORLD
+
+    checkpoint = object_store.join(s3_root, "iter_0000007")
+    stored = {name: object_store.get(object_store.join(checkpoint, name)) for name, _ in object_store.walk(checkpoint)}
+    by_file = {os.path.relpath(rel, "iter_0000007"): data for rel, data in _tree(local).items()}
+    assert sorted(stored) == sorted(by_file)
+    for rel, data in by_file.items():
+        if rel != MANIFEST:
+            assert stored[rel] == data, f"{rel} differs"
+    ours, theirs = json.loads(stored[MANIFEST]), json.loads(by_file[MANIFEST])
+    assert ours.pop("committed_at") and theirs.pop("committed_at")
+    assert ours == theirs
+
+    assert verify_checkpoint(s3_root, "iter_0000007", deep=True) == []
+    committed = open_committed(s3_root, "iter_0000007")
+    for files in _states().values():
+        for name, state, _ in files:
+            assert_same(committed.reader(name).state(), state)
+    with pytest.raises(CheckpointError, match=f"{s3_root}/iter_0000007 exists"):
+        OfflineWriter(None, s3_root, "iter_0000007", world_size=WORLD)

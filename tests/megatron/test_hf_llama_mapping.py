@@ -140,6 +140,18 @@ def test_import_writes_every_rank_and_a_release_tracker(hf_dir, tmp_path):
         hf_import.import_hf(str(hf_dir), str(tmp_path / "out"))
 
 
+def test_import_into_an_object_store_commits_there(hf_dir, s3_root):
+    from megatron_ext.engine import object_store
+    from megatron_ext.engine.read.verify import verify_root
+
+    summary = hf_import.import_hf(str(hf_dir), s3_root, tp=2)
+    assert summary["out"] == f"{s3_root}/release" and summary["ranks"] == 2
+    assert object_store.get(f"{s3_root}/latest_checkpointed_iteration.txt") == b"release"
+    assert verify_root(s3_root, None, deep=True) == (["release"], [])
+    with pytest.raises(FileExistsError, match="release exists"):
+        hf_import.import_hf(str(hf_dir), s3_root)
+
+
 def test_import_refuses_a_missing_shard(hf_dir, tmp_path):
     directory = copy_of(hf_dir, tmp_path)
     victim = sorted(directory.glob("model-*.safetensors"))[1]

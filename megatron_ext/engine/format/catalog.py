@@ -51,6 +51,11 @@ def manifest_exists(checkpoint_dir: str) -> bool:
     return object_store.exists(path) if is_object_url(path) else os.path.lexists(path)
 
 
+def entry_exists(path: str) -> bool:
+    """Whether anything is at ``path``: a file or directory, or on the object-store level any object below it."""
+    return object_store.has_objects(path) if is_object_url(path) else os.path.lexists(path)
+
+
 def checkpoint_dirs(root: str) -> list[str]:
     """The names of the entries under ``root`` that may be checkpoints (not hidden; directories, or
     on the object-store level common prefixes); empty if ``root`` does not exist."""

@@ -12,7 +12,9 @@ files (``file_plan.PlannedFile``: sidecar, safetensors layout), the same checksu
 manifest assembled and checked by the same functions as rank 0's; the save directory's lock is
 taken for the run as the engine's rank 0 takes it. Not written: telemetry (nothing trains here),
 a node-local level, peer replicas. The checkpoint directory must be new (no earlier attempt's
-files to keep apart from this one's).
+files to keep apart from this one's). ``root`` may be an ``s3://`` URL (the object-store level):
+each file is then a multipart upload of the buffer's runs, the buffer large enough for every part
+of a run to go up at once, and the reports and the manifest one PUT each, the manifest last.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..config import EngineConfig, check_writable_dir
+from .. import object_store
+from ..config import EngineConfig, check_object_root, check_writable_dir
 from ..errors import CheckpointError, ConfigError
-from ..files import atomic_write
+from ..format.catalog import entry_exists
 from ..format.manifest import MANIFEST_SHARES, assemble_manifest, summarize_heads
 from ..format.names import MANIFEST, REPORTS, RUN_ID, report_name, valid_name
 from ..read.entries import CommittedManifest
@@ -35,9 +38,9 @@ from .commit.committer import checked_report
 from .flow.copier import CpuCopier
 from .flow.file_plan import PlannedFile, check_names
 from .flow.flush import DirectChoice
-from .flow.io_ops import FileIo
+from .flow.io_ops import FileIo, write_whole
 from .job.jobs import CheckpointJob, FileJob
-from .lifecycle import lock as dir_lock
+from .lifecycle.ownership import hold_root
 
 
 class OfflineWriter:
@@ -55,20 +58,27 @@ class OfflineWriter:
             raise ConfigError(f"run_id {run_id!r} must be 12 lowercase hex digits")
         if not valid_name(checkpoint):
             raise ValueError(f"checkpoint id {checkpoint!r} must be one non-hidden directory name")
-        self.root, self.checkpoint = os.path.abspath(root), checkpoint
+        self.root, self.checkpoint = object_store.resolve_root(root), checkpoint
         self.world_size, self.version = world_size, version
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.classes = self.config.allowed_classes()
-        self.checkpoint_dir = os.path.join(self.root, checkpoint)
-        check_writable_dir(self.root, "checkpoint directory")
-        if os.path.lexists(self.checkpoint_dir):
+        self.checkpoint_dir = object_store.under(self.root, checkpoint)
+        on_objects = object_store.is_object_url(self.root)
+        if on_objects:
+            check_object_root(self.root, "checkpoint directory")
+        else:
+            check_writable_dir(self.root, "checkpoint directory")
+        if entry_exists(self.checkpoint_dir):
             raise CheckpointError(f"{self.checkpoint_dir} exists; an offline writer writes a new checkpoint only")
         self._jobs: dict[int, CheckpointJob] = {}
         self._names: dict[str, int] = {}  # file name -> the rank that saved it
         self._committed: dict | None = None
-        self._lock = dir_lock.acquire(self.root, self.run_id, "save_dir")
+        self._lock = hold_root(self.root, self.run_id, "save_dir")
+        chunk = self.config.chunk_bytes
+        if on_objects:  # a run's parts go up in parallel (object_store.Upload): a run for all of them
+            chunk = max(chunk, object_store.CONCURRENCY * object_store.PART_BYTES)
         try:
-            self._buffer = mmap.mmap(-1, self.config.chunk_bytes)  # page-aligned, as O_DIRECT wants it
+            self._buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT wants it
         except BaseException:
             self._lock.release()
             raise
@@ -115,7 +125,7 @@ class OfflineWriter:
         """The file in buffer-sized runs (header, then tensor bytes), checksummed and written; then
         it and its sidecar made durable: what the snapshot scheduler and ``RankWriter`` do, in line."""
         layout, chunk = fjob.layout, len(self._buffer)
-        path = os.path.join(self.root, fjob.tensor_rel)
+        path = object_store.under(self.root, fjob.tensor_rel)
         directory = os.path.dirname(path)
         fjob.job.make_directory(directory)
         number = next(self._numbers)
@@ -128,7 +138,7 @@ class OfflineWriter:
                 self._buffer[:len(head)] = head
                 seg = self._copier.copy_range(layout, start, end, self._bytes, seg, lambda k: layout.spans[k].tensor)
                 self._run(number, start, end - start, path, directory, spans if start == 0 else None)
-            sums = self._io.finish(number, layout.size, os.path.join(self.root, fjob.sidecar_rel), fjob.sidecar)
+            sums = self._io.finish(number, layout.size, object_store.under(self.root, fjob.sidecar_rel), fjob.sidecar)
         except OSError as exc:
             self._io.abort(number)
             if exc.filename is None:  # pwrite, fsync: the file is named here
@@ -154,14 +164,14 @@ class OfflineWriter:
             return self._committed
         if self._buffer.closed:
             raise CheckpointError(f"checkpoint {self.checkpoint}: commit() after close()")
-        reports_dir = os.path.join(self.checkpoint_dir, REPORTS)
+        reports_dir = object_store.under(self.checkpoint_dir, REPORTS)
         heads: list[list] = []
         shares: dict[str, list[bytes]] = {part: [] for part in MANIFEST_SHARES}
         for rank in range(self.world_size):
             job = self._job(rank)
             job.make_directory(reports_dir)
             data, (head, share) = checked_report(job, rank, self.world_size)
-            atomic_write(os.path.join(reports_dir, report_name(rank, self.run_id)), data)
+            write_whole(object_store.under(reports_dir, report_name(rank, self.run_id)), data)
             heads.append([rank, *head])
             for part in MANIFEST_SHARES:
                 shares[part].append(share[part])
@@ -169,7 +179,7 @@ class OfflineWriter:
         header, data = assemble_manifest(self.checkpoint, self.run_id, self.version, self.world_size, summary, shares)
         # Each share was held to the loader's rules as it was made (``durable_share``), the rules
         # that span ranks by ``assemble_manifest``: what the engine's ranks and rank 0 check.
-        atomic_write(os.path.join(self.checkpoint_dir, MANIFEST), data)
+        write_whole(object_store.under(self.checkpoint_dir, MANIFEST), data)
         self._committed = CommittedManifest(header, self.checkpoint_dir)
         if on_committed is not None:
             on_committed(self._committed)

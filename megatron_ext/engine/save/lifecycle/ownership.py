@@ -61,7 +61,7 @@ class DirectoryOwnership:
         save_dir = resolve_root(self.config.save_dir) if self.config.save_dir else None
         if self.rank == 0 and save_dir and not self.read_only:
             try:
-                self.locks[save_dir] = lock = _acquire(save_dir, run_id, "save_dir")
+                self.locks[save_dir] = lock = hold_root(save_dir, run_id, "save_dir")
                 if self.config.remove_partial_on_start and lock.held:
                     removed, self.freed_bytes = retention.remove_partial(save_dir, set(lock.runs))
                     if removed:
@@ -103,7 +103,7 @@ class DirectoryOwnership:
                 os.makedirs(root, exist_ok=True)
             except OSError as exc:
                 raise CheckpointError(f"cannot create checkpoint directory {root}: {exc.strerror or exc}") from None
-        self.locks[root] = _acquire(root, self.run_id, "checkpoint directory")
+        self.locks[root] = hold_root(root, self.run_id, "checkpoint directory")
 
     def holds(self, root: str) -> bool:
         """Whether this rank may remove things under ``root``: it holds the lock of that directory."""
@@ -130,11 +130,11 @@ class DirectoryOwnership:
             lock.release()
 
 
-def _acquire(root: str, run_id: str, what: str):
+def hold_root(root: str, run_id: str, what: str):
     """The job's hold on a root: the directory's flock, or on the object-store level its run record."""
     if is_object_url(root):
         return object_root.acquire(root, run_id, what)
     return dir_lock.acquire(root, run_id, what)
 
 
-__all__ = ["DirectoryOwnership"]
+__all__ = ["DirectoryOwnership", "hold_root"]
