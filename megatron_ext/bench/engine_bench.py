@@ -293,6 +293,9 @@ def measure_round(state: dict[str, torch.Tensor], base: str, modes, cache_gb: fl
     nbytes = state_bytes(state)
     result: dict = {}
     for mode in modes:
+        # Each mode meets an idle disk: the previous mode's dirty pages (a peer that does not fsync
+        # every file, the files removed) written back first, not during this mode's writes.
+        os.sync()
         if mode == "datastates":
             _progress("O_DIRECT write of the same bytes, the datastates engine, the write again and the CPU floor")
             direct_before = direct_write_gbps(fresh_dir(os.path.join(base, "direct")), nbytes, repeats=1)
