@@ -28,7 +28,10 @@ written, for an async save by its finalize; the engine: rank 0's commit record, 
 written); the bytes are the objects of that ``iter_N`` on the server, so GB/s and the ratio to
 ``client_alone`` of the same round compare with the other modes'. Training blocked per save: the
 save call (Megatron-LM's synchronous save waits in it for the upload) or, for the engine, ``save``
-and the lazy wait before the optimizer step (its snapshot record). Saves are spaced
+and the lazy wait before the optimizer step (its snapshot record). What the saves cost training
+altogether, the wall seconds per iteration after the first save (``iter_s``, megatron-e2e's
+timing): the engine's flush competes with the training ranks for the cores, Megatron-LM's
+synchronous save stops them. Saves are spaced
 (``--megatron-save-interval``, default every 8 iterations) so that one is durable before the next
 starts: a save every iteration would time the engine's queue, not a flush. The first save (the
 engine's and MSC's clients and workers start) is left out.
@@ -273,7 +276,8 @@ def measure_megatron(mode: str, jobs: MegatronJobs, rnd: int) -> dict:
     (the medians of those after the first ``jobs.warmup``) the seconds from the start of rank 0's
     ``save_checkpoint`` call until the checkpoint is durable on the server and counted (Megatron-LM's
     tracker written, or the engine's manifest), its bytes on the server, their GB/s, the training
-    thread's time blocked and in the save call; the job's objects removed after."""
+    thread's time blocked and in the save call; and the job's wall seconds per iteration after the
+    first save (``iter_s``: each later save's cost to training in it); the job's objects removed after."""
     from megatron_ext.bench import megatron_e2e_bench
     from megatron_ext.engine import object_store
     from megatron_ext.testing import megatron_lm
@@ -322,6 +326,9 @@ def measure_megatron(mode: str, jobs: MegatronJobs, rnd: int) -> dict:
         raise RuntimeError(f"{mode}: no save after the first {jobs.warmup} was found both started and durable on "
                            f"the server (log {run_dir / 'train.log'})")
     persisted = [durable[k] - started[k] for k in kept]
+    # Iteration k's time holds iteration k - 1's save (megatron-e2e's timing): from the one after the
+    # first save's, every later save's cost to training is in the mean.
+    after = [t for k, (t, _) in megatron_e2e_bench.iteration_times(log).items() if k > min(started) + 1]
     return {
         f"{mode}_saves": len(kept),
         f"{mode}_ckpt_bytes": statistics.median(sizes[k] for k in kept),
@@ -329,6 +336,7 @@ def measure_megatron(mode: str, jobs: MegatronJobs, rnd: int) -> dict:
         f"{mode}_persisted_gbps": statistics.median(sizes[k] / s / 1e9 for k, s in zip(kept, persisted)),
         f"{mode}_blocking_s": statistics.median(blocked[k] for k in kept if k in blocked) if blocked else None,
         f"{mode}_save_call_s": statistics.median(save_call[k] for k in kept if k in save_call) if save_call else None,
+        f"{mode}_iter_s": statistics.fmean(after) if after else None,
     }
 
 
@@ -373,6 +381,9 @@ def measure_round(state: dict, buffer, rnd: int, modes, cache_gb: float | None, 
     if "megatron_msc_persisted_s" in result and "megatron_datastates_persisted_s" in result:
         result["speedup_megatron_datastates_vs_msc"] = (result["megatron_msc_persisted_s"]
                                                         / result["megatron_datastates_persisted_s"])
+        if result["megatron_msc_iter_s"] and result["megatron_datastates_iter_s"]:
+            result["ratio_megatron_datastates_vs_msc_iter_s"] = (result["megatron_datastates_iter_s"]
+                                                                 / result["megatron_msc_iter_s"])
     return result
 
 
@@ -508,6 +519,9 @@ def _megatron_lines(r) -> list[str]:
                          f"{num(r[f'{mode}_persisted_s'], '.2f')}s, {num(r[f'{mode}_persisted_gbps'], '.3f')} GB/s "
                          f"({num(r[f'ratio_{mode}_vs_client_alone'], '.2f')} of the client alone), blocked "
                          f"{num(r[f'{mode}_blocking_s'], '.4f')}s per save ({label})")
+    for mode in labels:
+        if isinstance(r.get(f"{mode}_iter_s"), float):
+            lines.append(f"    {mode:20s} {r[f'{mode}_iter_s']:.3f} s per iteration, saves included")
     if isinstance(r.get("speedup_megatron_datastates_vs_msc"), float):
         lines.append(f"    durable {r['speedup_megatron_datastates_vs_msc']:.2f}x sooner with datastates than with "
                      "Megatron-LM's --enable-msc save")
