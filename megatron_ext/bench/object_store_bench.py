@@ -270,6 +270,22 @@ def _bytes_by_iteration(root: str) -> dict[int, int]:
     return dict(out)
 
 
+_RANK_ERROR = re.compile(r"^\[rank\d+\]: \w*(?:Error|Exception): .*")
+
+
+def first_error(log_path: Path, limit: int = 600) -> str | None:
+    """What a failed job died of: its log's first ``ERROR:`` line (a library's own report, e.g. the
+    S3 request multi-storage-client gave up on), else the last exception line of a rank; None if neither."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    logged = [line for line in lines if line.startswith("ERROR:")]
+    raised = [line for line in lines if _RANK_ERROR.match(line)]
+    found = logged[0] if logged else (raised[-1] if raised else None)
+    return found[:limit] if found else None
+
+
 def measure_megatron(mode: str, jobs: MegatronJobs, rnd: int) -> dict:
     """One ``pretrain_gpt.py`` job saving to the server every ``jobs.save_interval`` iterations, as
     ``<mode>_*``: per save
@@ -298,7 +314,11 @@ def measure_megatron(mode: str, jobs: MegatronJobs, rnd: int) -> dict:
     args = [*megatron_e2e_bench.MODELS[jobs.size], "--train-iters", str(jobs.iters),
             "--save-interval", str(jobs.save_interval), *flags]
     try:
-        log, calls = megatron_e2e_bench.launch(mode, run_dir, jobs.checkout, args, jobs.nproc, env)
+        try:
+            log, calls = megatron_e2e_bench.launch(mode, run_dir, jobs.checkout, args, jobs.nproc, env)
+        except RuntimeError as exc:
+            cause = first_error(run_dir / "train.log")
+            raise RuntimeError(f"{str(exc).splitlines()[0]}: {cause}" if cause else str(exc)) from None
         sizes = _bytes_by_iteration(root)
     finally:
         with contextlib.suppress(OSError):
@@ -368,10 +388,17 @@ def measure_round(state: dict, buffer, rnd: int, modes, cache_gb: float | None, 
                 try:
                     result.update(measure_megatron(mode, jobs, rnd))
                 except RuntimeError as exc:
-                    skipped[mode] = f"round {rnd + 1}: {_failure(str(exc))}"
+                    message = str(exc)
+                    skipped[mode] = f"round {rnd + 1}: {_failure(message) if chr(10) in message else message}"
                     _progress(f"{mode} skipped: {skipped[mode]}")
             else:
                 raise ValueError(f"unknown mode {mode!r}")
+            # Untimed: the deleted objects' space back (SeaweedFS keeps it until a vacuum); the
+            # server learns of a deletion seconds later, so this reclaims the previous mode's at least.
+            try:
+                server.vacuum()
+            except OSError as exc:
+                _progress(f"vacuum after {mode} failed (the disk keeps the deleted objects): {exc}")
     result["server_peak_rss_bytes"] = rss.peak
     if "client_alone_gbps" in result and "datastates_flush_gbps" in result:
         result["ratio_flush_vs_client_alone"] = result["datastates_flush_gbps"] / result["client_alone_gbps"]
