@@ -533,7 +533,8 @@ def _megatron_lines(r) -> list[str]:
     m = r["megatron"]
     lines = [f"  Megatron-LM pretrain_gpt.py, {m['size']} model, {m['nproc']} CPU ranks, {m['iterations']} "
              f"iterations, a save every {m['save_interval']} (the first left out):"]
-    labels = {"megatron_msc": f"{m['msc_flags']} --save msc://{MSC_PROFILE}/...",
+    rust = ", MSC's Rust client" if m.get("msc_rust_client") else ""
+    labels = {"megatron_msc": f"{m['msc_flags']} --save msc://{MSC_PROFILE}/...{rust}",
               "megatron_datastates": f"--use-datastates --save s3://{BUCKET}/..."}
     def num(value, spec: str) -> str:
         return format(value, spec) if isinstance(value, (int, float)) and value == value else "-"
@@ -547,10 +548,10 @@ def _megatron_lines(r) -> list[str]:
                          f"({num(r[f'ratio_{mode}_vs_client_alone'], '.2f')} of the client alone), blocked "
                          f"{num(r[f'{mode}_blocking_s'], '.4f')}s per save ({label})")
     for mode in labels:
-        if isinstance(r.get(f"{mode}_iter_s"), float):
+        if isinstance(r.get(f"{mode}_iter_s"), float) and not r.get(f"{mode}_skipped"):
             lines.append(f"    {mode:20s} {r[f'{mode}_iter_s']:.3f} s per iteration, saves included")
     if isinstance(r.get("speedup_megatron_datastates_vs_msc"), float):
-        lines.append(f"    durable {r['speedup_megatron_datastates_vs_msc']:.2f}x sooner with datastates than with "
+        lines.append(f"    datastates durable after {1 / r['speedup_megatron_datastates_vs_msc']:.2f}x the time of "
                      "Megatron-LM's --enable-msc save")
     return lines
 
