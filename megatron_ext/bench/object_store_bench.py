@@ -1,4 +1,5 @@
-"""``megatron-ext bench object-store``: the engine flushing to an S3 server against the S3 client alone, in one run.
+"""``megatron-ext bench object-store``: the engine flushing to an S3 server against the S3 client alone, and
+Megatron-LM's own ``--enable-msc`` save to it against ``--use-datastates``, in one run.
 
 The server is a local SeaweedFS (``megatron_ext.testing.s3_server``) started for the run, so both
 modes meet the same server, disk and CPUs; where the ``weed`` binary is missing, ``skipped`` says
@@ -31,9 +32,9 @@ save call (Megatron-LM's synchronous save waits in it for the upload) or, for th
 and the lazy wait before the optimizer step (its snapshot record). What the saves cost training
 altogether, the wall seconds per iteration after the first save (``iter_s``, megatron-e2e's
 timing): the engine's flush competes with the training ranks for the cores, Megatron-LM's
-synchronous save stops them. Saves are spaced
-(``--megatron-save-interval``, default every 8 iterations) so that one is durable before the next
-starts: a save every iteration would time the engine's queue, not a flush. The first save (the
+synchronous save stops them. Saves are spaced (``--megatron-save-interval``, default every 8
+iterations) so that one is durable before the next starts: a save every iteration would time the
+engine's queue, not a flush. The first save (the
 engine's and MSC's clients and workers start) is left out.
 
 Megatron-LM's setting: ``--msc-save sync`` (default), the one Megatron-LM documents for MSC
@@ -74,7 +75,8 @@ from megatron_ext.bench.common import (DEFAULT_REPEATS, busy_compute, figures_ov
                                        state_bytes, working_dir)
 
 NAME = "object-store"
-HELP = "engine flushing to a local S3 server (SeaweedFS) vs the S3 client alone uploading the same bytes"
+HELP = ("engine flushing to a local S3 server (SeaweedFS) vs the S3 client alone uploading the same bytes, and "
+        "Megatron-LM's own --enable-msc torch_dist save to it vs --use-datastates")
 #: The modes each round runs, in this order in even rounds and reversed in odd ones.
 MODES = ("client_alone", "datastates", "datastates_training", "megatron_msc", "megatron_datastates")
 #: The modes that are a job of Megatron-LM's own ``pretrain_gpt.py`` (``megatron_e2e_bench.launch``).
