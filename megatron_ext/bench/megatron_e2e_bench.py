@@ -124,25 +124,38 @@ def iteration_times(log: str) -> dict[int, tuple[float, float | None]]:
             for k in sorted(stamps) if k - 1 in stamps}
 
 
+def launch(label: str, run_dir: Path, checkout: Path, args: list[str], nproc: int,
+           env: dict | None = None) -> tuple[str, list[dict]]:
+    """One ``pretrain_gpt.py`` job on ``nproc`` CPU ranks with ``args`` (``run_dir`` made afresh, its
+    log ``train.log``): the log's text and rank 0's save calls (``{iteration, cpu_s, wall_s, started_at}``, one per
+    ``save_checkpoint`` call of the loop). ``env``: the job's environment (default
+    ``megatron_lm.environment()``). A job that fails raises ``RuntimeError`` with the log's tail."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    log_path = run_dir / "train.log"
+    save_cpu = run_dir / "save_cpu.jsonl"
+    cmd = megatron_lm.torchrun_command(nproc, args, checkout, record_save_cpu=str(save_cpu))
+    code = run_logged(cmd, megatron_lm.environment() if env is None else env, str(log_path), RUN_TIMEOUT_S)
+    log = log_path.read_text(errors="replace")
+    if code != 0:
+        tail = "\n".join(line for line in log.splitlines() if "....." not in line)[-3000:]
+        raise RuntimeError(f"{label}: Megatron-LM exited with {code} (log {log_path})\n$ {' '.join(cmd)}\n{tail}")
+    rows = Path(f"{save_cpu}.0")
+    calls = [json.loads(line) for line in rows.read_text().splitlines()] if rows.exists() else []
+    return log, calls
+
+
 def run_mode(mode: str, base: Path, checkout: Path, iters: int, warmup: int, model: list[str], nproc: int,
              name: str | None = None) -> dict:
     """One job in ``mode`` (in ``base / name``): every iteration's time, the median after ``warmup``, one
     checkpoint's size."""
     run_dir = base / (name or mode)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
     save = run_dir / "ckpt"
     args = [*model, "--train-iters", str(iters), *SAVES[mode]]
     if mode != "none":
         args += ["--save", str(save), "--save-interval", "1"]
+    log, calls = launch(mode, run_dir, checkout, args, nproc)
     log_path = run_dir / "train.log"
-    save_cpu = run_dir / "save_cpu.jsonl"
-    cmd = megatron_lm.torchrun_command(nproc, args, checkout, record_save_cpu=str(save_cpu))
-    code = run_logged(cmd, megatron_lm.environment(), str(log_path), RUN_TIMEOUT_S)
-    log = log_path.read_text(errors="replace")
-    if code != 0:
-        tail = "\n".join(line for line in log.splitlines() if "....." not in line)[-3000:]
-        raise RuntimeError(f"{mode}: Megatron-LM exited with {code} (log {log_path})\n$ {' '.join(cmd)}\n{tail}")
     times = iteration_times(log)
     measured = {k: t for k, t in times.items() if k > warmup}
     if not measured:
@@ -151,7 +164,6 @@ def run_mode(mode: str, base: Path, checkout: Path, iters: int, warmup: int, mod
               "megatron_elapsed_s": statistics.median([e for _, e in measured.values() if e is not None] or [0.0]),
               "iterations_timed": list(measured), "iter_s_runs": [t for t, _ in measured.values()],
               "iter_s_warmup": {k: t for k, (t, _) in times.items() if k <= warmup}}
-    calls = [json.loads(line) for line in Path(f"{save_cpu}.0").read_text().splitlines()] if mode != "none" else []
     kept = [c["cpu_s"] for c in calls if c["iteration"] > warmup]
     result["save_call_cpu_s"] = statistics.median(kept) if kept else None  # rank 0's training thread
     if mode != "none":

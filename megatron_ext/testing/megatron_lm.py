@@ -355,7 +355,9 @@ def _install_ft_recorder(path: str) -> None:
 def _install_save_cpu_recorder(path: str) -> None:
     """The training thread's CPU seconds inside each ``save_checkpoint`` call of the loop, whichever
     format saves (``bench megatron-e2e``'s ``save_call_cpu_s``): on a GPU node that thread launches
-    the kernels, so a save call's CPU is the iteration's."""
+    the kernels, so a save call's CPU is the iteration's; and the call's wall seconds and start
+    (``wall_s``, ``started_at`` since the epoch: ``bench object-store``'s Megatron-LM modes, the
+    training thread blocked in the call and the moment a save began)."""
     import time
 
     from megatron.training import training
@@ -364,11 +366,12 @@ def _install_save_cpu_recorder(path: str) -> None:
     calls = _rows_written_at_exit(path)
 
     def save_checkpoint(iteration, *args: Any, **kwargs: Any):
-        before = time.thread_time()
+        at, before, started = time.time(), time.thread_time(), time.perf_counter()
         try:
             return inner(iteration, *args, **kwargs)
         finally:
-            calls.append({"iteration": iteration, "cpu_s": time.thread_time() - before})
+            calls.append({"iteration": iteration, "cpu_s": time.thread_time() - before,
+                          "wall_s": time.perf_counter() - started, "started_at": at})
 
     training.save_checkpoint = save_checkpoint
 
@@ -842,7 +845,8 @@ def main(argv: list[str] | None = None) -> None:
                              "opened or closed, with its time) to FILE.<rank> as JSON lines")
     parser.add_argument("--record-save-cpu", metavar="FILE",
                         help="each rank writes the training thread's CPU seconds in each save_checkpoint call "
-                             "of the training loop to FILE.<rank> as JSON lines {iteration, cpu_s}")
+                             "of the training loop (and its wall seconds and start) to FILE.<rank> as JSON lines "
+                             "{iteration, cpu_s, wall_s, started_at}")
     opts = parser.parse_args(argv[:split])
     if opts.committed_before_kill is not None and (opts.kill_at_iteration is None
                                                    or _checkpoint_flags(argv[split + 1:]).save is None):

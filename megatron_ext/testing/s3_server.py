@@ -204,6 +204,14 @@ class S3Server:
         if not self.running:
             self.restart()
 
+    def vacuum(self, timeout_s: float = 300.0) -> None:
+        """Reclaim now the disk space of deleted objects (the master's vacuum of every volume with any
+        garbage; SeaweedFS otherwise keeps deleted bytes in its volume files): a bench that writes and
+        deletes many GB would fill the disk. Raises ``OSError`` when the master does not answer."""
+        url = f"http://127.0.0.1:{self.ports['master.port']}/vol/vacuum?garbageThreshold=0.0001"
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            reply.read()
+
     @property
     def pid(self) -> int | None:
         """The server process's id while it runs (its session's leader)."""
