@@ -289,9 +289,9 @@ def first_error(log_path: Path, limit: int = 600) -> str | None:
 
 
 def measure_megatron(mode: str, jobs: MegatronJobs, rnd: int) -> dict:
-    """One ``pretrain_gpt.py`` job saving to the server every ``jobs.save_interval`` iterations, as
+    """One ``pretrain_gpt.py`` job saving to the server every ``save_interval`` (of ``jobs``) iterations, as
     ``<mode>_*``: per save
-    (the medians of those after the first ``jobs.warmup``) the seconds from the start of rank 0's
+    (the medians of those after the first ``warmup``) the seconds from the start of rank 0's
     ``save_checkpoint`` call until the checkpoint is durable on the server and counted (Megatron-LM's
     tracker written, or the engine's manifest), its bytes on the server, their GB/s, the training
     thread's time blocked and in the save call; and the job's wall seconds per iteration after the
