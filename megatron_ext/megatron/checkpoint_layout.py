@@ -227,13 +227,19 @@ def storable_args(args: Any) -> argparse.Namespace:
     from megatron_ext.engine.format.codec import Encoder
 
     plain = argparse.Namespace()
+    classes = None
     for key, value in vars(args).items():
-        try:
-            Encoder(classes=megatron_classes()).encode(value)
-        except EncodeError:
-            value = repr(value)  # inert: a class not on the allow-list is never rebuilt at load
+        if type(value) not in _PLAIN:  # hundreds of args in Megatron-LM, nearly all plain: rank 0 at every save
+            classes = classes if classes is not None else megatron_classes()
+            try:
+                Encoder(classes=classes).encode(value)
+            except EncodeError:
+                value = repr(value)  # inert: a class not on the allow-list is never rebuilt at load
         setattr(plain, key, value)
     return plain
+
+
+_PLAIN = frozenset((type(None), bool, int, float, str))  # what the sidecar holds as it is
 
 
 # ---------------------------------------------------------------------------- RNG states

@@ -47,9 +47,10 @@ from typing import Any
 
 import torch
 
-from megatron_ext.engine import CheckpointEngine, CheckpointError
+from megatron_ext.engine import CheckpointEngine, CheckpointError, Frozen
 from megatron_ext.engine.errors import ConfigError
-from megatron_ext.megatron import core_state, fault_tolerance, optimizer_state, param_gather, saved_run, sharding
+from megatron_ext.megatron import (core_state, fault_tolerance, model_state, optimizer_state, param_gather, saved_run,
+                                  sharding)
 from megatron_ext.megatron.args import adapter_engine_config
 from megatron_ext.megatron.checkpoint_layout import (
     RELEASE,
@@ -85,6 +86,7 @@ class MegatronCheckpointer:
         self.bounds: fault_tolerance.WaitBounds | None = None  # the engine's waits on the training thread
         self._ft_ordered = False  # fault_tolerance.order_at_start_up ran
         # What a save keeps for the next one of the same structure (``owned``, ``forget_kept``).
+        self._kept_model: model_state.ModelState | None = None
         self._kept_split: sharding.KeptSplit | None = None
         self._kept_optimizer: dict = {}
 
@@ -178,27 +180,37 @@ class MegatronCheckpointer:
             log.info("[datastates] shard ownership: bytes per data-parallel rank %s", self.plan.bytes_by_dp_rank)
         return self.plan
 
-    def owned(self, shards: list, model: list, groups: core_state.ParallelGroups) -> tuple[dict, dict, dict]:
+    def owned(self, sharded: dict, model: list, groups: core_state.ParallelGroups,
+              whole: tuple | None = None) -> tuple[dict, dict, dict]:
         """(tensors, objects, metadata) of the shards this rank writes (``sharding.split_owned``).
 
         Kept for the next save (``sharding.KeptSplit``) and reused while the shards' exact structure
         (``sharding.leaf_signature``: every leaf's fields and data memory) is the same; objects' values
-        and copied buffers are taken from the new shards each time. Any change takes the full path.
-        The metadata comes as the kept split's ``Frozen`` when there is one (its encoding is reused).
+        and copied buffers are taken from the shards each time. Any change takes the full path.
+        ``whole``: the tokens of the kept model state and optimizer leaves that make up ``sharded``
+        when nothing else does; the same tokens again are the same leaves, unwalked. The metadata
+        comes as the kept split's ``Frozen`` when there is one (its encoding is reused).
         """
-        key = sharding.leaf_signature(shards, optimizer_state.kept_leaves(self._kept_optimizer))
         kept = self._kept_split
+        if whole is not None and kept is not None and kept.whole == whole:
+            return kept.split(kept.leaves)
+        shards = list(sharding.sharded_leaves(sharded))
+        known = optimizer_state.kept_leaves(self._kept_optimizer) | self._kept_model.leaf_ids
+        key = sharding.leaf_signature(shards, known)
         if key is not None and kept is not None and kept.key == key:
+            kept.whole = whole
             return kept.split(shards)
-        copied = core_state.copy_buffers_now(shards, model)
         plan = self.ownership(shards, groups)
         tensors, objects, meta = sharding.split_owned(shards, plan)
-        self._kept_split = None if key is None else sharding.keep_split(key, shards, tensors, objects, meta,
-                                                                         copied & set(tensors))
+        copied = core_state.copy_buffers_now(tensors, model)
+        self._kept_split = None if key is None else sharding.keep_split(key, shards, tensors, objects, meta, copied)
+        if self._kept_split is not None:
+            self._kept_split.whole = whole
         return tensors, objects, (meta if self._kept_split is None else self._kept_split.meta)
 
     def forget_kept(self) -> None:
         """Drop what saves keep for the next one (it holds views of the model's and optimizer's memory)."""
+        self._kept_model = None
         self._kept_split = None
         self._kept_optimizer = {}
 
@@ -210,8 +222,6 @@ class MegatronCheckpointer:
              tp_group=None, pp_group=None, dp_cp_group=None, dp_group=None, expt_dp_group=None,
              rng_state_key_prefix=""):
         """``save_checkpoint``."""
-        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
-
         self.restarted()  # before the ownership plan: the failed attempt's is of its own process groups
 
         args = self.get_args()
@@ -238,11 +248,18 @@ class MegatronCheckpointer:
             native.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None),
                                                tp_group=tp_group, pp_group=pp_group, dp_group=dp_group)
         with_optimizer = not getattr(args, "no_save_optim", False)
-        sharded, common = save_preprocess(core_state.sharded_state(model, optimizer, with_optimizer, groups=groups,
-                                                                   kept=self._kept_optimizer),
-                                          validate_access_integrity=False)
-        shards = list(sharding.sharded_leaves(sharded))
-        tensors, objects, meta = self.owned(shards, model, groups)
+        self._kept_model = model_state.model_state(model, core_state.model_keys(model),
+                                                   core_state.model_metadata(groups), self._kept_model)
+        sharded, common, optimizer_token = dict(self._kept_model.sharded), dict(self._kept_model.common), ()
+        if with_optimizer and optimizer is not None:
+            optimizer_part, optimizer_common, optimizer_token = optimizer_state.save_preprocessed(
+                optimizer_state.model_space_state_dict(optimizer, self._kept_model.raw, False, self._kept_optimizer,
+                                                       self._kept_model.token), self._kept_optimizer)
+            sharded.update(optimizer_part)
+            common.update(optimizer_common)
+        whole = (None if self._kept_model.token is None or optimizer_token is None
+                 else (self._kept_model.token, optimizer_token))
+        tensors, objects, meta = self.owned(sharded, model, groups, whole)
         rank = torch.distributed.get_rank()
         layout = core_state.parallel_layout(groups)
         rng = None if getattr(args, "no_save_rng", False) else capture_rng_state()
@@ -266,7 +283,7 @@ class MegatronCheckpointer:
                       keep_last=1 if non_persistent_ckpt else None)
         log.info("[datastates] iteration %d: %scheckpoint recorded in %.4fs (%d tensors, %d objects owned here)",
                  iteration, "non-persistent " if non_persistent_ckpt else "", time.monotonic() - started,
-                 len(tensors), len(objects))
+                 len(tensors.value if isinstance(tensors, Frozen) else tensors), len(objects))
 
     def finalize(self, blocking: bool = False, terminate: bool = False) -> None:
         """``finalize_checkpoints``."""

@@ -81,7 +81,7 @@ def refuse_rng_key_prefix(prefix: str) -> None:
                               "supported by --use-datastates; save this model with --ckpt-format torch_dist")
 
 
-def _model_metadata(groups: ParallelGroups) -> dict:
+def model_metadata(groups: ParallelGroups) -> dict:
     """The content metadata Megatron-LM hands to ``sharded_state_dict`` (it decides the shard keys)."""
     return {"singleton_local_shards": False, "chained_optim_avoid_prefix": True,
             "dp_cp_group": groups.data_parallel_cp()}
@@ -96,7 +96,7 @@ def sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_f
     ``dp_reshardable`` those saved before the model-space format) are built by megatron-core.
     ``kept``: the saving caller's optimizer leaves between saves (``optimizer_state.model_space_state_dict``).
     """
-    metadata = _model_metadata(groups)
+    metadata = model_metadata(groups)
     sharded = {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(model_keys(model), model)}
     if with_optimizer and optimizer is not None:
         if optimizer_format in NATIVE_FORMATS:
@@ -146,26 +146,22 @@ def model_kind_mismatch(saved_args: Any, model: list) -> str | None:
     return "it was saved from a HybridModel and this run builds a GPT model; load it with the hybrid entry point"
 
 
-def copy_buffers_now(shards: list, model: list) -> set[str]:
-    """Copy, at the save, every shard that lives in a module buffer rather than a parameter.
+def copy_buffers_now(tensors: dict[str, torch.Tensor], model: list) -> set[str]:
+    """Replace, in ``tensors`` (shard id -> data, a save's owned split), each module buffer by its copy.
 
     The lazy snapshot may read a tensor until the next optimizer step, which is the first thing
     to write parameters. Buffers are written elsewhere: ``--moe-router-enable-expert-bias``
     updates the routers' ``expert_bias`` in ``finalize_model_grads``, before that step, so a lazy
     copy of it could hold the next iteration's value. Buffers are small (one value per expert).
-    Returns the ids of the shards copied (``sharding.KeptSplit`` copies them again at each save).
+    The shards themselves are left as they are (the kept model state holds them for the next
+    save). Returns the ids copied (``sharding.KeptSplit`` copies them again at each save).
     """
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    from megatron_ext.megatron.sharding import shard_id
-
     storages = {b.untyped_storage().data_ptr() for chunk in model for b in chunk.buffers() if b.numel()}
     copied = set()
-    for shard in shards:
-        data = shard.data if isinstance(shard, ShardedTensor) else None
+    for sid, data in tensors.items():
         if isinstance(data, torch.Tensor) and data.numel() and data.untyped_storage().data_ptr() in storages:
-            shard.data = data.clone()
-            copied.add(shard_id(shard))
+            tensors[sid] = data.clone()
+            copied.add(sid)
     return copied
 
 

@@ -30,6 +30,7 @@ from typing import Any, Mapping
 import torch
 
 from megatron_ext.engine.config import GIB, MIB, EngineConfig
+from megatron_ext.engine.format.codec import Frozen
 
 AUTO = "auto"
 #: Share of the node's available memory all its ranks' caches may take together.
@@ -131,6 +132,8 @@ def tensor_bytes(state: Any) -> int:
                 total += node.numel() * node.element_size()
         elif isinstance(node, Mapping):
             stack.extend(node.values())
+        elif isinstance(node, Frozen):
+            stack.append(node.value)
         elif isinstance(node, (list, tuple)):
             stack.extend(node)
     return total

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Any, Callable, Iterator
 
@@ -65,12 +66,12 @@ from megatron_ext.megatron.optimizer_forms import (
 )
 
 #: Read by ``convert.py`` from here (the stored forms live in ``optimizer_forms``).
-__all__ = ["Box", "kept_leaves", "model_boxes", "model_space_state_dict", "param_state_key", "param_tensors", "stored_tensors", "with_class_names",
-           "with_live_classes"]
+__all__ = ["Box", "kept_leaves", "model_boxes", "model_space_state_dict", "param_state_key", "param_tensors",
+           "save_preprocessed", "stored_tensors", "with_class_names", "with_live_classes"]
 
 
 def model_space_state_dict(optimizer: Any, model_sharded: dict, is_loading: bool = False,
-                           kept: dict | None = None) -> Any:
+                           kept: dict | None = None, model_token: tuple | None = None) -> Any:
     """The optimizer's sharded state dict, in model space for distributed optimizers.
 
     ``model_sharded`` is the model's sharded state dict (before any preprocessing), whose
@@ -83,7 +84,9 @@ def model_space_state_dict(optimizer: Any, model_sharded: dict, is_loading: bool
 
     ``kept`` (a dict the caller keeps between saves): each distributed optimizer's per-parameter
     leaves are kept there and reused while ``param_state_key`` is unchanged; the common state
-    (param groups, grad scaler) is read anew at every call.
+    (param groups, grad scaler) is read anew at every call. ``model_token``: what stands for
+    ``model_sharded``'s exact leaves and memory when the caller keeps it (``model_state.ModelState``);
+    without one they are read (``model_key``).
     """
     optimizers = list(distributed_optimizers(optimizer))
     if not all(is_distributed(opt) for opt in optimizers):
@@ -93,7 +96,7 @@ def model_space_state_dict(optimizer: Any, model_sharded: dict, is_loading: bool
                 part[STORED_FORM] = stored_form(opt)
         return state
     by_param = functools.cache(lambda: model_boxes(model_sharded))  # only when some leaves are made anew
-    model = model_key(model_sharded) if kept is not None else None
+    model = (model_token or model_key(model_sharded)) if kept is not None else None
     states = [_model_space(opt, by_param, kept, model) for opt in optimizers]
     return states[0] if len(states) == 1 else dict(enumerate(states))
 
@@ -320,13 +323,59 @@ def _model_space(opt: Any, by_param: Callable[[], dict], kept: dict | None = Non
         if kept is not None:
             kept.pop(id(opt), None)
             if key is not None:  # the optimizer held: its id stays its own
-                kept[id(opt)] = (opt, key, param_state, frozenset(map(id, sharding.sharded_leaves(param_state))))
+                kept[id(opt)] = (opt, key, param_state, frozenset(map(id, sharding.sharded_leaves(param_state))), {})
     state["param_state"] = param_state
     state["param_state_sharding_type"] = MODEL_SPACE
     state[STORED_FORM] = form
     if not has_stepped(opt):
         state[BEFORE_FIRST_STEP] = True  # main params only: the load template must not ask for moments
     return state
+
+
+def save_preprocessed(state: Any, kept: dict | None) -> tuple[dict, dict, tuple | None]:
+    """megatron-core's ``save_preprocess({"optimizer": state})`` (the sharded part and the common one),
+    each ``param_state`` that ``kept`` holds preprocessed once and taken as it was then, and what
+    stands for the whole sharded part when it is only such kept parts (their tokens), else None.
+
+    A kept ``param_state`` is the same leaves again, and preprocessing (factories, non-persistent
+    values, the sharded/common split) treats each subtree on its own, so its result is the same; the
+    rest of ``state`` (param groups, grad scaler: read anew at every save) is preprocessed now.
+    """
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+    states = {id(entry[2]): entry for entry in (kept or {}).values()}
+    reused: list[tuple[tuple, dict]] = []
+
+    def without_kept(part: dict, path: tuple) -> dict:
+        entry = states.get(id(part.get("param_state")))
+        if entry is None or entry[2] is not part["param_state"]:
+            return part
+        if "sharded" not in entry[4]:
+            sharded, common = save_preprocess({"param_state": entry[2]}, validate_access_integrity=False)
+            entry[4]["sharded"] = sharded.get("param_state") if not common else None
+            entry[4]["token"] = next(_TOKENS)
+        if entry[4]["sharded"] is None:
+            return part
+        reused.append((path, entry[4]["sharded"], entry[4]["token"]))
+        return {k: v for k, v in part.items() if k != "param_state"}
+
+    if not isinstance(state, dict):
+        rest = state
+    elif "param_state" in state:
+        rest = without_kept(state, ())
+    else:  # chained optimizers: {number: state}
+        rest = {k: without_kept(v, (k,)) if isinstance(v, dict) and "param_state" in v else v for k, v in state.items()}
+    sharded, common = save_preprocess({"optimizer": rest}, validate_access_integrity=False)
+    whole = None if any(True for _ in sharding.sharded_leaves(sharded)) else tuple(token for *_, token in reused)
+    for path, part, _ in reused:
+        node = sharded.setdefault("optimizer", {})
+        for k in path:
+            node = node.setdefault(k, {})
+        node["param_state"] = part
+    return sharded, common, whole
+
+
+_TOKENS = itertools.count(1)  # a preprocessed kept param_state's token: never the same for two in a process
 
 
 def kept_leaves(kept: dict) -> frozenset[int]:

@@ -14,6 +14,7 @@ optimizer's per-rank state) are written by that rank, with no gather.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Iterable
 
@@ -214,12 +215,22 @@ class KeptSplit:
     copied: dict[str, int]  # shard id -> its leaf's index (copied at each save)
     meta: Frozen  # the shards' metadata (``shard_meta``), never changed again: the engine reuses its encoding
     leaves: list[ShardedBase]  # held: the ids ``leaf_signature`` took as known stay theirs
+    whole: tuple | None = None  # the tokens of the kept parts these leaves are, all of them (``owned``)
 
-    def split(self, leaves: list[ShardedBase]) -> tuple[dict, dict, Frozen]:
+    def split(self, leaves: list[ShardedBase]) -> tuple[dict | Frozen, dict, Frozen]:
+        """The owned split of ``leaves`` (the same structure): its tensors as one ``Frozen`` (the same
+        tensor objects at every save: the engine reuses their encoding) unless buffers are copied."""
+        objects = {sid: leaves[index].data for sid, index in self.objects.items()}
+        if not self.copied:
+            return self.stored, objects, self.meta
         tensors = dict(self.tensors)
         for sid, index in self.copied.items():
             tensors[sid] = leaves[index].data.clone()
-        return tensors, {sid: leaves[index].data for sid, index in self.objects.items()}, self.meta
+        return tensors, objects, self.meta
+
+    @functools.cached_property
+    def stored(self) -> Frozen:
+        return Frozen(self.tensors)
 
 
 def keep_split(key: tuple, leaves: list[ShardedBase], tensors: dict, objects: dict, meta: dict,

@@ -176,17 +176,27 @@ def test_a_frozen_value_is_saved_as_itself_and_its_encoding_reused(make_engine):
 
     engine = make_engine(**TINY)
     meta = Frozen({"w": {"shape": [4, 8], "offset": [0, 0]}, "names": ("a", "b")})
-    with_tensor = Frozen({"t": torch.ones(2)})
+    t = torch.ones(2)
+    with_tensor = Frozen({"t": t})
     w = torch.randn(4, 8)
     expected = _save_all(engine, [("c0", {"w": w, "meta": meta, "t": with_tensor}),
                                   ("c1", {"w": w, "meta": meta, "t": with_tensor})])
     kept = engine._plans["rank00000"].frozen
-    assert list(kept) == [id(meta)], "the tensor-free one only"
-    skeleton = kept[id(meta)][1]
+    assert set(kept) == {id(meta), id(with_tensor)}
+    text = kept[id(meta)][1]
+    t.fill_(3.0)  # a Frozen's tensors are the same objects: their values are read at each save
     expected += _save_all(engine, [("c2", {"w": w, "meta": meta, "t": with_tensor})])
-    assert engine._plans["rank00000"].frozen[id(meta)][1] is skeleton, "encoded once"
+    assert engine._plans["rank00000"].frozen[id(meta)][1] is text, "encoded once"
+    t.data = torch.full((2,), 5.0)  # the same tensor in new memory: the plan gives it a new view
+    expected += _save_all(engine, [("c3", {"w": w, "meta": meta, "t": with_tensor})])
+    # The same Frozen elsewhere in the state: walked there (its tensors' names are of that place).
+    expected += _save_all(engine, [("c4", {"w": w, "meta": meta, "moved": with_tensor})])
+    values = {"c0": 1.0, "c1": 1.0, "c2": 3.0, "c3": 5.0, "c4": 5.0}
     for checkpoint, _ in expected:
         state = engine.load(checkpoint, "rank00000")
         assert state["meta"] == {"w": {"shape": [4, 8], "offset": [0, 0]}, "names": ("a", "b")}
-        assert torch.equal(state["t"]["t"], torch.ones(2)) and torch.equal(state["w"], w)
+        got = state["moved" if checkpoint == "c4" else "t"]["t"]
+        assert torch.equal(got, torch.full((2,), values[checkpoint])), (checkpoint, got)
+        assert torch.equal(state["w"], w)
     assert engine.load("c0", "rank00000").keys() == {"w", "meta", "t"}
+    assert engine.load("c4", "rank00000").keys() == {"w", "meta", "moved"}

@@ -64,7 +64,7 @@ def main(out: str) -> None:
         used.clear()
         gathered = core_state.dp_gather(groups)({"rank": rank})
         gather_group = used[-1]
-        metadata = core_state._model_metadata(groups)
+        metadata = core_state.model_metadata(groups)
         shards = list(sharding.sharded_leaves(save_preprocess(
             core_state.sharded_state([model], None, False, groups=groups), validate_access_integrity=False)[0]))
         plan = MegatronCheckpointer().ownership(shards, groups)

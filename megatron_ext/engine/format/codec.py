@@ -24,11 +24,13 @@ import collections
 import enum
 import importlib
 import io
+import json
 import math
 import operator
 import pickle
 import pickletools
 import re
+import secrets
 import threading
 from typing import Any, Callable, Iterable, Mapping
 
@@ -143,9 +145,11 @@ def _b64(data: bytes) -> str:
 class Frozen:
     """A value its owner will not change again (nor anything inside it): saved as the value itself
     (the file does not tell them apart), and a ``save(..., reuse=True)`` that meets the same
-    ``Frozen`` object again reuses its encoding instead of walking it (``Encoder(memo=)``). Only a
-    value without tensors is reused. Changing the value after wrapping it is the owner's error:
-    later saves would hold the old one."""
+    ``Frozen`` object again, at the same place in the state, reuses its encoding, as JSON text,
+    instead of walking and serializing it (``Encoder(memo=)``, ``Encoder.dumps``). Tensors in it
+    stay the same objects, whose values are read at each save as always (their memory is checked
+    by the file's plan, ``file_plan.ReusablePlan``). Changing the value after wrapping it is the
+    owner's error: later saves would hold the old one."""
 
     __slots__ = ("value",)
 
@@ -167,7 +171,10 @@ class Encoder:
         self.tensors: list[tuple[str, torch.Tensor]] = []
         self._names: set[str] = set()
         self._memo = memo or {}
-        self.frozen: dict[int, tuple[Frozen, Any]] = {}  # id -> (the Frozen, its skeleton), met in this walk
+        # id -> (the Frozen, its JSON text, its path, its tensors as named here), met in this walk
+        self.frozen: dict[int, tuple[Frozen, str, str, tuple]] = {}
+        self._splices: dict[str, str] = {}  # a placeholder's JSON -> the reused text it stands for
+        self._nonce = ""  # set at the first reuse: no string of the state can be mistaken for a placeholder
 
     def encode(self, value: Any, path: str = "") -> Any:
         cls = type(value)
@@ -215,8 +222,9 @@ class Encoder:
             return {TAG + "obj": [cls.__module__, cls.__qualname__, fields]}
         if cls is argparse.Namespace:
             names = vars(value)
-            if not any(_is_dunder(k) for k in names):
-                return {TAG + "ns": {k: self.encode(v, _join(path, k)) for k, v in names.items()}}
+            if not any(_is_dunder(k) for k in names):  # plain keys: as a plain dict's (no call per member)
+                return {TAG + "ns": self.encode(names, path) if _plain_keys(names)
+                        else {k: self.encode(v, _join(path, k)) for k, v in names.items()}}
         if cls in (bytes, bytearray):
             return {TAG + "bytes": _b64(bytes(value))}
         if cls is io.BytesIO:  # Transformer Engine keeps its extra state this way
@@ -240,14 +248,30 @@ class Encoder:
 
     def _frozen(self, value: Frozen, path: str) -> Any:
         known = self._memo.get(id(value))
-        if known is not None and known[0] is value:  # the same object: held by the memo, so its id is its own
+        # The same object (held by the memo, so its id is its own) at the same path: its tensors' names
+        # are the same, and none of them is taken yet in this walk.
+        if (known is not None and known[0] is value and known[2] == path
+                and self._names.isdisjoint(name for name, _ in known[3])):
             self.frozen[id(value)] = known
-            return known[1]
-        tensors = len(self.tensors)
+            self.tensors.extend(known[3])
+            self._names.update(name for name, _ in known[3])
+            self._nonce = self._nonce or secrets.token_hex(16)
+            placeholder = f"{TAG}frozen:{self._nonce}:{len(self._splices)}"
+            self._splices[json.dumps(placeholder)] = known[1]
+            return placeholder
+        first = len(self.tensors)
         skeleton = self.encode(value.value, path)
-        if len(self.tensors) == tensors:
-            self.frozen[id(value)] = (value, skeleton)
+        self.frozen[id(value)] = (value, json.dumps(skeleton, separators=_COMPACT), path,
+                                  tuple(self.tensors[first:]))
         return skeleton
+
+    def dumps(self, skeleton: Any) -> str:
+        """``skeleton`` (this walk's result, or a value holding it) as compact JSON, each reused
+        ``Frozen`` encoding spliced in where its placeholder stands."""
+        text = json.dumps(skeleton, separators=_COMPACT)
+        for placeholder, known in self._splices.items():
+            text = text.replace(placeholder, known, 1)
+        return text
 
     def _refuse(self, value: Any, path: str) -> Any:
         if self.pickle_fallback:
@@ -282,6 +306,7 @@ def prepare_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 
 _STR = frozenset((str,))
+_COMPACT = (",", ":")
 _TAGGED = operator.methodcaller("startswith", TAG)
 
 

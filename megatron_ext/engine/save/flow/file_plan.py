@@ -116,7 +116,7 @@ class PlannedFile:
         encoder = codec.Encoder(pickle_fallback=pickle_fallback, classes=classes, prepare=False,
                                 memo=previous.frozen if previous is not None else None)
         skeleton = encoder.encode(state)
-        sidecar = json.dumps({"format": "megatron_ext.state", "state": skeleton}, separators=(",", ":")).encode("utf-8")
+        sidecar = encoder.dumps({"format": "megatron_ext.state", "state": skeleton}).encode("utf-8")
         raw = encoder.tensors
         # A sidecar no loader would read (too large, too many values) is refused now, not at load.
         check_sidecar_volume(sidecar, len(raw), f"checkpoint {checkpoint}, file {name!r}")
