@@ -2,6 +2,7 @@
 model-space leaves, the owned split, the engine's plan), every structure change takes the full path,
 and each checkpoint holds exactly what an uncached save of that moment would hold."""
 
+import shutil
 import sys
 import tempfile
 
@@ -162,6 +163,7 @@ def main() -> None:
     print(f"save cache: {len(saved)} checkpoints exact, engine plans reused {saved[-1][2]} times", flush=True)
     checkpointing.shutdown()
     dist.destroy_process_group()
+    shutil.rmtree(save)  # 16 checkpoints of the model: not left in the temp dir
 
 
 if __name__ == "__main__":
