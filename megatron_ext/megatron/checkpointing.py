@@ -203,9 +203,8 @@ class MegatronCheckpointer:
         plan = self.ownership(shards, groups)
         tensors, objects, meta = sharding.split_owned(shards, plan)
         copied = core_state.copy_buffers_now(tensors, model)
-        self._kept_split = None if key is None else sharding.keep_split(key, shards, tensors, objects, meta, copied)
-        if self._kept_split is not None:
-            self._kept_split.whole = whole
+        self._kept_split = None if key is None else sharding.keep_split(key, shards, tensors, objects, meta, copied,
+                                                                         whole)
         return tensors, objects, (meta if self._kept_split is None else self._kept_split.meta)
 
     def forget_kept(self) -> None:

@@ -88,13 +88,13 @@ def model_metadata(groups: ParallelGroups) -> dict:
 
 
 def sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_format: str | None = None,
-                  is_loading: bool = False, groups: ParallelGroups = ParallelGroups(), kept: dict | None = None) -> dict:
+                  is_loading: bool = False, groups: ParallelGroups = ParallelGroups()) -> dict:
     """The sharded state dict saved (model-space optimizer) or to load into (the checkpoint's optimizer format).
 
     megatron-core's own formats (``NATIVE_FORMATS``: bucket-space ``dp_reshardable`` and the gathered
     ``dp_zero_gather_scatter``, which checkpoints converted from torch_dist carry, and
-    ``dp_reshardable`` those saved before the model-space format) are built by megatron-core.
-    ``kept``: the saving caller's optimizer leaves between saves (``optimizer_state.model_space_state_dict``).
+    ``dp_reshardable`` those saved before the model-space format) are built by megatron-core. A
+    save builds it from what it keeps between saves instead (``MegatronCheckpointer.save``).
     """
     metadata = model_metadata(groups)
     sharded = {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(model_keys(model), model)}
@@ -103,7 +103,7 @@ def sharded_state(model: list, optimizer: Any, with_optimizer: bool, optimizer_f
             sharded["optimizer"] = optimizer.sharded_state_dict(
                 sharded, is_loading=True, metadata={**metadata, "distrib_optim_sharding_type": optimizer_format})
         else:
-            sharded["optimizer"] = optimizer_state.model_space_state_dict(optimizer, sharded, is_loading, kept)
+            sharded["optimizer"] = optimizer_state.model_space_state_dict(optimizer, sharded, is_loading)
     return sharded
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 from typing import Any, Iterator
 
@@ -52,10 +53,13 @@ class ModelState:
     common: dict
     key: tuple | None = None
     token: tuple | None = None
-    leaf_ids: frozenset[int] = frozenset()
     extra: list[tuple[torch.nn.Module, ShardedObject]] = dataclasses.field(default_factory=list)
     answer_none: list[torch.nn.Module] = dataclasses.field(default_factory=list)  # extra state None when built
     leaves: list[ShardedBase] = dataclasses.field(default_factory=list)  # held: ``leaf_ids`` stay theirs
+
+    @functools.cached_property
+    def leaf_ids(self) -> frozenset[int]:
+        return frozenset(map(id, self.leaves))
 
     def refresh(self) -> bool:
         """Take the extra states anew (``get_extra_state`` at this save) into the leaves that hold
@@ -84,9 +88,8 @@ def model_state(chunks: list, keys: list[str], metadata: dict, kept: ModelState 
     extra = _extra_leaves(leaves, extra_states)
     if extra is None or not _views_of(leaves, chunks):
         return state
-    return dataclasses.replace(state, key=key, token=("model state", next(_TOKENS)),
-                               leaf_ids=frozenset(map(id, leaves)), extra=extra[0], answer_none=extra[1],
-                               leaves=leaves)
+    return dataclasses.replace(state, key=key, token=("model state", next(_TOKENS)), extra=extra[0],
+                               answer_none=extra[1], leaves=leaves)
 
 
 def _key(chunks: list, metadata: dict) -> tuple | None:

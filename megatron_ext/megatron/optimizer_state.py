@@ -66,8 +66,8 @@ from megatron_ext.megatron.optimizer_forms import (
 )
 
 #: Read by ``convert.py`` from here (the stored forms live in ``optimizer_forms``).
-__all__ = ["Box", "kept_leaves", "model_boxes", "model_space_state_dict", "param_state_key", "param_tensors",
-           "save_preprocessed", "stored_tensors", "with_class_names", "with_live_classes"]
+__all__ = ["Box", "KeptParamState", "kept_leaves", "model_boxes", "model_space_state_dict", "param_state_key",
+           "param_tensors", "save_preprocessed", "stored_tensors", "with_class_names", "with_live_classes"]
 
 
 def model_space_state_dict(optimizer: Any, model_sharded: dict, is_loading: bool = False,
@@ -316,20 +316,43 @@ def _model_space(opt: Any, by_param: Callable[[], dict], kept: dict | None = Non
     state = _common_state(opt)
     key = param_state_key(opt, model) if kept is not None else None
     was = kept.get(id(opt)) if kept is not None else None
-    if key is not None and was is not None and was[0] is opt and was[1] == key:
-        param_state = was[2]
+    if key is not None and was is not None and was.opt is opt and was.key == key:
+        param_state = was.param_state
     else:
         param_state = _param_state(opt, by_param())
         if kept is not None:
             kept.pop(id(opt), None)
             if key is not None:  # the optimizer held: its id stays its own
-                kept[id(opt)] = (opt, key, param_state, frozenset(map(id, sharding.sharded_leaves(param_state))), {})
+                kept[id(opt)] = KeptParamState(opt, key, param_state)
     state["param_state"] = param_state
     state["param_state_sharding_type"] = MODEL_SPACE
     state[STORED_FORM] = form
     if not has_stepped(opt):
         state[BEFORE_FIRST_STEP] = True  # main params only: the load template must not ask for moments
     return state
+
+
+@dataclasses.dataclass(eq=False)
+class KeptParamState:
+    """One distributed optimizer's model-space leaves (``_param_state``), kept for the next save while
+    ``param_state_key`` is unchanged; the caller's ``kept`` dict holds it by the optimizer's id."""
+
+    opt: Any  # held: the id it is kept under stays its own
+    key: tuple  # ``param_state_key``
+    param_state: dict
+
+    @functools.cached_property
+    def leaf_ids(self) -> frozenset[int]:
+        return frozenset(map(id, sharding.sharded_leaves(self.param_state)))
+
+    @functools.cached_property
+    def preprocessed(self) -> tuple[dict | None, int]:
+        """``save_preprocess`` of ``param_state`` (its sharded part; None where that leaves a common
+        value), done once, and a token no other kept state has."""
+        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+        sharded, common = save_preprocess({"param_state": self.param_state}, validate_access_integrity=False)
+        return (None if common else sharded.get("param_state")), next(_TOKENS)
 
 
 def save_preprocessed(state: Any, kept: dict | None) -> tuple[dict, dict, tuple | None]:
@@ -343,20 +366,17 @@ def save_preprocessed(state: Any, kept: dict | None) -> tuple[dict, dict, tuple 
     """
     from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
-    states = {id(entry[2]): entry for entry in (kept or {}).values()}
-    reused: list[tuple[tuple, dict]] = []
+    states = {id(entry.param_state): entry for entry in (kept or {}).values()}
+    reused: list[tuple[tuple, dict, int]] = []
 
     def without_kept(part: dict, path: tuple) -> dict:
         entry = states.get(id(part.get("param_state")))
-        if entry is None or entry[2] is not part["param_state"]:
+        if entry is None or entry.param_state is not part["param_state"]:
             return part
-        if "sharded" not in entry[4]:
-            sharded, common = save_preprocess({"param_state": entry[2]}, validate_access_integrity=False)
-            entry[4]["sharded"] = sharded.get("param_state") if not common else None
-            entry[4]["token"] = next(_TOKENS)
-        if entry[4]["sharded"] is None:
+        preprocessed, token = entry.preprocessed
+        if preprocessed is None:
             return part
-        reused.append((path, entry[4]["sharded"], entry[4]["token"]))
+        reused.append((path, preprocessed, token))
         return {k: v for k, v in part.items() if k != "param_state"}
 
     if not isinstance(state, dict):
@@ -375,12 +395,12 @@ def save_preprocessed(state: Any, kept: dict | None) -> tuple[dict, dict, tuple 
     return sharded, common, whole
 
 
-_TOKENS = itertools.count(1)  # a preprocessed kept param_state's token: never the same for two in a process
+_TOKENS = itertools.count(1)  # a kept param_state's token (``KeptParamState.preprocessed``): unique in a process
 
 
 def kept_leaves(kept: dict) -> frozenset[int]:
     """The ids of the leaves ``kept`` holds (made by ``_param_state``, unchanged since, and alive while kept)."""
-    return frozenset().union(*(entry[3] for entry in kept.values()))
+    return frozenset().union(*(entry.leaf_ids for entry in kept.values()))
 
 
 def _param_state(opt: Any, by_param: dict) -> dict:

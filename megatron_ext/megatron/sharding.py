@@ -234,9 +234,10 @@ class KeptSplit:
 
 
 def keep_split(key: tuple, leaves: list[ShardedBase], tensors: dict, objects: dict, meta: dict,
-               copied: set[str]) -> KeptSplit | None:
-    """``split_owned``'s result as a ``KeptSplit`` (``copied``: the shard ids copied at this save), or
-    None if an owned object is not one of ``leaves`` (the same object)."""
+               copied: set[str], whole: tuple | None = None) -> KeptSplit | None:
+    """``split_owned``'s result as a ``KeptSplit`` (``copied``: the shard ids copied at this save;
+    ``whole``: the tokens of the kept parts that are all of ``leaves``), or None if an owned object
+    is not one of ``leaves`` (the same object)."""
     index = {}
     for i, leaf in enumerate(leaves):
         sid = shard_id(leaf)
@@ -245,4 +246,4 @@ def keep_split(key: tuple, leaves: list[ShardedBase], tensors: dict, objects: di
     if any(sid not in index or leaves[index[sid]].data is not objects[sid] for sid in objects):
         return None
     return KeptSplit(key, dict(tensors), {sid: index[sid] for sid in objects}, {sid: index[sid] for sid in copied},
-                     Frozen(meta), list(leaves))
+                     Frozen(meta), list(leaves), whole)
